@@ -1,0 +1,45 @@
+"""Small helpers around delta-rs shared by the ledger, state and quarantine.
+
+Reads go through delta-rs's own query engine (`QueryBuilder`), not
+`to_pyarrow_table()`: the pyarrow dataset path leaves native threads behind
+that abort the interpreter at exit ("terminate called without an active
+exception", 7 of 10 runs here; delta-rs#2184), which would turn successful CLI
+runs into exit code 134.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+
+def open_table(path: str, storage_options: dict[str, str] | None = None) -> DeltaTable | None:
+    """The table at `path`, or None if there is no Delta table there yet."""
+    try:
+        return DeltaTable(path, storage_options=storage_options)
+    except TableNotFoundError:
+        return None
+
+
+def read_all(table: DeltaTable, where: str | None = None, columns: str = "*") -> pa.Table:
+    """Read a table snapshot (optionally filtered) through delta-rs's engine."""
+    sql = f"SELECT {columns} FROM t" + (f" WHERE {where}" if where else "")
+    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+
+
+def query(table: DeltaTable, sql: str) -> pa.Table:
+    """Run `sql` against the snapshot, registered as `t`."""
+    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+
+
+def is_commit_conflict(exc: BaseException) -> bool:
+    """True for the errors delta-rs raises when another commit won the race.
+
+    Besides `CommitFailedError`, creating a table that another process created
+    a moment earlier surfaces as a generic error saying the version exists.
+    """
+    if isinstance(exc, CommitFailedError):
+        return True
+    text = str(exc)
+    return "already exists" in text or "Concurrent" in text or "conflict" in text.lower()

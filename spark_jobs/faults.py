@@ -1,0 +1,67 @@
+"""Named fault points for crash testing the commit protocol.
+
+Set ``MICROBATCH_FAULT_POINT=<name>`` and the run kills itself with SIGKILL
+when it reaches that point, after printing a marker line to stderr so a test
+can prove the point was actually reached (a crash test whose fault never
+fired proves nothing). Unset, every call is a dictionary lookup.
+
+``mid_state_merge`` cannot be hooked inside delta-rs, so a watcher thread
+kills the process as soon as the merge has written its first new data file
+into the state folder, which is after data is written and before (or, when
+the merge is very fast, just after) the commit lands. Tests check exactness
+either way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+ENV = "MICROBATCH_FAULT_POINT"
+MARKER = "MICROBATCH-FAULT-POINT-HIT"
+POINTS = (
+    "after_reconcile",
+    "after_plan",
+    "after_read",
+    "after_quarantine",
+    "mid_state_merge",
+    "after_state_commit",
+    "after_ledger_commit",
+)
+
+
+def _die(point: str) -> None:
+    sys.stderr.write(f"{MARKER} {point} pid={os.getpid()}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(point: str) -> None:
+    """Die here if this is the configured fault point."""
+    if os.environ.get(ENV) == point:
+        _die(point)
+
+
+def watch_for_new_files(point: str, folder: str) -> None:
+    """For `mid_state_merge`: die once a new data file appears in `folder`."""
+    if os.environ.get(ENV) != point or "://" in folder:
+        return
+
+    def data_files() -> set[str]:
+        try:
+            return {n for n in os.listdir(folder) if n.endswith(".parquet")}
+        except FileNotFoundError:
+            return set()
+
+    before = data_files()
+
+    def watch() -> None:
+        while True:
+            if data_files() - before:
+                _die(point)
+            time.sleep(0.0005)
+
+    threading.Thread(target=watch, name="fault-watch", daemon=True).start()

@@ -1,0 +1,219 @@
+"""The offset ledger: an append-only Delta table, one row per event.
+
+Statuses: ``planned`` (a batch's range, written ahead of processing it),
+``committed`` (the state commit that made it durable, with metrics) and
+``rewound`` (a new epoch starting from an earlier batch's offsets).
+
+The ledger is the queryable history of the pipeline. It is *not* the commit
+point: the state table's commit is (see `spark_jobs.protocol`); a missing
+``committed`` row is repaired from the state commit's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from spark_jobs.delta_io import is_commit_conflict, open_table, read_all
+from spark_jobs.fencing import ORIGIN, Position, commit_properties, transaction_position
+
+FORMAT_VERSION = 1
+
+PLANNED, COMMITTED, REWOUND = "planned", "committed", "rewound"
+
+SCHEMA = pa.schema(
+    [
+        ("pipeline", pa.string()),
+        ("epoch", pa.int64()),
+        ("batch_id", pa.int64()),
+        ("status", pa.string()),
+        ("start_offsets", pa.string()),
+        ("end_offsets", pa.string()),
+        ("manifest", pa.string()),
+        ("state_version", pa.int64()),
+        ("run_id", pa.string()),
+        ("attempt", pa.int64()),
+        ("records_in", pa.int64()),
+        ("records_quarantined", pa.int64()),
+        ("keys_updated", pa.int64()),
+        ("interval_start", pa.timestamp("us", tz="UTC")),
+        ("interval_end", pa.timestamp("us", tz="UTC")),
+        ("planned_at", pa.timestamp("us", tz="UTC")),
+        ("committed_at", pa.timestamp("us", tz="UTC")),
+        ("duration_ms", pa.int64()),
+        ("format_version", pa.int64()),
+    ]
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class LedgerRow:
+    """One ledger event. Offsets and manifest are JSON objects (dicts here)."""
+
+    pipeline: str
+    epoch: int
+    batch_id: int
+    status: str
+    start_offsets: dict[str, Any]
+    end_offsets: dict[str, Any]
+    #: Source-specific detail of the range (for files: which files).
+    manifest: dict[str, Any] = field(default_factory=dict)
+    state_version: int | None = None
+    run_id: str | None = None
+    attempt: int | None = None
+    records_in: int | None = None
+    records_quarantined: int | None = None
+    keys_updated: int | None = None
+    interval_start: datetime | None = None
+    interval_end: datetime | None = None
+    planned_at: datetime | None = None
+    committed_at: datetime | None = None
+    duration_ms: int | None = None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def position(self) -> Position:
+        return Position(self.epoch, self.batch_id)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-friendly dict (timestamps as ISO strings)."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+    @classmethod
+    def from_arrow(cls, record: dict[str, Any]) -> LedgerRow:
+        version = record.get("format_version") or 1
+        if version > FORMAT_VERSION:
+            raise RuntimeError(
+                f"ledger row written by a newer microbatch (format {version}); upgrade microbatch"
+            )
+        values = {k: record.get(k) for k in SCHEMA.names}
+        for key in ("start_offsets", "end_offsets", "manifest"):
+            values[key] = json.loads(values[key]) if values[key] else {}
+        return cls(**values)
+
+
+def _to_arrow(rows: list[LedgerRow]) -> pa.Table:
+    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for row in rows:
+        for name in SCHEMA.names:
+            value = getattr(row, name)
+            if name in ("start_offsets", "end_offsets", "manifest"):
+                value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+            columns[name].append(value)
+    return pa.table(columns, schema=SCHEMA)
+
+
+@dataclass
+class LedgerView:
+    """A snapshot of the ledger, with the derived facts the protocol needs."""
+
+    table: DeltaTable | None
+    rows: list[LedgerRow]
+
+    @property
+    def head(self) -> LedgerRow | None:
+        """The latest `committed` or `rewound` row: where the pipeline stands."""
+        done = [r for r in self.rows if r.status in (COMMITTED, REWOUND)]
+        return max(done, key=lambda r: r.position) if done else None
+
+    @property
+    def position(self) -> Position:
+        head = self.head
+        return head.position if head else ORIGIN
+
+    def planned(self, position: Position) -> LedgerRow | None:
+        for row in self.rows:
+            if row.status == PLANNED and row.position == position:
+                return row
+        return None
+
+    def lineage(self) -> list[LedgerRow]:
+        """The committed batches that make up the current state, in order.
+
+        Epoch e's history is its own committed rows after its rewind point
+        K_e, preceded by epoch e-1's lineage up to K_e (and so on back).
+        """
+        rewinds = {r.epoch: r.batch_id for r in self.rows if r.status == REWOUND}
+        committed: dict[int, dict[int, LedgerRow]] = {}
+        for row in self.rows:
+            if row.status == COMMITTED:
+                committed.setdefault(row.epoch, {})[row.batch_id] = row
+        out: list[LedgerRow] = []
+        limit = self.position.batch_id
+        for epoch in range(self.position.epoch, -1, -1):
+            floor = rewinds.get(epoch, 0)
+            for batch_id, row in committed.get(epoch, {}).items():
+                if floor < batch_id <= limit:
+                    out.append(row)
+            limit = floor
+        out.sort(key=lambda r: r.batch_id)
+        return out
+
+    def committed_row(self, batch_id: int) -> LedgerRow | None:
+        for row in self.lineage():
+            if row.batch_id == batch_id:
+                return row
+        return None
+
+    def fence(self, app_id: str) -> Position:
+        return transaction_position(self.table, app_id) if self.table else ORIGIN
+
+
+class OffsetLedger:
+    """Reads and appends ledger rows at ``<checkpoint>/offsets``."""
+
+    def __init__(self, path: str, pipeline: str, storage_options: dict[str, str] | None = None) -> None:
+        self.path = path
+        self.pipeline = pipeline
+        self.storage_options = storage_options
+
+    def load(self) -> LedgerView:
+        table = open_table(self.path, self.storage_options)
+        if table is None:
+            return LedgerView(None, [])
+        records = read_all(table, where=f"pipeline = '{self.pipeline}'").to_pylist()
+        return LedgerView(table, [LedgerRow.from_arrow(r) for r in records])
+
+    def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:
+        """Append `row`, fenced by `app_id` at the row's position.
+
+        Returns False without writing if the fence in `view`'s snapshot is
+        already at or past the row's position (someone appended it), or if a
+        concurrent append with the same fence won the race. True if ours
+        landed.
+        """
+        if view.fence(app_id) >= row.position:
+            return False
+        props = commit_properties(app_id, row.position, {"microbatch.event": row.status})
+        try:
+            if view.table is None:
+                # First event of a new pipeline: create the table. Two creators
+                # racing both try to write version 0; exactly one succeeds.
+                write_deltalake(
+                    self.path,
+                    _to_arrow([row]),
+                    mode="append",
+                    storage_options=self.storage_options,
+                    commit_properties=props,
+                    name=f"{self.pipeline} offset ledger",
+                )
+            else:
+                write_deltalake(view.table, _to_arrow([row]), mode="append", commit_properties=props)
+        except Exception as exc:
+            if is_commit_conflict(exc):
+                return False
+            raise
+        return True

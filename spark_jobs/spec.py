@@ -1,0 +1,346 @@
+"""Pipeline specs: YAML in, a validated `PipelineSpec` out, or a `SpecError`.
+
+Validation happens entirely in Python, before any table is opened or Spark is
+started, so a bad spec can never leave half a batch behind. Each problem is
+reported with the field path, the YAML line it sits on, and what to write
+instead.
+
+Identifiers (key and value columns, source schema fields) are restricted to
+plain SQL identifiers because they are spliced into Spark SQL and into
+delta-rs merge predicates; they are quoted there as well, but refusing odd
+names up front keeps error messages readable and injection impossible.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from spark_jobs.errors import SpecError
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+PIPELINE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+MERGE_RULES = ("sum", "min", "max", "first", "last")
+#: Columns the job adds to tables it owns; users may not define them.
+RESERVED_COLUMNS = frozenset({"_batch_id"})
+
+# Spark SQL atomic types accepted in `source.schema`, mapped to their canonical
+# spelling. Nested types are refused: records are parsed field by field so each
+# bad value gets its own quarantine reason, which needs atomic fields.
+_ATOMIC_TYPES = {
+    "STRING": "STRING",
+    "VARCHAR": "STRING",
+    "BOOLEAN": "BOOLEAN",
+    "TINYINT": "TINYINT",
+    "BYTE": "TINYINT",
+    "SMALLINT": "SMALLINT",
+    "SHORT": "SMALLINT",
+    "INT": "INT",
+    "INTEGER": "INT",
+    "BIGINT": "BIGINT",
+    "LONG": "BIGINT",
+    "FLOAT": "FLOAT",
+    "REAL": "FLOAT",
+    "DOUBLE": "DOUBLE",
+    "DATE": "DATE",
+    "TIMESTAMP": "TIMESTAMP",
+    "TIMESTAMP_LTZ": "TIMESTAMP",
+    "TIMESTAMP_NTZ": "TIMESTAMP_NTZ",
+}
+_DECIMAL = re.compile(r"^DECIMAL\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Field_:
+    """One column of the source schema."""
+
+    name: str
+    type: str  # canonical Spark SQL type, e.g. "DOUBLE" or "DECIMAL(10,2)"
+
+
+def parse_schema(ddl: str) -> list[Field_]:
+    """Parse a Spark DDL column list (``"a STRING, b DOUBLE"``) without a JVM."""
+    fields: list[Field_] = []
+    seen: set[str] = set()
+    # Split on commas outside parentheses (DECIMAL(10,2) has one inside).
+    parts, depth, current = [], 0, ""
+    for ch in ddl:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    for raw in parts:
+        item = raw.strip()
+        if not item:
+            raise ValueError(f"empty column in {ddl!r}; write 'name TYPE, name TYPE'")
+        bits = item.split(None, 1)
+        if len(bits) != 2:
+            raise ValueError(f"column {item!r} has no type; write e.g. '{bits[0]} STRING'")
+        name, type_text = bits[0], bits[1].strip()
+        if not IDENTIFIER.match(name):
+            raise ValueError(
+                f"column name {name!r} is not a plain identifier (letters, digits, _; "
+                "not starting with a digit)"
+            )
+        if name.lower() in seen:
+            raise ValueError(f"column {name!r} appears twice")
+        seen.add(name.lower())
+        upper = type_text.upper()
+        if upper in _ATOMIC_TYPES:
+            canonical = _ATOMIC_TYPES[upper]
+        elif m := _DECIMAL.match(type_text):
+            precision, scale = int(m.group(1)), int(m.group(2))
+            if not (1 <= precision <= 38 and 0 <= scale <= precision):
+                raise ValueError(f"column {name!r}: DECIMAL({precision},{scale}) is out of range")
+            canonical = f"DECIMAL({precision},{scale})"
+        else:
+            raise ValueError(
+                f"column {name!r} has type {type_text!r}; use one of "
+                f"{', '.join(sorted(set(_ATOMIC_TYPES.values())))} or DECIMAL(p,s) "
+                "(read nested data as STRING and use from_json in the transform)"
+            )
+        fields.append(Field_(name, canonical))
+    return fields
+
+
+def _check_identifier(value: str, what: str) -> str:
+    if not IDENTIFIER.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a plain identifier: use letters, digits and _, "
+            "not starting with a digit (rename it with AS in the transform)"
+        )
+    if value in RESERVED_COLUMNS:
+        raise ValueError(f"{what} {value!r} is reserved for the job's own bookkeeping")
+    return value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class CsvOptions(_Model):
+    header: bool = True
+    delimiter: str = Field(default=",", min_length=1, max_length=1)
+
+
+class FilesSourceSpec(_Model):
+    """A folder of files; each file is consumed exactly once."""
+
+    type: Literal["files"]
+    path: str = Field(min_length=1)
+    format: Literal["json", "csv", "parquet"]
+    schema_: str = Field(alias="schema", min_length=1)
+    csv: CsvOptions = CsvOptions()
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_parses(cls, value: str) -> str:
+        parse_schema(value)
+        return value
+
+    @property
+    def fields(self) -> list[Field_]:
+        return parse_schema(self.schema_)
+
+
+SourceSpec = Annotated[FilesSourceSpec, Field(discriminator="type")]
+
+
+class StateSpec(_Model):
+    path: str = Field(min_length=1)
+    keys: list[str] = Field(min_length=1)
+    merge: dict[str, Literal["sum", "min", "max", "first", "last"]] = Field(min_length=1)
+
+    @field_validator("keys")
+    @classmethod
+    def _keys_are_identifiers(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            _check_identifier(key, "key")
+        if len({k.lower() for k in keys}) != len(keys):
+            raise ValueError("a key column is listed twice")
+        return keys
+
+    @field_validator("merge", mode="before")
+    @classmethod
+    def _merge_rules_known(cls, merge: Any) -> Any:
+        if isinstance(merge, dict):
+            for column, rule in merge.items():
+                _check_identifier(str(column), "merge column")
+                if rule not in MERGE_RULES:
+                    raise ValueError(
+                        f"column {column!r} has merge rule {rule!r}; use one of "
+                        f"{', '.join(MERGE_RULES)}"
+                    )
+        return merge
+
+    @model_validator(mode="after")
+    def _keys_not_merged(self) -> StateSpec:
+        clash = {k.lower() for k in self.keys} & {c.lower() for c in self.merge}
+        if clash:
+            raise ValueError(
+                f"{sorted(clash)} listed both as key and under merge; keys are matched, "
+                "not merged: remove them from state.merge"
+            )
+        return self
+
+
+class BatchLimits(_Model):
+    max_files: int | None = Field(default=None, ge=1)
+    max_records: int | None = Field(default=None, ge=1)
+
+
+class PipelineSpec(_Model):
+    name: str
+    description: str = ""
+    source: SourceSpec
+    transform: str = Field(min_length=1)
+    state: StateSpec
+    checkpoint: str = Field(min_length=1)
+    batch: BatchLimits = BatchLimits()
+
+    #: Folder of the spec file; relative paths resolve against it.
+    base_dir: Path = Field(default=Path("."), exclude=True)
+    #: Where the spec was loaded from (for messages).
+    spec_path: str = Field(default="<memory>", exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _name_safe(cls, name: str) -> str:
+        if not PIPELINE_NAME.match(name):
+            raise ValueError(
+                f"{name!r} is not a valid pipeline name: use lowercase letters, digits "
+                "and _, starting with a letter, at most 64 characters (e.g. clicks_per_user)"
+            )
+        return name
+
+    @field_validator("transform")
+    @classmethod
+    def _transform_reads_batch(cls, sql: str) -> str:
+        if not re.search(r"\bbatch\b", sql, re.IGNORECASE):
+            raise ValueError("the transform must read the new records from the view `batch`")
+        return sql
+
+    # -- resolved locations -------------------------------------------------
+
+    def resolve(self, location: str) -> str:
+        """Resolve a path from the spec against the spec file's folder."""
+        if "://" in location:
+            return location
+        path = Path(location).expanduser()
+        if not path.is_absolute():
+            path = self.base_dir / path
+        return str(path.resolve())
+
+    @property
+    def source_path(self) -> str:
+        return self.resolve(self.source.path)
+
+    @property
+    def state_path(self) -> str:
+        return self.resolve(self.state.path)
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.resolve(self.checkpoint)
+
+    @property
+    def ledger_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/offsets"
+
+    @property
+    def quarantine_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/quarantine"
+
+    @property
+    def value_columns(self) -> list[str]:
+        return list(self.state.merge)
+
+
+# -- loading ----------------------------------------------------------------
+
+
+def _line_index(text: str) -> dict[tuple[str, ...], int]:
+    """Map each YAML mapping path to its 1-based line, for error messages."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                child = path + (str(key_node.value),)
+                lines[child] = key_node.start_mark.line + 1
+                walk(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (str(i),))
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
+    loc = tuple(str(p) for p in error["loc"] if p != "files")  # drop the union tag
+    loc = tuple("schema" if p == "schema_" else p for p in loc)
+    field = ".".join(loc) or "(top level)"
+    line = None
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            line = lines[loc[:n]]
+            break
+    where = f"line {line}, " if line else ""
+    message = error["msg"].removeprefix("Value error, ")
+    kind = error["type"]
+    if kind == "missing":
+        message = "is required"
+    elif kind == "extra_forbidden":
+        message = "is not a known field (check the spelling; see docs/spec.md)"
+    elif kind == "literal_error" and field == "source.format":
+        message = f"{error.get('input')!r} is not a format; use json, csv or parquet"
+    elif kind == "union_tag_invalid":
+        message = f"{error['ctx'].get('tag')!r} is not a source type; use files"
+    return f"{where}field `{field}`: {message}"
+
+
+def parse_spec(text: str, *, base_dir: Path, spec_path: str) -> PipelineSpec:
+    """Validate spec text. Raises `SpecError` listing every problem found."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError(spec_path, [f"{where}not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
+    if not isinstance(data, dict):
+        raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
+    try:
+        return PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
+    except ValidationError as exc:
+        lines = _line_index(text)
+        raise SpecError(spec_path, [_describe(e, lines) for e in exc.errors()]) from None
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    """Load and validate a spec file; relative paths resolve against its folder."""
+    spec_file = Path(path)
+    try:
+        text = spec_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(str(path), ["file not found; pass the path to a pipeline YAML"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), [f"cannot read the file: {exc}"]) from None
+    return parse_spec(text, base_dir=spec_file.resolve().parent, spec_path=str(path))

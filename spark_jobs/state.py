@@ -1,0 +1,167 @@
+"""The keyed state table: one delta-rs MERGE per batch.
+
+The merge is built only from identifiers the spec validated
+(`spark_jobs.spec.IDENTIFIER`), double-quoted for DataFusion, so nothing from
+the spec reaches SQL as free text. Merge rules, per value column:
+
+* ``sum``   existing + batch (a null on either side counts as absent)
+* ``min`` / ``max``   the smaller / larger, ignoring nulls
+* ``first`` keep the existing value (the batch's if the existing one is null)
+* ``last``  take the batch's value
+
+Every row also records `_batch_id`, the last batch that touched it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from spark_jobs.delta_io import open_table
+from spark_jobs.fencing import STATE_FENCE, Position, commit_properties, transaction_position
+from spark_jobs.spec import PipelineSpec
+
+BATCH_COLUMN = "_batch_id"
+#: Key of the commit metadata entry that makes a state commit self-describing.
+METADATA_KEY = "microbatch"
+#: How far back in the state's history to look for a commit we need to find.
+HISTORY_SEARCH = 1000
+
+
+def _q(name: str) -> str:
+    return f'"{name}"'
+
+
+def merge_expression(column: str, rule: str) -> str:
+    t, s = f"t.{_q(column)}", f"s.{_q(column)}"
+    if rule == "sum":
+        return f"CASE WHEN {t} IS NULL THEN {s} WHEN {s} IS NULL THEN {t} ELSE {t} + {s} END"
+    if rule in ("min", "max"):
+        op = "<" if rule == "min" else ">"
+        return f"CASE WHEN {t} IS NULL THEN {s} WHEN {s} IS NULL THEN {t} WHEN {s} {op} {t} THEN {s} ELSE {t} END"
+    if rule == "first":
+        return f"COALESCE({t}, {s})"
+    if rule == "last":
+        return s
+    raise ValueError(f"unknown merge rule {rule!r}")
+
+
+@dataclass
+class StateCommit:
+    """A state commit made by this job, read back from the table's history."""
+
+    version: int
+    metadata: dict[str, Any]
+    operation_metrics: dict[str, int]
+    timestamp: datetime
+
+
+class StateTable:
+    def __init__(self, spec: PipelineSpec, storage_options: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.path = spec.state_path
+        self.storage_options = storage_options
+
+    def open(self) -> DeltaTable | None:
+        return open_table(self.path, self.storage_options)
+
+    @staticmethod
+    def position(table: DeltaTable | None) -> Position:
+        return transaction_position(table, STATE_FENCE) if table is not None else Position(0, 0)
+
+    def commit_batch(
+        self, table: DeltaTable | None, updates: pa.Table, position: Position, metadata: dict[str, Any]
+    ) -> tuple[int, int]:
+        """Merge one batch's updates; returns (new table version, keys updated).
+
+        Raises delta-rs's commit error if another commit carrying the state
+        fence landed after `table`'s snapshot (the caller decides what it means).
+        """
+        data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
+        props = commit_properties(STATE_FENCE, position, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        if table is None:
+            write_deltalake(
+                self.path,
+                data,
+                mode="append",
+                storage_options=self.storage_options,
+                commit_properties=props,
+                name=self.spec.name,
+                description=self.spec.description or None,
+            )
+            created = DeltaTable(self.path, storage_options=self.storage_options)
+            return created.version(), updates.num_rows
+        data = self._align(table, data)
+        keys = self.spec.state.keys
+        predicate = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in keys)
+        updates_expr = {_q(c): merge_expression(c, rule) for c, rule in self.spec.state.merge.items()}
+        updates_expr[_q(BATCH_COLUMN)] = f"s.{_q(BATCH_COLUMN)}"
+        inserts = {_q(c): f"s.{_q(c)}" for c in data.column_names}
+        metrics = (
+            table.merge(
+                data,
+                predicate=predicate,
+                source_alias="s",
+                target_alias="t",
+                commit_properties=props,
+            )
+            .when_matched_update(updates=updates_expr)
+            .when_not_matched_insert(updates=inserts)
+            .execute()
+        )
+        keys_updated = int(metrics["num_target_rows_inserted"]) + int(metrics["num_target_rows_updated"])
+        table.update_incremental()
+        return table.version(), keys_updated
+
+    def _align(self, table: DeltaTable, data: pa.Table) -> pa.Table:
+        """Cast a batch to the state table's column types, or explain why not."""
+        from spark_jobs.errors import TransformError
+
+        existing = pa.schema(table.schema().to_arrow())
+        fields = []
+        for field in data.schema:
+            if field.name not in existing.names:
+                raise TransformError(
+                    f"pipeline {self.spec.name}: column {field.name!r} is not in the state table "
+                    f"{self.path}; changing the state's columns needs a new state path"
+                )
+            fields.append(existing.field(field.name).with_nullable(True))
+        try:
+            return data.cast(pa.schema(fields))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise TransformError(
+                f"pipeline {self.spec.name}: this batch's columns do not fit the state table's "
+                f"types ({exc}); cast them in the transform to the types in {self.path}"
+            ) from exc
+
+    def restore(self, table: DeltaTable, version: int | None, position: Position, metadata: dict[str, Any]) -> int:
+        """Put the state back as of `version` (None: empty), fenced at `position`."""
+        props = commit_properties(STATE_FENCE, position, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        if version is None:
+            table.delete(commit_properties=props)
+        else:
+            table.restore(version, commit_properties=props)
+        table.update_incremental()
+        return table.version()
+
+    def find_commit(self, table: DeltaTable, position: Position) -> StateCommit | None:
+        """The commit of ours that carried the state fence at `position`."""
+        for info in table.history(HISTORY_SEARCH):
+            raw = info.get(METADATA_KEY)
+            if not raw:
+                continue
+            metadata = json.loads(raw)
+            if metadata.get("txn") == position.encode():
+                return StateCommit(
+                    version=int(info["version"]),
+                    metadata=metadata,
+                    operation_metrics={k: int(v) for k, v in (info.get("operationMetrics") or {}).items() if str(v).isdigit()},
+                    timestamp=datetime.fromtimestamp(info["timestamp"] / 1000, tz=timezone.utc),
+                )
+        return None
+

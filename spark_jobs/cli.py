@@ -1,0 +1,225 @@
+"""`microbatch`: run, inspect and rewind pipelines from the command line.
+
+Exit codes: 0 when the run committed, found nothing new, or found that a
+concurrent run had committed the batch (the message says which); 2 for a bad
+spec or bad arguments (fix them; retrying will not help); 1 for other
+failures (retrying is safe: the protocol makes every retry exactly-once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+from spark_jobs import __version__
+from spark_jobs.errors import MicrobatchError, SpecError, TransformError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parse_time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO time; write e.g. 2026-11-22T10:00:00Z") from None
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="microbatch",
+        description="Exactly-once Spark micro-batches with a Delta offset ledger.",
+    )
+    parser.add_argument("--version", action="version", version=f"microbatch {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only print the result")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run one micro-batch")
+    run.add_argument("spec", help="pipeline spec (YAML)")
+    run.add_argument("--max-files", type=_positive, help="cap files for this batch (overrides the spec)")
+    run.add_argument("--max-records", type=_positive, help="cap records for this batch, in whole files")
+    run.add_argument("--until", type=_parse_time, help="only read data that arrived before this ISO time")
+    run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
+    run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
+    run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+    status = sub.add_parser("status", help="where the pipeline stands")
+    status.add_argument("spec")
+    status.add_argument("--json", action="store_true")
+
+    history = sub.add_parser("history", help="the offset ledger")
+    history.add_argument("spec")
+    history.add_argument("--json", action="store_true")
+    history.add_argument("--limit", type=_positive, help="only the last N rows (human output)")
+
+    rewind = sub.add_parser("rewind", help="restore state to a batch and continue from its offsets")
+    rewind.add_argument("spec")
+    rewind.add_argument("--to-batch", type=_non_negative, required=True, metavar="K")
+    rewind.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s microbatch: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    # Spark's py4j bridge logs every connection at INFO.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    try:
+        return _dispatch(args)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TransformError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except MicrobatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from spark_jobs import protocol
+    from spark_jobs.spec import load_spec
+
+    spec = load_spec(args.spec)
+    if args.command == "run":
+        options = protocol.RunOptions(
+            interval_end=args.until, max_files=args.max_files, max_records=args.max_records, dry_run=args.dry_run
+        )
+        if args.run_id:
+            options.run_id = args.run_id
+        outcome = protocol.run_batch(spec, options)
+        _print_outcome(outcome.to_json(), args.json)
+        return EXIT_OK
+    if args.command == "status":
+        st = protocol.status(spec)
+        if args.json:
+            print(json.dumps(st.to_json(), indent=2))
+        else:
+            _table(
+                f"pipeline {st.pipeline}",
+                ["epoch", "last batch", "end offsets", "state version", "committed at", "files waiting"],
+                [[st.epoch, st.last_batch, _compact(st.end_offsets), st.state_version, _time(st.committed_at), st.files_waiting]],
+            )
+            if st.note:
+                print(f"note: {st.note}")
+        return EXIT_OK
+    if args.command == "history":
+        rows = protocol.history(spec)
+        if args.json:
+            print(json.dumps([r.to_json() for r in rows], indent=2))
+            return EXIT_OK
+        shown = rows[-args.limit :] if args.limit else rows
+        _table(
+            f"offset ledger of {spec.name} ({len(rows)} rows)",
+            ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "run id", "at"],
+            [
+                [
+                    r.epoch,
+                    r.batch_id,
+                    r.status,
+                    _compact(r.start_offsets),
+                    _compact(r.end_offsets),
+                    r.records_in,
+                    r.records_quarantined,
+                    r.keys_updated,
+                    r.state_version,
+                    r.run_id,
+                    _time(r.committed_at or r.planned_at),
+                ]
+                for r in shown
+            ],
+        )
+        return EXIT_OK
+    if args.command == "rewind":
+        outcome = protocol.rewind(spec, args.to_batch)
+        _print_outcome(outcome.to_json(), args.json)
+        return EXIT_OK
+    raise AssertionError(args.command)
+
+
+# -- output -------------------------------------------------------------------------
+
+
+def _print_outcome(outcome: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(outcome, indent=2, default=str))
+        return
+    print(f"{outcome['status']}: {outcome['message']}")
+    if outcome["status"] == "committed":
+        _table(
+            None,
+            ["batch", "epoch", "files", "records", "quarantined", "keys updated", "state version", "seconds"],
+            [
+                [
+                    outcome["batch_id"],
+                    outcome["epoch"],
+                    len(outcome["files"]),
+                    outcome["records_in"],
+                    outcome["records_quarantined"],
+                    outcome["keys_updated"],
+                    outcome["state_version"],
+                    f"{outcome['duration_ms'] / 1000:.1f}",
+                ]
+            ],
+        )
+    elif outcome["status"] == "dry_run" and outcome["files"]:
+        for name in outcome["files"]:
+            print(f"  {name}")
+
+
+def _table(title: str | None, headers: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*["" if v is None else str(v) for v in row])
+    Console(width=160 if not sys.stdout.isatty() else None).print(table)
+
+
+def _compact(offsets: dict[str, Any] | None) -> str:
+    return json.dumps(offsets, separators=(",", ":")) if offsets else ""
+
+
+def _time(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

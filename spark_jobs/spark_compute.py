@@ -39,9 +39,13 @@ def default_session(master: str | None = None, app_name: str = "microbatch") -> 
     """
     from pyspark.sql import SparkSession
 
+    master = master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
+    if master.startswith("local"):
+        # Bind the driver to loopback: nothing local needs another interface.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.appName(app_name)
-        .master(master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]"))
+        .master(master)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
@@ -56,17 +60,26 @@ def default_session(master: str | None = None, app_name: str = "microbatch") -> 
 
 
 class SparkCompute:
-    """Runs batches on a Spark session created on first use."""
+    """Runs batches on a Spark session created on first use.
+
+    Stops the session on `close()` only if it created it: a session passed
+    in, or one already active in the process (an embedding application's),
+    is left running.
+    """
 
     def __init__(self, session: SparkSession | None = None, master: str | None = None) -> None:
         self._session = session
         self._master = master
-        self._owns_session = session is None
+        self._owns_session = False
 
     @property
     def spark(self) -> SparkSession:
         if self._session is None:
-            self._session = default_session(self._master)
+            from pyspark.sql import SparkSession
+
+            active = SparkSession.getActiveSession()
+            self._session = active or default_session(self._master)
+            self._owns_session = active is None
         return self._session
 
     def close(self) -> None:

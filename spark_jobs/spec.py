@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -200,6 +201,17 @@ class BatchLimits(_Model):
     max_records: int | None = Field(default=None, ge=1)
 
 
+CRON_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@annually", "@midnight")
+
+
+class WaitForData(_Model):
+    """Put a deferrable sensor before the batch task (Airflow only)."""
+
+    poll_seconds: float = Field(default=30, gt=0)
+    timeout_seconds: float = Field(default=3600, gt=0)
+    soft_fail: bool = True
+
+
 class PipelineSpec(_Model):
     name: str
     description: str = ""
@@ -208,6 +220,12 @@ class PipelineSpec(_Model):
     state: StateSpec
     checkpoint: str = Field(min_length=1)
     batch: BatchLimits = BatchLimits()
+    # Scheduling, read by the Airflow DAG factory; the job itself ignores them.
+    schedule: str | None = None
+    catchup: bool = False
+    start_date: datetime = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    tags: list[str] = Field(default_factory=list)
+    wait_for_data: WaitForData | None = None
 
     #: Folder of the spec file; relative paths resolve against it.
     base_dir: Path = Field(default=Path("."), exclude=True)
@@ -223,6 +241,29 @@ class PipelineSpec(_Model):
                 "and _, starting with a letter, at most 64 characters (e.g. clicks_per_user)"
             )
         return name
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_is_cron(cls, schedule: str | None) -> str | None:
+        if schedule is None or schedule in CRON_PRESETS:
+            return schedule
+        if len(schedule.split()) != 5:
+            raise ValueError(
+                f"{schedule!r} is not a cron expression; write five fields (e.g. '0 * * * *') "
+                f"or a preset ({', '.join(CRON_PRESETS)})"
+            )
+        try:
+            from croniter import croniter
+        except ImportError:  # validated again by Airflow when it parses the DAG
+            return schedule
+        if not croniter.is_valid(schedule):
+            raise ValueError(f"{schedule!r} is not a valid cron expression")
+        return schedule
+
+    @field_validator("start_date")
+    @classmethod
+    def _start_date_aware(cls, value: datetime) -> datetime:
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
     @field_validator("transform")
     @classmethod

@@ -20,6 +20,18 @@ from spark_jobs.clickstream import ORACLE_MERGE, ORACLE_TRANSFORM
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """A private Airflow home (SQLite) for the session, set before Airflow is imported."""
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="microbatch-airflow-home-")
+    os.environ["AIRFLOW_HOME"] = home
+    os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+    os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
+    os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
+    os.environ["AIRFLOW__LOGGING__LOGGING_LEVEL"] = "WARNING"
+
+
 @pytest.fixture(scope="session")
 def spark():
     from spark_jobs.spark_compute import default_session

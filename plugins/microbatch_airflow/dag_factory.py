@@ -1,0 +1,140 @@
+"""Build one DAG per pipeline spec.
+
+Parsing a spec is plain Python (pydantic + YAML): no Delta table is opened
+and no Spark started at parse time.
+
+A broken spec must show up as an import error naming the spec file and
+field without taking the other pipelines' DAGs down. Airflow records import
+errors per Python file, and an exception while importing the factory file
+would drop every DAG in it. So broken specs are collected into one
+`_BrokenSpecs` DAG whose `validate()` raises: DagBag records a failing
+`validate()` as an import error of the file and still bags the file's other
+DAGs.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG, CronDataIntervalTimetable, Param
+
+from microbatch_airflow.assets import batches_alias
+from microbatch_airflow.operators import MicroBatchOperator
+from microbatch_airflow.sensors import NewDataSensor
+from spark_jobs.errors import SpecError
+from spark_jobs.spec import PipelineSpec, load_spec
+
+PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
+
+
+def trigger_params() -> dict[str, Param]:
+    """The trigger form: validated by JSON schema before a run is created."""
+    return {
+        "max_files": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Max files",
+            description="Cap the files this batch reads (overrides the spec's batch.max_files).",
+        ),
+        "max_records": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Max records",
+            description="Cap the records this batch reads, in whole files (at least one file).",
+        ),
+        "rewind_to_batch": Param(
+            None,
+            type=["null", "integer"],
+            minimum=0,
+            title="Rewind to batch",
+            description=(
+                "Restore the state to this committed batch first, then process from its offsets "
+                "(0 empties the state). Use it with a backfill to recompute a range."
+            ),
+        ),
+        "dry_run": Param(
+            False,
+            type="boolean",
+            title="Dry run",
+            description="Plan the batch and show its range in the log; commit nothing.",
+        ),
+    }
+
+
+def build_dag(spec: PipelineSpec) -> DAG:
+    schedule = CronDataIntervalTimetable(spec.schedule, timezone="UTC") if spec.schedule else None
+    doc = spec.description or f"Micro-batch pipeline `{spec.name}`."
+    with DAG(
+        dag_id=spec.name,
+        description=(spec.description.splitlines() or [""])[0][:200] or None,
+        doc_md=f"{doc}\n\nSpec: `{spec.spec_path}`\n\nTransform:\n\n```sql\n{spec.transform.strip()}\n```",
+        schedule=schedule,
+        start_date=spec.start_date,
+        catchup=spec.catchup,
+        # One batch at a time per pipeline; the commit protocol, not this,
+        # is what keeps concurrent or out-of-order runs (backfills) exact.
+        max_active_runs=1,
+        tags=["microbatch", *spec.tags],
+        params=trigger_params(),
+        default_args={"retries": 2, "retry_delay": timedelta(seconds=10)},
+    ) as dag:
+        batch = MicroBatchOperator(task_id="run_batch", spec_path=spec.spec_path, outlets=[batches_alias(spec)])
+        if spec.wait_for_data:
+            wait = spec.wait_for_data
+            NewDataSensor(
+                task_id="wait_for_data",
+                spec_path=spec.spec_path,
+                poke_interval=wait.poll_seconds,
+                timeout=wait.timeout_seconds,
+                soft_fail=wait.soft_fail,
+                retries=0,
+            ) >> batch
+    return dag
+
+
+class BrokenPipelineSpecs(Exception):
+    """One or more specs in the pipelines folder are invalid."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__(
+            f"{len(errors)} pipeline spec(s) could not be loaded; their DAGs are missing until "
+            "the spec is fixed:\n" + "\n".join(errors)
+        )
+
+
+class _BrokenSpecs(DAG):
+    """Carries spec errors into Airflow's import errors (see the module docstring)."""
+
+    spec_errors: list[str]
+
+    def validate(self) -> None:
+        raise BrokenPipelineSpecs(self.spec_errors)
+
+
+def pipelines_dir(default: Path) -> Path:
+    return Path(os.environ.get(PIPELINES_DIR_ENV) or default)
+
+
+def dags_from_folder(folder: Path) -> dict[str, DAG]:
+    """A DAG per `*.yaml` / `*.yml` spec in `folder` (plus one carrying errors)."""
+    dags: dict[str, DAG] = {}
+    errors: list[str] = []
+    for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        try:
+            spec = load_spec(path.resolve())
+        except SpecError as exc:
+            errors.append(str(exc))
+            continue
+        if spec.name in dags:
+            errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
+            continue
+        dags[spec.name] = build_dag(spec)
+    if errors:
+        broken = _BrokenSpecs(dag_id="microbatch_broken_specs", schedule=None)
+        broken.spec_errors = errors
+        dags["microbatch_broken_specs"] = broken
+    return dags

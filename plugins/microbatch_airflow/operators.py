@@ -1,0 +1,138 @@
+"""`MicroBatchOperator`: one exactly-once micro-batch per task instance.
+
+Outcomes: a committed batch succeeds and emits an asset event for the state
+table (batch id, offsets, state version as extra). Nothing new, an interval
+the pipeline already passed, or a batch a concurrent run committed first all
+succeed as no-ops and say so in the log; they emit no asset event. A bad spec
+or a bad parameter fails at once (`AirflowFailException`: retrying cannot
+help). Anything else is raised as is, so the task's normal retries apply;
+they are safe because every retry re-enters the commit protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, Context
+from airflow.sdk.exceptions import AirflowFailException
+
+from microbatch_airflow.assets import batches_alias, state_asset
+from spark_jobs.errors import MicrobatchError, RewindError, SpecError, TransformError
+from spark_jobs.spec import PipelineSpec, load_spec
+
+#: Run types whose data interval bounds the batch. A manual trigger takes
+#: whatever is available now (up to the caps).
+_INTERVAL_BOUND_RUN_TYPES = {"scheduled", "backfill"}
+
+
+class _LocalRunner:
+    """Spark in the task process: `local[*]`, a `spark://` master (client
+    mode, executors on the cluster), or a Spark Connect `sc://` server."""
+
+    def __init__(self, master: str | None) -> None:
+        self.master = master
+
+    def compute_factory(self):
+        from spark_jobs.spark_compute import SparkCompute
+
+        master = self.master
+        if master and master.startswith("sc://"):
+            from pyspark.sql import SparkSession
+
+            return lambda: SparkCompute(session=SparkSession.builder.remote(master).getOrCreate())
+        return lambda: SparkCompute(master=master)
+
+
+class MicroBatchOperator(BaseOperator):
+    """Run one micro-batch of the pipeline in `spec_path`.
+
+    :param spec_path: the pipeline spec (YAML). Templated.
+    :param spark_master: ``local[*]`` (default), ``spark://host:port`` or
+        ``sc://host:port``. Overridden by the ``MICROBATCH_SPARK_MASTER``
+        environment variable when unset.
+    """
+
+    template_fields: Sequence[str] = ("spec_path",)
+    ui_color = "#e8f1fb"
+
+    def __init__(self, *, spec_path: str, spark_master: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec_path = spec_path
+        self.spark_master = spark_master
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from spark_jobs import protocol
+
+        spec = self._spec()
+        params = context.get("params") or {}
+        dag_run = context["dag_run"]
+        run_type = str(getattr(dag_run, "run_type", "manual")).lower().rsplit(".", 1)[-1]
+        bounded = run_type in _INTERVAL_BOUND_RUN_TYPES
+        options = protocol.RunOptions(
+            run_id=context["run_id"],
+            attempt=context["ti"].try_number,
+            interval_start=context.get("data_interval_start") if bounded else None,
+            interval_end=context.get("data_interval_end") if bounded else None,
+            max_files=params.get("max_files"),
+            max_records=params.get("max_records"),
+            dry_run=bool(params.get("dry_run", False)),
+        )
+        runner = _LocalRunner(self.spark_master)
+        try:
+            rewind_to = params.get("rewind_to_batch")
+            if rewind_to is not None and not options.dry_run:
+                self._rewind_once(spec, int(rewind_to), options.run_id)
+            outcome = protocol.run_batch(spec, options, compute_factory=runner.compute_factory())
+        except (SpecError, TransformError, RewindError) as exc:
+            raise AirflowFailException(str(exc)) from exc
+        except MicrobatchError as exc:
+            if exc.retryable:
+                raise
+            raise AirflowFailException(str(exc)) from exc
+
+        summary = outcome.to_json()
+        self.log.info("%s: %s", outcome.status, outcome.message)
+        if outcome.status == protocol.COMMITTED_BATCH:
+            self.log.info(
+                "batch %s (epoch %s): offsets %s -> %s, %s records, %s quarantined, %s keys updated, "
+                "state version %s, %.1f s",
+                outcome.batch_id,
+                outcome.epoch,
+                outcome.start_offsets,
+                outcome.end_offsets,
+                outcome.records_in,
+                outcome.records_quarantined,
+                outcome.keys_updated,
+                outcome.state_version,
+                (outcome.duration_ms or 0) / 1000,
+            )
+            context["outlet_events"][batches_alias(spec)].add(
+                state_asset(spec),
+                extra={
+                    "pipeline": spec.name,
+                    "batch_id": outcome.batch_id,
+                    "epoch": outcome.epoch,
+                    "start_offsets": outcome.start_offsets,
+                    "end_offsets": outcome.end_offsets,
+                    "state_version": outcome.state_version,
+                },
+            )
+        return summary
+
+    def _spec(self) -> PipelineSpec:
+        try:
+            return load_spec(self.spec_path)
+        except SpecError as exc:
+            raise AirflowFailException(str(exc)) from exc
+
+    def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> None:
+        """Rewind, unless this Airflow run already did (a retry must not rewind twice)."""
+        from spark_jobs import protocol
+        from spark_jobs.ledger import REWOUND
+
+        if any(row.status == REWOUND and row.run_id == run_id for row in protocol.history(spec)):
+            self.log.info("this run already rewound the pipeline; not rewinding again")
+            return
+        outcome = protocol.rewind(spec, to_batch, run_id=run_id)
+        self.log.info("%s", outcome.message)

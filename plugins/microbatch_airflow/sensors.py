@@ -1,0 +1,47 @@
+"""`NewDataSensor`: wait for new source data without holding a worker slot."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, Context
+from airflow.sdk.exceptions import AirflowException
+
+from microbatch_airflow.triggers import NewDataTrigger, files_waiting
+
+
+class NewDataSensor(BaseSensorOperator):
+    """Succeeds once the pipeline's source has data it has not consumed.
+
+    Deferrable by default: the waiting happens in the triggerer. `timeout`
+    and `soft_fail` behave as for any sensor (soft fail: skip on timeout).
+    """
+
+    template_fields = ("spec_path",)
+
+    def __init__(self, *, spec_path: str, deferrable: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec_path = spec_path
+        self.deferrable = deferrable
+
+    def poke(self, context: Context) -> bool:
+        waiting = files_waiting(self.spec_path)
+        self.log.info("%d file(s) waiting", waiting)
+        return waiting > 0
+
+    def execute(self, context: Context) -> None:
+        if not self.deferrable or self.poke(context):
+            if not self.deferrable:
+                super().execute(context)
+            return
+        self.defer(
+            trigger=NewDataTrigger(spec_path=self.spec_path, poll_seconds=self.poke_interval),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=self.timeout),
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> None:
+        if not event or event.get("status") != "ready":
+            raise AirflowException(f"waiting for data failed: {(event or {}).get('message', event)}")
+        self.log.info("%s file(s) waiting; going on", event["files_waiting"])

@@ -1,0 +1,46 @@
+"""`NewDataTrigger`: waits in the triggerer until a pipeline has source data waiting.
+
+The check (ledger read plus folder listing, no Spark) runs in a thread so the
+triggerer's event loop never blocks on I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+def files_waiting(spec_path: str) -> int:
+    """How many source files wait for the pipeline in `spec_path`."""
+    from spark_jobs.protocol import status
+    from spark_jobs.spec import load_spec
+
+    return status(load_spec(spec_path)).files_waiting
+
+
+class NewDataTrigger(BaseTrigger):
+    def __init__(self, spec_path: str, poll_seconds: float = 30.0) -> None:
+        super().__init__()
+        self.spec_path = spec_path
+        self.poll_seconds = poll_seconds
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "microbatch_airflow.triggers.NewDataTrigger",
+            {"spec_path": self.spec_path, "poll_seconds": self.poll_seconds},
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            try:
+                waiting = await asyncio.to_thread(files_waiting, self.spec_path)
+            except Exception as exc:  # report, do not spin: the sensor fails with the message
+                yield TriggerEvent({"status": "error", "message": str(exc)})
+                return
+            if waiting:
+                yield TriggerEvent({"status": "ready", "files_waiting": waiting})
+                return
+            await asyncio.sleep(self.poll_seconds)

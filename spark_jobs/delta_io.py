@@ -22,6 +22,36 @@ def open_table(path: str, storage_options: dict[str, str] | None = None) -> Delt
         return None
 
 
+def ensure_table(
+    path: str,
+    schema: pa.Schema,
+    *,
+    storage_options: dict[str, str] | None = None,
+    name: str | None = None,
+    description: str | None = None,
+) -> DeltaTable:
+    """The table at `path`, created empty first if it does not exist.
+
+    Fenced commits must be made from a loaded snapshot: creating a table *with*
+    the first fenced commit is not safe, because a second creator that finds
+    the table already there appends to it from a snapshot that already holds
+    the first commit, and the conflict check sees nothing. So tables are
+    created empty (racing creators: one wins, the others find it) and every
+    fenced commit goes through the normal snapshot check.
+    """
+    table = open_table(path, storage_options)
+    if table is not None:
+        return table
+    try:
+        DeltaTable.create(
+            path, schema, mode="ignore", name=name, description=description, storage_options=storage_options
+        )
+    except Exception as exc:
+        if not is_commit_conflict(exc):
+            raise
+    return DeltaTable(path, storage_options=storage_options)
+
+
 def read_all(table: DeltaTable, where: str | None = None, columns: str = "*") -> pa.Table:
     """Read a table snapshot (optionally filtered) through delta-rs's engine."""
     sql = f"SELECT {columns} FROM t" + (f" WHERE {where}" if where else "")

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.delta_io import is_commit_conflict, open_table, read_all
+from spark_jobs.delta_io import ensure_table, is_commit_conflict, open_table, read_all
 from spark_jobs.fencing import ORIGIN, Position, commit_properties, transaction_position
 
 FORMAT_VERSION = 1
@@ -195,23 +195,18 @@ class OffsetLedger:
         concurrent append with the same fence won the race. True if ours
         landed.
         """
-        if view.fence(app_id) >= row.position:
+        table = view.table
+        if table is None:
+            # First event of a new pipeline: create the (empty) table, then
+            # check the fence on the snapshot we will commit from.
+            table = ensure_table(
+                self.path, SCHEMA, storage_options=self.storage_options, name=f"{self.pipeline} offset ledger"
+            )
+        if transaction_position(table, app_id) >= row.position:
             return False
         props = commit_properties(app_id, row.position, {"microbatch.event": row.status})
         try:
-            if view.table is None:
-                # First event of a new pipeline: create the table. Two creators
-                # racing both try to write version 0; exactly one succeeds.
-                write_deltalake(
-                    self.path,
-                    _to_arrow([row]),
-                    mode="append",
-                    storage_options=self.storage_options,
-                    commit_properties=props,
-                    name=f"{self.pipeline} offset ledger",
-                )
-            else:
-                write_deltalake(view.table, _to_arrow([row]), mode="append", commit_properties=props)
+            write_deltalake(table, _to_arrow([row]), mode="append", commit_properties=props)
         except Exception as exc:
             if is_commit_conflict(exc):
                 return False

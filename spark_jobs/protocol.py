@@ -204,8 +204,9 @@ def run_batch(
             log.info("quarantined %d of %d records", quarantined, result.records_in)
         fault_point("after_quarantine")
 
-        # 4. Commit the state: the commit point.
-        table = p.state.open()
+        # 4. Commit the state: the commit point. (A new state table is created
+        # empty first, so that even batch 1 commits from a checked snapshot.)
+        table = p.state.open() or p.state.create(result.updates)
         current = p.state.position(table)
         if current >= n:
             reconcile(p)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pyarrow as pa
 from deltalake import write_deltalake
 
-from spark_jobs.delta_io import is_commit_conflict, open_table
+from spark_jobs.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.ledger import utcnow
 
@@ -39,8 +39,8 @@ class Quarantine:
     def write(self, records: pa.Table, position: Position) -> bool:
         """Append one batch's quarantined records, once. True if we wrote them."""
         for _ in range(3):
-            table = open_table(self.path, self.storage_options)
-            if table is not None and transaction_position(table, QUARANTINE_FENCE) >= position:
+            table = ensure_table(self.path, SCHEMA, storage_options=self.storage_options, name=f"{self.pipeline} quarantine")
+            if transaction_position(table, QUARANTINE_FENCE) >= position:
                 return False  # an earlier attempt at this batch wrote them
             n = records.num_rows
             rows = pa.table(
@@ -58,13 +58,7 @@ class Quarantine:
             )
             props = commit_properties(QUARANTINE_FENCE, position, {"microbatch.event": "quarantine"})
             try:
-                write_deltalake(
-                    table if table is not None else self.path,
-                    rows,
-                    mode="append",
-                    storage_options=None if table is not None else self.storage_options,
-                    commit_properties=props,
-                )
+                write_deltalake(table, rows, mode="append", commit_properties=props)
                 return True
             except Exception as exc:
                 if not is_commit_conflict(exc):

@@ -20,9 +20,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 
-from spark_jobs.delta_io import open_table
+from spark_jobs.delta_io import ensure_table, open_table
 from spark_jobs.fencing import STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.spec import PipelineSpec
 
@@ -74,8 +74,19 @@ class StateTable:
     def position(table: DeltaTable | None) -> Position:
         return transaction_position(table, STATE_FENCE) if table is not None else Position(0, 0)
 
+    def create(self, updates: pa.Table) -> DeltaTable:
+        """Create the (empty) state table with the columns of a batch's updates."""
+        schema = pa.schema([*updates.schema, pa.field(BATCH_COLUMN, pa.int64())])
+        return ensure_table(
+            self.path,
+            schema,
+            storage_options=self.storage_options,
+            name=self.spec.name,
+            description=self.spec.description or None,
+        )
+
     def commit_batch(
-        self, table: DeltaTable | None, updates: pa.Table, position: Position, metadata: dict[str, Any]
+        self, table: DeltaTable, updates: pa.Table, position: Position, metadata: dict[str, Any]
     ) -> tuple[int, int]:
         """Merge one batch's updates; returns (new table version, keys updated).
 
@@ -84,18 +95,6 @@ class StateTable:
         """
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
         props = commit_properties(STATE_FENCE, position, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
-        if table is None:
-            write_deltalake(
-                self.path,
-                data,
-                mode="append",
-                storage_options=self.storage_options,
-                commit_properties=props,
-                name=self.spec.name,
-                description=self.spec.description or None,
-            )
-            created = DeltaTable(self.path, storage_options=self.storage_options)
-            return created.version(), updates.num_rows
         data = self._align(table, data)
         keys = self.spec.state.keys
         predicate = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in keys)

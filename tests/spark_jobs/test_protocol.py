@@ -105,7 +105,7 @@ def test_ledger_row_repaired_after_crash_between_state_and_ledger(spec_path, com
     assert "next run will record it" in status(spec).note
     assert run_batch(spec, compute_factory=compute).status == "no_new_data"
     committed = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == COMMITTED]
-    assert len(committed) == 1 and committed[0].records_in == 20 and committed[0].state_version == 0
+    assert len(committed) == 1 and committed[0].records_in == 20 and committed[0].state_version == 1
     assert_exact(spec_path)
 
 

@@ -32,7 +32,7 @@ def test_each_merge_rule(tmp_path):
     spec = _spec(tmp_path, ["k"], merge)
     state = StateTable(spec)
     first = pa.table({"k": ["a", "b", "c"], "s": [1, 2, None], "lo": [5, 5, None], "hi": [5, 5, 5], "f": ["x", None, "x"], "l": ["x", "x", "x"]})
-    state.commit_batch(None, first, Position(0, 1), {"txn": Position(0, 1).encode()})
+    state.commit_batch(state.create(first), first, Position(0, 1), {"txn": Position(0, 1).encode()})
     second = pa.table({"k": ["a", "b", "c", "d"], "s": [10, None, 3, 4], "lo": [3, 9, 1, 4], "hi": [9, 1, None, 4], "f": ["y", "y", "y", "y"], "l": ["y", None, "y", "y"]})
     version, keys_updated = state.commit_batch(state.open(), second, Position(0, 2), {"txn": Position(0, 2).encode()})
     assert keys_updated == 4
@@ -57,7 +57,8 @@ def test_multi_column_keys(tmp_path):
     state = StateTable(spec)
     t1 = datetime(2026, 1, 1, tzinfo=timezone.utc)
     t2 = datetime(2026, 1, 2, tzinfo=timezone.utc)
-    state.commit_batch(None, pa.table({"country": ["de", "fr"], "user_id": ["u1", "u1"], "n": [1, 1], "seen": [t1, t1]}), Position(0, 1), {"txn": 1})
+    first = pa.table({"country": ["de", "fr"], "user_id": ["u1", "u1"], "n": [1, 1], "seen": [t1, t1]})
+    state.commit_batch(state.create(first), first, Position(0, 1), {"txn": 1})
     state.commit_batch(state.open(), pa.table({"country": ["de", "de"], "user_id": ["u1", "u2"], "n": [5, 1], "seen": [t2, t1]}), Position(0, 2), {"txn": 2})
     rows = _rows(spec, ["country", "user_id"])
     assert {k: r["n"] for k, r in rows.items()} == {("de", "u1"): 6, ("fr", "u1"): 1, ("de", "u2"): 1}
@@ -69,6 +70,7 @@ def test_batch_with_a_column_the_state_lacks_is_refused(tmp_path):
 
     spec = _spec(tmp_path, ["k"], {"n": "sum"})
     state = StateTable(spec)
-    state.commit_batch(None, pa.table({"k": ["a"], "n": [1]}), Position(0, 1), {"txn": 1})
+    first = pa.table({"k": ["a"], "n": [1]})
+    state.commit_batch(state.create(first), first, Position(0, 1), {"txn": 1})
     with pytest.raises(TransformError, match="do not fit the state table's types"):
         state.commit_batch(state.open(), pa.table({"k": ["a"], "n": ["not a number"]}), Position(0, 2), {"txn": 2})

@@ -1,0 +1,80 @@
+"""Fences under real concurrency: processes racing on tables that do not exist yet.
+
+Regression test: the first fenced write used to create the table, and a
+second writer that found the table already there appended its own row from a
+snapshot that already held the winner's, so both landed. Processes are
+spawned (delta-rs's runtime is not fork-safe) and released together by a
+barrier.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pyarrow as pa
+
+from spark_jobs.delta_io import open_table, read_all
+from spark_jobs.fencing import STATE_FENCE, Position
+from spark_jobs.ledger import PLANNED, LedgerRow, OffsetLedger
+from spark_jobs.spec import load_spec
+
+RACERS = 6
+
+
+def _plan(ledger_path: str, barrier, results) -> None:
+    ledger = OffsetLedger(ledger_path, "clicks")
+    view = ledger.load()
+    barrier.wait()
+    row = LedgerRow("clicks", 0, 1, PLANNED, {"files": 0}, {"files": 1})
+    results.put(ledger.append(view, row, "microbatch.plan"))
+
+
+def _commit_state(spec_file: str, barrier, results) -> None:
+    from spark_jobs.delta_io import is_commit_conflict
+    from spark_jobs.state import StateTable
+
+    state = StateTable(load_spec(spec_file))
+    updates = pa.table({"k": ["a"], "n": pa.array([1], pa.int64())})
+    barrier.wait()
+    table = state.open() or state.create(updates)
+    if state.position(table) >= Position(0, 1):
+        results.put("saw it committed")
+        return
+    try:
+        state.commit_batch(table, updates, Position(0, 1), {"txn": Position(0, 1).encode()})
+        results.put("committed")
+    except Exception as exc:
+        results.put("conflict" if is_commit_conflict(exc) else repr(exc))
+
+
+def _race(target, *args) -> list:
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(RACERS), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, results)) for _ in range(RACERS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    return [results.get(timeout=5) for _ in procs]
+
+
+def test_racing_planners_on_a_new_ledger_append_one_row(tmp_path):
+    path = str(tmp_path / "offsets")
+    outcomes = _race(_plan, path)
+    assert outcomes.count(True) == 1, outcomes
+    rows = read_all(open_table(path)).to_pylist()
+    assert len(rows) == 1
+
+
+def test_racing_first_state_commits_merge_once(tmp_path):
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    spec = oracle_spec_dict()
+    spec["state"] = {"path": "lake/state", "keys": ["k"], "merge": {"n": "sum"}}
+    spec_file = write_spec(tmp_path, spec)
+    outcomes = _race(_commit_state, str(spec_file))
+    assert outcomes.count("committed") == 1, outcomes
+    assert set(outcomes) <= {"committed", "conflict", "saw it committed"}, outcomes
+    table = open_table(str(tmp_path / "lake" / "state"))
+    assert read_all(table).to_pylist() == [{"k": "a", "n": 1, "_batch_id": 1}]
+    assert Position.decode(table.transaction_version(STATE_FENCE)) == Position(0, 1)

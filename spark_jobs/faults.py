@@ -5,6 +5,11 @@ when it reaches that point, after printing a marker line to stderr so a test
 can prove the point was actually reached (a crash test whose fault never
 fired proves nothing). Unset, every call is a dictionary lookup.
 
+With ``MICROBATCH_FAULT_ARM_FILE=<path>`` also set, the point fires only if
+it can delete that file: a test arms one crash by creating the file, and
+exactly one process (the first to reach the point) dies. That is how an
+Airflow retry test kills the first attempt and lets the retry through.
+
 ``mid_state_merge`` cannot be hooked inside delta-rs, so a watcher thread
 kills the process as soon as the merge has written its first new data file
 into the state folder, which is after data is written and before (or, when
@@ -21,6 +26,7 @@ import threading
 import time
 
 ENV = "MICROBATCH_FAULT_POINT"
+ARM_FILE_ENV = "MICROBATCH_FAULT_ARM_FILE"
 MARKER = "MICROBATCH-FAULT-POINT-HIT"
 POINTS = (
     "after_reconcile",
@@ -33,6 +39,17 @@ POINTS = (
 )
 
 
+def _armed() -> bool:
+    arm_file = os.environ.get(ARM_FILE_ENV)
+    if not arm_file:
+        return True
+    try:
+        os.remove(arm_file)  # atomic: only one process can win it
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _die(point: str) -> None:
     sys.stderr.write(f"{MARKER} {point} pid={os.getpid()}\n")
     sys.stderr.flush()
@@ -41,13 +58,13 @@ def _die(point: str) -> None:
 
 def fault_point(point: str) -> None:
     """Die here if this is the configured fault point."""
-    if os.environ.get(ENV) == point:
+    if os.environ.get(ENV) == point and _armed():
         _die(point)
 
 
 def watch_for_new_files(point: str, folder: str) -> None:
     """For `mid_state_merge`: die once a new data file appears in `folder`."""
-    if os.environ.get(ENV) != point or "://" in folder:
+    if os.environ.get(ENV) != point or "://" in folder or not _armed():
         return
 
     def data_files() -> set[str]:

@@ -1,0 +1,174 @@
+"""A real Airflow on loopback for end-to-end tests: api-server, scheduler,
+dag-processor and triggerer as separate processes, SQLite, LocalExecutor.
+
+Each process runs in its own session so teardown can kill the whole group:
+Airflow's processes rename themselves and fork workers, which a pattern
+match on the command line would miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveAirflow:
+    def __init__(self, home: Path, pipelines_dir: Path, port: int | None = None) -> None:
+        self.home = home
+        self.port = port or free_port()
+        self.env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            # Local test instance: every request is an admin, no login.
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "AIRFLOW__API_AUTH__JWT_SECRET": "microbatch-test-jwt-secret-not-for-production",
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
+            "MICROBATCH_PIPELINES_DIR": str(pipelines_dir),
+            "MICROBATCH_SPARK_LOG_LEVEL": "ERROR",
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        }
+        self.env.pop("AIRFLOW__CORE__DAGS_FOLDER_OVERRIDE", None)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def start(self) -> LiveAirflow:
+        self.home.mkdir(parents=True, exist_ok=True)
+        migrated = self.airflow("db", "migrate")
+        assert migrated.returncode == 0, migrated.stderr[-3000:]
+        for component in COMPONENTS:
+            log = open(self.home / f"{component}.log", "wb")
+            self.procs.append(
+                subprocess.Popen(
+                    [str(BIN / "airflow"), component],
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        self.wait(lambda: self._get_or_none("/api/v2/monitor/health") is not None, 120, "the api-server to answer")
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 20
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {c} ---\n" + (self.home / f"{c}.log").read_text(errors="replace")[-4000:] for c in COMPONENTS
+        )
+
+    # -- REST API, as the UI calls it ------------------------------------------
+
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:2000]!r}") from None
+
+    def _get_or_none(self, path: str) -> Any:
+        try:
+            return self.api("GET", path)
+        except (AssertionError, OSError):
+            return None
+
+    def wait(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(1)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> None:
+        self.wait(lambda: self._get_or_none(f"/api/v2/dags/{dag_id}") is not None, timeout, f"DAG {dag_id} to be parsed")
+
+    def unpause(self, dag_id: str) -> None:
+        self.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+
+    def runs(self, dag_id: str) -> list[dict[str, Any]]:
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns?order_by=logical_date&limit=100")["dag_runs"]
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        run = self.api("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+        return run["dag_run_id"]
+
+    def wait_for_runs(self, dag_id: str, count: int, timeout: float = 300) -> list[dict[str, Any]]:
+        def done() -> bool:
+            runs = self.runs(dag_id)
+            return len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs)
+
+        self.wait(done, timeout, f"{count} finished run(s) of {dag_id}")
+        return self.runs(dag_id)
+
+    def wait_for_backfills(self, dag_id: str, timeout: float = 120) -> None:
+        """Until the scheduler has marked every backfill of `dag_id` completed."""
+
+        def done() -> bool:
+            backfills = self.api("GET", f"/api/v2/backfills?dag_id={dag_id}")["backfills"]
+            return all(b["completed_at"] for b in backfills)
+
+        self.wait(done, timeout, f"the backfills of {dag_id} to complete")
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str = "run_batch") -> Any:
+        path = f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
+        return self.api("GET", path)["value"]
+
+    def asset_events(self) -> list[dict[str, Any]]:
+        return self.api("GET", "/api/v2/assets/events?limit=100")["asset_events"]

@@ -46,3 +46,25 @@ lock:
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache
+
+# Airflow on this machine: SQLite, LocalExecutor, the project's DAGs and
+# plugins, UI and API on http://127.0.0.1:8080 with no login (local use only).
+AIRFLOW_ENV = AIRFLOW_HOME=$(CURDIR)/.airflow \
+	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
+	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
+	AIRFLOW__CORE__LOAD_EXAMPLES=False \
+	AIRFLOW__CORE__EXECUTOR=LocalExecutor \
+	AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True \
+	AIRFLOW__API__HOST=127.0.0.1 \
+	AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
+	AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
+	PATH=$(CURDIR)/$(BIN):$$PATH
+AIRFLOW_PORT ?= 8080
+
+.PHONY: airflow airflow-cli
+airflow: setup
+	$(AIRFLOW_ENV) $(BIN)/airflow standalone
+
+# Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
+airflow-cli: setup
+	$(AIRFLOW_ENV) $(BIN)/airflow $(ARGS)

@@ -159,3 +159,24 @@ def differences(expected: dict[str, Totals], actual: dict[str, Totals], *, check
         if e.last_seen != a.last_seen:
             problems.append(f"{key}: last_seen expected {e.last_seen}, state has {a.last_seen}")
     return problems
+
+
+def main() -> None:
+    """`python -m spark_jobs.clickstream FOLDER --wave N`: land one wave of click files."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Land synthetic click events (JSON lines) in a folder.")
+    parser.add_argument("folder")
+    parser.add_argument("--wave", type=int, default=0, help="wave number (files of a wave are deterministic)")
+    parser.add_argument("--files", type=int, default=3)
+    parser.add_argument("--records", type=int, default=1000, help="records per file")
+    parser.add_argument("--users", type=int, default=500)
+    parser.add_argument("--bad-every", type=int, default=0, help="make every Nth line malformed")
+    args = parser.parse_args()
+    for path in write_wave(args.folder, args.wave, files=args.files, records_per_file=args.records,
+                           users=args.users, bad_every=args.bad_every):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

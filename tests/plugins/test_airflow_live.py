@@ -32,13 +32,18 @@ def live(tmp_path_factory):
     yearly["state"]["path"] = "lake/yearly"
     yearly["checkpoint"] = "lake/_checkpoints/yearly"
     write_spec(pipelines, yearly, "yearly_clicks.yaml")
+    waiting = oracle_spec_dict(name="waiting_clicks", wait_for_data={"poll_seconds": 2, "timeout_seconds": 90})
+    waiting["source"]["path"] = "landing_waiting"
+    waiting["state"]["path"] = "lake/waiting"
+    waiting["checkpoint"] = "lake/_checkpoints/waiting"
+    write_spec(pipelines, waiting, "waiting_clicks.yaml")
     airflow = LiveAirflow(root / "home", pipelines)
     airflow.env["MICROBATCH_FAULT_POINT"] = "after_state_commit"
     airflow.env["MICROBATCH_FAULT_ARM_FILE"] = str(root / "arm-fault")
     airflow.start()
     airflow.root = root
     try:
-        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks"):
+        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks"):
             airflow.wait_for_dag(dag_id)
         yield airflow
     finally:
@@ -127,3 +132,25 @@ def test_backfill_processes_each_interval_once(live):
         assert outcome["status"] == "no_new_data" and "already covered" in outcome["message"]
     assert len(_committed(spec_file)) == 3
     assert_exact(spec_file)
+
+
+def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
+    spec_file = live.root / "pipelines" / "waiting_clicks.yaml"
+    live.unpause("waiting_clicks")
+    run_id = live.trigger("waiting_clicks", {})
+
+    def sensor_state(rid: str) -> str | None:
+        tis = {t["task_id"]: t for t in live.task_instances("waiting_clicks", rid)}
+        return tis.get("wait_for_data", {}).get("state")
+
+    live.wait(lambda: sensor_state(run_id) == "deferred", 120, "the sensor to defer")  # no worker slot held
+    write_wave(spec_file.parent / "landing_waiting", 0, files=1, records_per_file=40)
+    (run,) = live.wait_for_runs("waiting_clicks", 1, timeout=240)
+    assert run["state"] == "success", live.logs()
+    assert live.xcom("waiting_clicks", run_id)["status"] == "committed"
+    assert_exact(spec_file)
+    # Nothing new: the sensor times out (90 s) and soft-fails, so the batch is skipped.
+    second = live.trigger("waiting_clicks", {})
+    live.wait_for_runs("waiting_clicks", 2, timeout=400)
+    states = {t["task_id"]: t["state"] for t in live.task_instances("waiting_clicks", second)}
+    assert states == {"wait_for_data": "skipped", "run_batch": "skipped"}

@@ -11,6 +11,7 @@ records come back to the driver, as Arrow.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ from spark_jobs.spec import PipelineSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
+
+log = logging.getLogger("microbatch")
 
 #: Raw text kept for a quarantined record; longer lines are cut (and say so).
 MAX_RAW_CHARS = 65_536
@@ -78,6 +81,8 @@ class SparkCompute:
             from pyspark.sql import SparkSession
 
             active = SparkSession.getActiveSession()
+            if active is None:
+                log.info("starting Spark (%s)", self._master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]"))
             self._session = active or default_session(self._master)
             self._owns_session = active is None
         return self._session

@@ -29,32 +29,24 @@ from spark_jobs.spec import PipelineSpec, load_spec
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
 
 
+def _optional_int(title: str, description: str, minimum: int) -> Param:
+    return Param(None, type=["null", "integer"], minimum=minimum, title=title, description=description)
+
+
 def trigger_params() -> dict[str, Param]:
     """The trigger form: validated by JSON schema before a run is created."""
     return {
-        "max_files": Param(
-            None,
-            type=["null", "integer"],
-            minimum=1,
-            title="Max files",
-            description="Cap the files this batch reads (overrides the spec's batch.max_files).",
+        "max_files": _optional_int(
+            "Max files", "Cap the files this batch reads (overrides the spec's batch.max_files).", 1
         ),
-        "max_records": Param(
-            None,
-            type=["null", "integer"],
-            minimum=1,
-            title="Max records",
-            description="Cap the records this batch reads, in whole files (at least one file).",
+        "max_records": _optional_int(
+            "Max records", "Cap the records this batch reads, in whole files (at least one file).", 1
         ),
-        "rewind_to_batch": Param(
-            None,
-            type=["null", "integer"],
-            minimum=0,
-            title="Rewind to batch",
-            description=(
-                "Restore the state to this committed batch first, then process from its offsets "
-                "(0 empties the state). Use it with a backfill to recompute a range."
-            ),
+        "rewind_to_batch": _optional_int(
+            "Rewind to batch",
+            "Restore the state to this committed batch first, then process from its offsets "
+            "(0 empties the state). Use it with a backfill to recompute a range.",
+            0,
         ),
         "dry_run": Param(
             False,

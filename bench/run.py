@@ -91,7 +91,7 @@ def bench_steady(work: Path, batches: int) -> list[float]:
 
     spec_path = make_pipeline(work / "steady")
     spec = load_spec(spec_path)
-    session = default_session()
+    session = default_session(short_lived=False)
     times = []
     for wave in range(batches):
         land(spec_path.parent, wave)
@@ -112,7 +112,7 @@ def bench_big_state(work: Path, keys: int) -> tuple[float, float]:
     from spark_jobs.spark_compute import SparkCompute, default_session
     from spark_jobs.spec import load_spec
 
-    session = default_session()
+    session = default_session(short_lived=False)
     results = []
     for size in (100_000, keys):
         spec_path = make_pipeline(work / f"state{size}")

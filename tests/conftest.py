@@ -36,7 +36,7 @@ def pytest_configure(config):
 def spark():
     from spark_jobs.spark_compute import default_session
 
-    session = default_session("local[2]", app_name="microbatch-tests")
+    session = default_session("local[2]", app_name="microbatch-tests", short_lived=False)
     yield session
     session.stop()
 

@@ -23,6 +23,9 @@ from spark_jobs.delta_io import ensure_table, is_commit_conflict, open_table, re
 from spark_jobs.fencing import ORIGIN, Position, commit_properties, transaction_position
 
 FORMAT_VERSION = 1
+#: Compact the ledger once it has this many data files (two per batch), so
+#: that reading it, which every run does, stays fast after thousands of batches.
+COMPACT_AT_FILES = 64
 
 PLANNED, COMMITTED, REWOUND = "planned", "committed", "rewound"
 
@@ -211,4 +214,20 @@ class OffsetLedger:
             if is_commit_conflict(exc):
                 return False
             raise
+        return True
+
+    def compact(self) -> bool:
+        """Merge the ledger's small files into one when there are many.
+
+        Best effort: compaction carries no fence and conflicts with nothing
+        the protocol relies on; if it loses a race it is simply tried again
+        after a later batch. Returns True if it compacted.
+        """
+        table = open_table(self.path, self.storage_options)
+        if table is None or len(table.file_uris()) < COMPACT_AT_FILES:
+            return False
+        try:
+            table.optimize.compact()
+        except Exception:
+            return False
         return True

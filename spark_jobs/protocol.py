@@ -252,6 +252,8 @@ def run_batch(
         # 5. Project into the ledger.
         reconcile(p)
         fault_point("after_ledger_commit")
+        if p.ledger.compact():
+            log.info("compacted the offset ledger")
     finally:
         compute.close()
 

@@ -78,3 +78,25 @@ def test_racing_first_state_commits_merge_once(tmp_path):
     table = open_table(str(tmp_path / "lake" / "state"))
     assert read_all(table).to_pylist() == [{"k": "a", "n": 1, "_batch_id": 1}]
     assert Position.decode(table.transaction_version(STATE_FENCE)) == Position(0, 1)
+
+
+def test_ledger_compaction_keeps_rows_and_fences(tmp_path):
+    from spark_jobs.fencing import PLAN_FENCE
+    from spark_jobs.ledger import COMPACT_AT_FILES
+
+    ledger = OffsetLedger(str(tmp_path / "offsets"), "clicks")
+    for batch in range(1, COMPACT_AT_FILES + 2):
+        row = LedgerRow("clicks", 0, batch, PLANNED, {"files": batch - 1}, {"files": batch})
+        assert ledger.append(ledger.load(), row, PLAN_FENCE)
+    table = open_table(ledger.path)
+    assert len(table.file_uris()) > COMPACT_AT_FILES
+    assert ledger.compact()
+    table = open_table(ledger.path)
+    assert len(table.file_uris()) == 1
+    view = ledger.load()
+    assert sorted(r.batch_id for r in view.rows) == list(range(1, COMPACT_AT_FILES + 2))
+    assert view.fence(PLAN_FENCE) == Position(0, COMPACT_AT_FILES + 1)
+    # The fence still refuses a replayed append after compaction.
+    again = LedgerRow("clicks", 0, 5, PLANNED, {"files": 4}, {"files": 5})
+    assert not ledger.append(view, again, PLAN_FENCE)
+    assert not ledger.compact()  # nothing left to compact

@@ -47,7 +47,8 @@ def ensure_table(
             path, schema, mode="ignore", name=name, description=description, storage_options=storage_options
         )
     except Exception as exc:
-        if not is_commit_conflict(exc):
+        # A racing creator wrote version 0 first: fine, use its table.
+        if not (is_commit_conflict(exc) or "already exists" in str(exc)):
             raise
     return DeltaTable(path, storage_options=storage_options)
 
@@ -64,12 +65,5 @@ def query(table: DeltaTable, sql: str) -> pa.Table:
 
 
 def is_commit_conflict(exc: BaseException) -> bool:
-    """True for the errors delta-rs raises when another commit won the race.
-
-    Besides `CommitFailedError`, creating a table that another process created
-    a moment earlier surfaces as a generic error saying the version exists.
-    """
-    if isinstance(exc, CommitFailedError):
-        return True
-    text = str(exc)
-    return "already exists" in text or "Concurrent" in text or "conflict" in text.lower()
+    """True for the error delta-rs raises when another commit won the race."""
+    return isinstance(exc, CommitFailedError)

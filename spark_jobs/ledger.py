@@ -119,12 +119,19 @@ def _to_arrow(rows: list[LedgerRow]) -> pa.Table:
     return pa.table(columns, schema=SCHEMA)
 
 
+def scoped(app_id: str, pipeline: str) -> str:
+    """A ledger or quarantine fence belongs to one pipeline: two pipelines
+    sharing a checkpoint folder must not fence each other out."""
+    return f"{app_id}/{pipeline}"
+
+
 @dataclass
 class LedgerView:
     """A snapshot of the ledger, with the derived facts the protocol needs."""
 
     table: DeltaTable | None
     rows: list[LedgerRow]
+    pipeline: str = ""
 
     @property
     def head(self) -> LedgerRow | None:
@@ -161,7 +168,9 @@ class LedgerView:
             for batch_id, row in committed.get(epoch, {}).items():
                 if floor < batch_id <= limit:
                     out.append(row)
-            limit = floor
+            # A rewind to before an earlier rewind point cuts older epochs
+            # at the lower of the two.
+            limit = min(limit, floor)
         out.sort(key=lambda r: r.batch_id)
         return out
 
@@ -172,7 +181,7 @@ class LedgerView:
         return None
 
     def fence(self, app_id: str) -> Position:
-        return transaction_position(self.table, app_id) if self.table else ORIGIN
+        return transaction_position(self.table, scoped(app_id, self.pipeline)) if self.table else ORIGIN
 
 
 class OffsetLedger:
@@ -186,9 +195,9 @@ class OffsetLedger:
     def load(self) -> LedgerView:
         table = open_table(self.path, self.storage_options)
         if table is None:
-            return LedgerView(None, [])
+            return LedgerView(None, [], self.pipeline)
         records = read_all(table, where=f"pipeline = '{self.pipeline}'").to_pylist()
-        return LedgerView(table, [LedgerRow.from_arrow(r) for r in records])
+        return LedgerView(table, [LedgerRow.from_arrow(r) for r in records], self.pipeline)
 
     def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:
         """Append `row`, fenced by `app_id` at the row's position.
@@ -205,9 +214,10 @@ class OffsetLedger:
             table = ensure_table(
                 self.path, SCHEMA, storage_options=self.storage_options, name=f"{self.pipeline} offset ledger"
             )
-        if transaction_position(table, app_id) >= row.position:
+        fence = scoped(app_id, self.pipeline)
+        if transaction_position(table, fence) >= row.position:
             return False
-        props = commit_properties(app_id, row.position, {"microbatch.event": row.status})
+        props = commit_properties(fence, row.position, {"microbatch.event": row.status})
         try:
             write_deltalake(table, _to_arrow([row]), mode="append", commit_properties=props)
         except Exception as exc:

@@ -321,14 +321,23 @@ def _row_from_commit(pipeline: str, commit: StateCommit) -> LedgerRow:
 
 
 def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> BatchOutcome:
-    """Restore the state to batch `to_batch` and continue from its offsets."""
+    """Restore the state to batch `to_batch` and continue from its offsets.
+
+    Also the way out when the state table is behind the ledger (someone
+    restored or replaced it): the rewind then starts from the ledger alone.
+    """
     started = time.monotonic()
     p = Pipeline(spec)
-    view = reconcile(p)
+    try:
+        view = reconcile(p)
+        recovering = False
+    except StateBehindLedgerError:
+        view = p.ledger.load()
+        recovering = True
     head = view.position
     if to_batch < 0 or to_batch > head.batch_id:
         raise RewindError(f"pipeline {spec.name}: cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
-    if to_batch == head.batch_id:
+    if to_batch == head.batch_id and not recovering:
         raise RewindError(f"pipeline {spec.name}: already at batch {to_batch}; nothing to rewind")
     if to_batch == 0:
         version, end_offsets = None, p.source.origin
@@ -340,6 +349,12 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> Batc
     table = p.state.open()
     if table is None:
         raise RewindError(f"pipeline {spec.name}: there is no state table at {p.state.path} to rewind")
+    # The restore commits from this snapshot: its fence must be where the
+    # ledger says (or, recovering, behind it), else a run or another rewind
+    # moved the pipeline since we looked.
+    current = p.state.position(table)
+    if (current != head) if not recovering else not (current < head):
+        raise ConcurrentRunError(f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again")
     new = Position(head.epoch + 1, to_batch)
     metadata = {
         "txn": new.encode(),

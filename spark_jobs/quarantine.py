@@ -14,7 +14,8 @@ from deltalake import write_deltalake
 
 from spark_jobs.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
-from spark_jobs.ledger import utcnow
+from spark_jobs.errors import ConcurrentRunError
+from spark_jobs.ledger import scoped, utcnow
 
 SCHEMA = pa.schema(
     [
@@ -35,12 +36,13 @@ class Quarantine:
         self.path = path
         self.pipeline = pipeline
         self.storage_options = storage_options
+        self.fence = scoped(QUARANTINE_FENCE, pipeline)
 
     def write(self, records: pa.Table, position: Position) -> bool:
         """Append one batch's quarantined records, once. True if we wrote them."""
         for _ in range(3):
             table = ensure_table(self.path, SCHEMA, storage_options=self.storage_options, name=f"{self.pipeline} quarantine")
-            if transaction_position(table, QUARANTINE_FENCE) >= position:
+            if transaction_position(table, self.fence) >= position:
                 return False  # an earlier attempt at this batch wrote them
             n = records.num_rows
             rows = pa.table(
@@ -56,7 +58,7 @@ class Quarantine:
                 },
                 schema=SCHEMA,
             )
-            props = commit_properties(QUARANTINE_FENCE, position, {"microbatch.event": "quarantine"})
+            props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
             try:
                 write_deltalake(table, rows, mode="append", commit_properties=props)
                 return True
@@ -65,4 +67,9 @@ class Quarantine:
                     raise
                 # Someone else committed with the quarantine fence since our
                 # snapshot: look again (it was probably the same batch).
-        return False
+        # Fail closed: committing the state without its quarantined records
+        # would lose them.
+        raise ConcurrentRunError(
+            f"pipeline {self.pipeline}: could not write the quarantine for {position} "
+            "(the table kept changing); nothing was committed, run again"
+        )

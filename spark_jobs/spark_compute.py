@@ -273,8 +273,9 @@ def _explain(spec: PipelineSpec, batch: BatchRange, exc: Exception) -> Exception
         if entry["name"] in text or entry["uri"] in text:
             return SourceError(
                 f"pipeline {spec.name}: cannot read source file {entry['name']} "
-                f"({text.strip().splitlines()[0][:300]}). Nothing was consumed: fix or remove "
-                "the file and run again."
+                f"({text.strip().splitlines()[0][:300]}). Nothing was consumed. The batch is "
+                "planned and replays exactly its planned files: put a readable copy of the "
+                "file back and run again."
             )
     first = text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
     return ComputeError(f"pipeline {spec.name}: the batch failed in Spark: {first}")

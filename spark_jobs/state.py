@@ -96,6 +96,12 @@ class StateTable:
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
         props = commit_properties(STATE_FENCE, position, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
         data = self._align(table, data)
+        if data.num_rows == 0:
+            # A MERGE with an empty source makes no commit in delta-rs, which
+            # would leave the fence behind and the batch replayed forever
+            # (e.g. a batch whose records were all quarantined). Commit the
+            # fence with an empty append instead.
+            return self._fenced_empty_commit(table, props), 0
         keys = self.spec.state.keys
         predicate = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in keys)
         updates_expr = {_q(c): merge_expression(c, rule) for c, rule in self.spec.state.merge.items()}
@@ -139,12 +145,29 @@ class StateTable:
             ) from exc
 
     def restore(self, table: DeltaTable, version: int | None, position: Position, metadata: dict[str, Any]) -> int:
-        """Put the state back as of `version` (None: empty), fenced at `position`."""
+        """Put the state back as of `version` (None: empty), fenced at `position`.
+
+        Commits from `table`'s snapshot, which the caller has checked.
+        """
         props = commit_properties(STATE_FENCE, position, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        before = table.version()
         if version is None:
             table.delete(commit_properties=props)
         else:
             table.restore(version, commit_properties=props)
+        table.update_incremental()
+        if table.version() == before:
+            # Nothing to delete or restore: delta-rs made no commit, but the
+            # fence must still move.
+            return self._fenced_empty_commit(table, props)
+        return table.version()
+
+    @staticmethod
+    def _fenced_empty_commit(table: DeltaTable, props) -> int:
+        from deltalake import write_deltalake
+
+        empty = pa.schema(table.schema().to_arrow()).empty_table()
+        write_deltalake(table, empty, mode="append", commit_properties=props)
         table.update_incremental()
         return table.version()
 

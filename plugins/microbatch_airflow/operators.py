@@ -129,8 +129,14 @@ class MicroBatchOperator(BaseOperator):
     def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> None:
         """Rewind, unless this Airflow run already did (a retry must not rewind twice)."""
         from spark_jobs import protocol
+        from spark_jobs.errors import StateBehindLedgerError
         from spark_jobs.ledger import REWOUND
 
+        # Record a rewind a killed attempt made before it could write its ledger row.
+        try:
+            protocol.reconcile(protocol.Pipeline(spec))
+        except StateBehindLedgerError:
+            pass  # the rewind below is the way out
         if any(row.status == REWOUND and row.run_id == run_id for row in protocol.history(spec)):
             self.log.info("this run already rewound the pipeline; not rewinding again")
             return

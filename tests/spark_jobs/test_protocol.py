@@ -121,3 +121,86 @@ def test_no_new_data_starts_no_jvm(spec_path, compute):
     assert "no_new_data: no new data (pipeline at batch 1 (epoch 0))" in result.stdout
     result = run_cli("run", str(spec_path), "--until", "2000-01-01T00:00:00Z", env=env)
     assert "this interval is already covered" in result.stdout
+
+
+def test_batch_with_every_record_quarantined_still_commits(spec_path, compute):
+    """An empty MERGE makes no Delta commit; the fence must move anyway."""
+    spec = load_spec(spec_path)
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=1, records_per_file=20)
+    run_batch(spec, compute_factory=compute)
+    (landing / "all-bad.json").write_text("not json\n[1]\n")
+    outcome = run_batch(spec, compute_factory=compute)
+    assert outcome.status == "committed" and outcome.batch_id == 2
+    assert outcome.records_in == 2 and outcome.records_quarantined == 2 and outcome.keys_updated == 0
+    write_wave(landing, 1, files=1, records_per_file=20)
+    assert run_batch(spec, compute_factory=compute).batch_id == 3  # the pipeline goes on
+    assert_exact(spec_path)
+
+
+def test_rewind_to_zero_of_an_empty_state_still_moves_the_fence(spec_path, compute):
+    """DELETE on a table with no rows makes no Delta commit; the rewind must still fence."""
+    spec = load_spec(spec_path)
+    (spec_path.parent / "landing" / "all-bad.json").write_text("not json\n")
+    assert run_batch(spec, compute_factory=compute).keys_updated == 0  # state exists, empty
+    outcome = rewind(spec, 0)
+    assert (outcome.epoch, outcome.batch_id) == (1, 0)
+    assert Position.decode(open_table(spec.state_path).transaction_version(STATE_FENCE)) == Position(1, 0)
+    replay = run_batch(spec, compute_factory=compute)
+    assert (replay.epoch, replay.batch_id, replay.records_quarantined) == (1, 1, 1)
+    assert_exact(spec_path)
+
+
+def test_rewind_to_before_an_earlier_rewind_point(spec_path, compute):
+    spec = load_spec(spec_path)
+    landing = spec_path.parent / "landing"
+    for wave in range(4):
+        write_wave(landing, wave, files=1, records_per_file=30)
+        run_batch(spec, compute_factory=compute)
+    rewind(spec, 3)
+    rewind(spec, 1)  # before the first rewind's point: epoch 0 is cut at batch 1, not 3
+    assert_exact(spec_path, drained=False)
+    replay = run_batch(spec, compute_factory=compute)
+    assert replay.start_offsets == {"files": 1} and replay.end_offsets == {"files": 4}
+    assert_exact(spec_path)
+
+
+def test_rewind_recovers_a_state_table_behind_the_ledger(spec_path, compute):
+    import pyarrow as pa
+    import pytest
+    from deltalake import write_deltalake
+
+    from spark_jobs.errors import StateBehindLedgerError
+    from spark_jobs.fencing import commit_properties
+
+    spec = load_spec(spec_path)
+    landing = spec_path.parent / "landing"
+    for wave in range(3):
+        write_wave(landing, wave, files=1, records_per_file=30)
+        run_batch(spec, compute_factory=compute)
+    # Someone moves the state's fence back (as replacing the table would).
+    table = open_table(spec.state_path)
+    empty = pa.schema(table.schema().to_arrow()).empty_table()
+    write_deltalake(table, empty, mode="append", commit_properties=commit_properties(STATE_FENCE, Position(0, 1), {}))
+    with pytest.raises(StateBehindLedgerError, match="microbatch rewind"):
+        run_batch(spec, compute_factory=compute)
+    rewind(spec, 1)  # the way out the message names
+    run_batch(spec, compute_factory=compute)
+    assert_exact(spec_path)
+
+
+def test_two_pipelines_can_share_a_checkpoint_folder(tmp_path, compute):
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    paths = []
+    for name in ("first", "second"):
+        spec = oracle_spec_dict(name=name, checkpoint="lake/_checkpoints/shared")
+        spec["source"]["path"] = f"landing_{name}"
+        spec["state"]["path"] = f"lake/{name}"
+        paths.append(write_spec(tmp_path, spec, f"{name}.yaml"))
+        write_wave(tmp_path / f"landing_{name}", 0, files=1, records_per_file=40, bad_every=7)
+    for path in paths:
+        assert run_batch(load_spec(path), compute_factory=compute).status == "committed"
+    for path in paths:
+        assert_exact(path)
+        assert run_batch(load_spec(path), compute_factory=compute).status == "no_new_data"

@@ -18,6 +18,7 @@ install location; a mismatch makes the JVM silently skip it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -35,6 +36,7 @@ OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 
 
+@functools.cache
 def _java_version() -> str:
     try:
         out = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30).stderr

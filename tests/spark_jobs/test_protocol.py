@@ -14,6 +14,14 @@ from spark_jobs.spec import load_spec
 from tests.conftest import assert_exact, run_cli
 
 
+def _land_and_run(spec, compute, waves: int, **wave_args) -> None:
+    """One batch per wave of files."""
+    landing = spec.source_path
+    for wave in range(waves):
+        write_wave(landing, wave, **wave_args)
+        run_batch(spec, compute_factory=compute)
+
+
 def test_batches_are_exact_and_ledger_joins(spec_path, compute):
     spec = load_spec(spec_path)
     landing = spec_path.parent / "landing"
@@ -48,10 +56,7 @@ def test_dry_run_commits_nothing(spec_path, compute):
 
 def test_rewind_then_replay_is_exact_in_a_new_epoch(spec_path, compute):
     spec = load_spec(spec_path)
-    landing = spec_path.parent / "landing"
-    for wave in range(3):
-        write_wave(landing, wave, files=1, records_per_file=200, users=30)
-        run_batch(spec, compute_factory=compute)
+    _land_and_run(spec, compute, 3, files=1, records_per_file=200, users=30)
     before = assert_exact(spec_path)
     outcome = rewind(spec, 1)
     assert outcome.epoch == 1 and outcome.batch_id == 1
@@ -153,10 +158,7 @@ def test_rewind_to_zero_of_an_empty_state_still_moves_the_fence(spec_path, compu
 
 def test_rewind_to_before_an_earlier_rewind_point(spec_path, compute):
     spec = load_spec(spec_path)
-    landing = spec_path.parent / "landing"
-    for wave in range(4):
-        write_wave(landing, wave, files=1, records_per_file=30)
-        run_batch(spec, compute_factory=compute)
+    _land_and_run(spec, compute, 4, files=1, records_per_file=30)
     rewind(spec, 3)
     rewind(spec, 1)  # before the first rewind's point: epoch 0 is cut at batch 1, not 3
     assert_exact(spec_path, drained=False)
@@ -174,10 +176,7 @@ def test_rewind_recovers_a_state_table_behind_the_ledger(spec_path, compute):
     from spark_jobs.fencing import commit_properties
 
     spec = load_spec(spec_path)
-    landing = spec_path.parent / "landing"
-    for wave in range(3):
-        write_wave(landing, wave, files=1, records_per_file=30)
-        run_batch(spec, compute_factory=compute)
+    _land_and_run(spec, compute, 3, files=1, records_per_file=30)
     # Someone moves the state's fence back (as replacing the table would).
     table = open_table(spec.state_path)
     empty = pa.schema(table.schema().to_arrow()).empty_table()

@@ -94,21 +94,25 @@ def test_parquet_source(tmp_path, compute):
     assert _state(spec)["u1"]["amount"] == 4.0
 
 
+def _spec_with_transform(tmp_path, sql: str, *lines: str):
+    """The simple pipeline with another transform, and one input file."""
+    spec = load_spec(write_spec(tmp_path, oracle_spec_dict(**{**SIMPLE, "transform": sql})))
+    (tmp_path / "landing" / "a.json").write_text("".join(f"{line}\n" for line in lines))
+    return spec
+
+
 def test_transform_returning_duplicate_keys_is_refused(tmp_path, compute):
-    spec_dict = oracle_spec_dict(**SIMPLE)
-    spec_dict["transform"] = "SELECT user_id, 1L AS events, amount FROM batch"
-    spec = load_spec(write_spec(tmp_path, spec_dict))
-    (tmp_path / "landing" / "a.json").write_text('{"user_id":"u","amount":1}\n{"user_id":"u","amount":2}\n')
+    spec = _spec_with_transform(
+        tmp_path, "SELECT user_id, 1L AS events, amount FROM batch", '{"user_id":"u","amount":1}', '{"user_id":"u","amount":2}'
+    )
     with pytest.raises(TransformError, match="one row per key"):
         run_batch(spec, compute_factory=compute)
     assert open_table(spec.state_path) is None
 
 
 def test_transform_sql_error_names_the_problem(tmp_path, compute):
-    spec_dict = oracle_spec_dict(**SIMPLE)
-    spec_dict["transform"] = "SELECT user_id, count(*) AS events, sum(amount) AS amount FROM batch GROUP BY nope"
-    spec = load_spec(write_spec(tmp_path, spec_dict))
-    (tmp_path / "landing" / "a.json").write_text('{"user_id":"u","amount":1}\n')
+    sql = "SELECT user_id, count(*) AS events, sum(amount) AS amount FROM batch GROUP BY nope"
+    spec = _spec_with_transform(tmp_path, sql, '{"user_id":"u","amount":1}')
     with pytest.raises(TransformError, match="transform SQL failed"):
         run_batch(spec, compute_factory=compute)
     assert not (tmp_path / "lake").exists()

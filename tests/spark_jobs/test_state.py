@@ -74,3 +74,20 @@ def test_batch_with_a_column_the_state_lacks_is_refused(tmp_path):
     state.commit_batch(state.create(first), first, Position(0, 1), {"txn": 1})
     with pytest.raises(TransformError, match="do not fit the state table's types"):
         state.commit_batch(state.open(), pa.table({"k": ["a"], "n": ["not a number"]}), Position(0, 2), {"txn": 2})
+
+
+def test_find_commit_looks_past_later_commits(tmp_path):
+    """Another writer's commits after ours (an OPTIMIZE, say) do not hide it."""
+    from deltalake import write_deltalake
+
+    from spark_jobs.state import StateTable
+
+    spec = _spec(tmp_path, ["k"], {"n": "sum"})
+    state = StateTable(spec)
+    first = pa.table({"k": ["a"], "n": [1]})
+    version, _ = state.commit_batch(state.create(first), first, Position(0, 1), {"txn": Position(0, 1).encode()})
+    for i in range(20):  # more than the first search windows
+        write_deltalake(spec.state_path, pa.table({"k": [f"x{i}"], "n": [0], "_batch_id": [0]}), mode="append")
+    found = state.find_commit(state.open(), Position(0, 1))
+    assert found is not None and found.version == version
+    assert state.find_commit(state.open(), Position(0, 2)) is None

@@ -13,9 +13,17 @@ import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
+from spark_jobs.storage import delta_storage_options
+
 
 def open_table(path: str, storage_options: dict[str, str] | None = None) -> DeltaTable | None:
-    """The table at `path`, or None if there is no Delta table there yet."""
+    """The table at `path`, or None if there is no Delta table there yet.
+
+    Without `storage_options`, S3 locations get theirs from boto3's chain
+    (`spark_jobs.storage`).
+    """
+    if storage_options is None:
+        storage_options = delta_storage_options(path)
     try:
         return DeltaTable(path, storage_options=storage_options)
     except TableNotFoundError:
@@ -39,6 +47,8 @@ def ensure_table(
     created empty (racing creators: one wins, the others find it) and every
     fenced commit goes through the normal snapshot check.
     """
+    if storage_options is None:
+        storage_options = delta_storage_options(path)
     table = open_table(path, storage_options)
     if table is not None:
         return table
@@ -53,10 +63,9 @@ def ensure_table(
     return DeltaTable(path, storage_options=storage_options)
 
 
-def read_all(table: DeltaTable, where: str | None = None, columns: str = "*") -> pa.Table:
-    """Read a table snapshot (optionally filtered) through delta-rs's engine."""
-    sql = f"SELECT {columns} FROM t" + (f" WHERE {where}" if where else "")
-    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+def read_all(table: DeltaTable) -> pa.Table:
+    """Read a whole table snapshot through delta-rs's engine."""
+    return pa.table(QueryBuilder().register("t", table).execute("SELECT * FROM t").read_all())
 
 
 def query(table: DeltaTable, sql: str) -> pa.Table:

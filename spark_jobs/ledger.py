@@ -196,7 +196,8 @@ class OffsetLedger:
         table = open_table(self.path, self.storage_options)
         if table is None:
             return LedgerView(None, [], self.pipeline)
-        records = read_all(table, where=f"pipeline = '{self.pipeline}'").to_pylist()
+        # Filtered here, not in SQL: the pipeline name never becomes query text.
+        records = [r for r in read_all(table).to_pylist() if r["pipeline"] == self.pipeline]
         return LedgerView(table, [LedgerRow.from_arrow(r) for r in records], self.pipeline)
 
     def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:

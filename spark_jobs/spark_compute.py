@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
+from spark_jobs import s3_read
 from spark_jobs.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
 from spark_jobs.errors import ComputeError, SourceError, TransformError
 from spark_jobs.jvm_cache import driver_java_options
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.spec import PipelineSpec
+from spark_jobs.storage import endpoint_url, is_s3, region
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -47,6 +50,9 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     from pyspark.sql import SparkSession
 
     master = master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
+    # Python workers (S3 fetches, Arrow transfers) need this interpreter's
+    # packages; Spark's default is whatever `python3` is on the PATH.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if master.startswith("local"):
         # Bind the driver to loopback: nothing local needs another interface.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -163,9 +169,8 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         fields = spec.source.fields
-        lines = self.spark.read.text(uris, wholetext=True).select(
-            F.col("_metadata.file_path").alias("_file"),
-            F.posexplode(F.split(F.col("value"), "\r?\n")).alias("_pos", "_raw"),
+        lines = self._whole_files(uris).select(
+            "_file", F.posexplode(F.split(F.col("value"), "\r?\n")).alias("_pos", "_raw")
         )
         lines = lines.where(F.trim(F.col("_raw")) != "").withColumn("_line", F.col("_pos") + 1)
         text_schema = ", ".join(f"{_q(f.name)} STRING" for f in fields) + ", `_corrupt` STRING"
@@ -218,9 +223,14 @@ class SparkCompute:
     def _read_parquet(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
         from pyspark.sql import functions as F
 
-        df = self.spark.read.option("mergeSchema", "true").parquet(*uris)
-        present = {c.lower(): c for c in df.columns}
         fields = spec.source.fields
+        if any(is_s3(uri) for uri in uris):
+            df = s3_read.parquet_rows(self.spark, uris, endpoint_url(), region(), [f.name for f in fields])
+            file_col, line_col, data_columns = F.col("_file"), F.col("_line"), [f.name for f in fields]
+        else:
+            df = self.spark.read.option("mergeSchema", "true").parquet(*uris)
+            file_col, line_col, data_columns = F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, df.columns
+        present = {c.lower(): c for c in data_columns}
         checks: list[Column] = []
         typed: list[Column] = []
         for f in fields:
@@ -237,14 +247,22 @@ class SparkCompute:
                 value = F.lit(None).cast(f.type)
             typed.append(value.alias(f.name))
         checks.extend(self._key_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
-        raw = F.to_json(F.struct(*[F.col(_q(c)) for c in df.columns]))
+        raw = F.to_json(F.struct(*[F.col(_q(c)) for c in data_columns]))
         return df.select(
-            F.col("_metadata.file_path").alias("_file"),
-            (F.col("_metadata.row_index") + 1).alias("_line"),
+            file_col.alias("_file"),
+            line_col.alias("_line"),
             raw.alias("_raw"),
             *typed,
             F.coalesce(*checks).alias("_reason"),
         )
+
+    def _whole_files(self, uris: list[str]) -> DataFrame:
+        """One row per file: `_file` (its URI) and `value` (its whole text)."""
+        from pyspark.sql import functions as F
+
+        if any(is_s3(uri) for uri in uris):
+            return s3_read.whole_objects(self.spark, uris, endpoint_url(), region())
+        return self.spark.read.text(uris, wholetext=True).select(F.col("_metadata.file_path").alias("_file"), "value")
 
     @staticmethod
     def _key_checks(spec: PipelineSpec, typed: dict[str, Column]) -> list[Column]:

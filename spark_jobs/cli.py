@@ -56,8 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"microbatch {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only print the result")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Every command reads the spec's locations, so every command takes the roots.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-root",
+        action="append",
+        metavar="ROOT",
+        help="only allow source, state and checkpoint under this folder or s3://bucket/prefix "
+        "(repeatable; replaces MICROBATCH_STORAGE_ROOTS)",
+    )
 
-    run = sub.add_parser("run", help="run one micro-batch")
+    run = sub.add_parser("run", help="run one micro-batch", parents=[common])
     run.add_argument("spec", help="pipeline spec (YAML)")
     run.add_argument("--max-files", type=_positive, help="cap files for this batch (overrides the spec)")
     run.add_argument("--max-records", type=_positive, help="cap records for this batch, in whole files")
@@ -66,16 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
-    status = sub.add_parser("status", help="where the pipeline stands")
+    status = sub.add_parser("status", help="where the pipeline stands", parents=[common])
     status.add_argument("spec")
     status.add_argument("--json", action="store_true")
 
-    history = sub.add_parser("history", help="the offset ledger")
+    history = sub.add_parser("history", help="the offset ledger", parents=[common])
     history.add_argument("spec")
     history.add_argument("--json", action="store_true")
     history.add_argument("--limit", type=_positive, help="only the last N rows (human output)")
 
-    rewind = sub.add_parser("rewind", help="restore state to a batch and continue from its offsets")
+    rewind = sub.add_parser("rewind", help="restore state to a batch and continue from its offsets", parents=[common])
     rewind.add_argument("spec")
     rewind.add_argument("--to-batch", type=_non_negative, required=True, metavar="K")
     rewind.add_argument("--json", action="store_true")
@@ -109,7 +118,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from spark_jobs import protocol
     from spark_jobs.spec import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec, storage_roots=args.storage_root)
     if args.command == "run":
         options = protocol.RunOptions(
             interval_end=args.until, max_files=args.max_files, max_records=args.max_records, dry_run=args.dry_run

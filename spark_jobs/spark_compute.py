@@ -22,6 +22,7 @@ from spark_jobs.errors import ComputeError, SourceError, TransformError
 from spark_jobs.jvm_cache import driver_java_options
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.spec import PipelineSpec
+from spark_jobs.sql_text import spark_identifier
 from spark_jobs.storage import endpoint_url, is_s3, region
 
 if TYPE_CHECKING:
@@ -31,11 +32,16 @@ log = logging.getLogger("microbatch")
 
 #: Raw text kept for a quarantined record; longer lines are cut (and say so).
 MAX_RAW_CHARS = 65_536
+#: Raw text kept for a line over `source.max_line_bytes`: it was never parsed,
+#: and a few such lines must not bloat the quarantine table.
+LONG_LINE_RAW_CHARS = 1_024
+_FLOATING = ("FLOAT", "DOUBLE")
+_INTEGRAL = ("TINYINT", "SMALLINT", "INT", "BIGINT")
 
 
 def _q(name: str) -> str:
     """Quote a (validated) identifier for Spark SQL."""
-    return f"`{name}`"
+    return spark_identifier(name)
 
 
 def default_session(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> SparkSession:
@@ -119,18 +125,19 @@ class SparkCompute:
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         from pyspark.sql import functions as F
 
-        parsed = self._read(spec, batch.uris).cache()
+        parsed = None
         try:
+            # Inside the try: reading a Parquet schema already opens the files.
+            parsed = self._read(spec, batch.uris).cache()
             records_in = parsed.count()
+            cut = F.length("_raw") > F.col("_keep")
             bad = parsed.where(F.col("_reason").isNotNull()).select(
                 F.col("_file").alias("file"),
                 F.col("_line").cast("long").alias("line"),
-                F.when(F.length("_raw") > MAX_RAW_CHARS, F.substring("_raw", 1, MAX_RAW_CHARS))
-                .otherwise(F.col("_raw"))
-                .alias("raw"),
+                F.when(cut, F.col("_raw").substr(F.lit(1), F.col("_keep"))).otherwise(F.col("_raw")).alias("raw"),
                 F.when(
-                    F.length("_raw") > MAX_RAW_CHARS,
-                    F.concat(F.col("_reason"), F.lit(f" (raw text cut to {MAX_RAW_CHARS} characters)")),
+                    cut,
+                    F.concat(F.col("_reason"), F.lit(" (raw text cut to "), F.col("_keep").cast("string"), F.lit(" characters)")),
                 )
                 .otherwise(F.col("_reason"))
                 .alias("reason"),
@@ -143,7 +150,8 @@ class SparkCompute:
         except Exception as exc:
             raise _explain(spec, batch, exc) from exc
         finally:
-            parsed.unpersist()
+            if parsed is not None:
+                parsed.unpersist()
         return ComputeResult(validate_updates(spec, updates), quarantine, records_in)
 
     # -- internals ------------------------------------------------------------
@@ -169,56 +177,105 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         fields = spec.source.fields
+        # Spark decodes text as UTF-8, replacing bytes that are not UTF-8 with
+        # U+FFFD, and `split` works on the decoded text: validity can only be
+        # tested on the whole file, before the split. In a file that is not
+        # valid UTF-8, the lines holding U+FFFD are the ones that were not.
         lines = self._whole_files(uris).select(
-            "_file", F.posexplode(F.split(F.col("value"), "\r?\n")).alias("_pos", "_raw")
+            "_file",
+            F.expr("is_valid_utf8(value)").alias("_utf8_file"),
+            F.posexplode(F.split(F.col("value"), "\r?\n")).alias("_pos", "_raw"),
         )
-        lines = lines.where(F.trim(F.col("_raw")) != "").withColumn("_line", F.col("_pos") + 1)
+        # A byte-order mark is not part of the first record (editors on
+        # Windows write one; left in, it breaks the first JSON object or header).
+        lines = lines.withColumn(
+            "_raw", F.when(F.col("_pos") == 0, F.regexp_replace("_raw", "^\ufeff", "")).otherwise(F.col("_raw"))
+        )
+        # Whitespace-only lines (tabs included) are not records.
+        lines = lines.where(F.col("_raw").rlike("\\S")).withColumn("_line", F.col("_pos") + 1)
+        lines = lines.withColumn("_bytes", F.octet_length("_raw"))
+        too_long = F.col("_bytes") > F.lit(limit)
+        not_utf8 = ~F.col("_utf8_file") & F.col("_raw").contains("\ufffd")
+        # Over-long and undecodable lines are not parsed at all.
+        parse_input = F.when(~too_long & ~not_utf8, F.col("_raw"))
         text_schema = ", ".join(f"{_q(f.name)} STRING" for f in fields) + ", `_corrupt` STRING"
         options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt"}
-        header_reason: Column | None = None
+        checks: list[Column] = [
+            F.when(
+                too_long,
+                F.concat(
+                    F.lit("line is "),
+                    F.col("_bytes").cast("string"),
+                    F.lit(f" bytes, longer than source.max_line_bytes ({limit}); not parsed"),
+                ),
+            ),
+            F.when(
+                not_utf8,
+                F.lit("line is not valid UTF-8 (the bytes that are not were replaced by U+FFFD in raw); not parsed"),
+            ),
+        ]
         if spec.source.format == "json":
-            record = F.from_json(F.col("_raw"), text_schema, options)
+            record = F.from_json(parse_input, text_schema, options)
             shape_reason = "malformed JSON: not a JSON object on one line"
         else:
             csv = spec.source.csv
             options["sep"] = csv.delimiter
-            record = F.from_csv(F.col("_raw"), text_schema, options)
+            record = F.from_csv(parse_input, text_schema, options)
             shape_reason = f"malformed CSV: expected {len(fields)} columns separated by {csv.delimiter!r}"
             if csv.header:
-                # The first non-blank line of each file is its header; records
-                # of a file whose header does not name the schema's columns in
-                # order would be misread, so they are quarantined instead.
-                expected = csv.delimiter.join(f.name for f in fields)
-                first = F.min("_line").over(_by_file())
-                header_line = F.first(F.when(F.col("_line") == first, F.col("_raw")), ignorenulls=True).over(_by_file())
-                lines = lines.withColumn("_is_header", F.col("_line") == first).withColumn(
-                    "_header", F.regexp_replace(header_line, r"[\s\"]", "")
-                )
-                lines = lines.where(~F.col("_is_header"))
-                header_reason = F.when(
-                    F.col("_header") != F.lit(expected),
-                    F.concat(F.lit("CSV header '"), F.col("_header"), F.lit(f"' does not match source.schema '{expected}'")),
-                )
+                lines, header_reason = self._csv_header(lines, spec)
+                checks.append(header_reason)
         parsed = lines.withColumn("_r", record)
-        checks: list[Column] = []
-        if header_reason is not None:
-            checks.append(header_reason)
         checks.append(F.when(F.col("_r").isNull() | F.col("_r._corrupt").isNotNull(), F.lit(shape_reason)))
         typed: list[Column] = []
         for f in fields:
             text = F.col(f"_r.{_q(f.name)}")
-            value = text if f.type == "STRING" else F.expr(f"try_cast(_r.{_q(f.name)} AS {f.type})")
+            if f.type in _FLOATING:
+                # from_json hands JSON's bare NaN / Infinity tokens (and numbers
+                # too large for a double, which Jackson reads as Infinity) to a
+                # STRING field quoted; unquote them so they are reported as
+                # non-finite rather than as text.
+                text = F.regexp_replace(text, '^"(NaN|[+-]?Infinity)"$', "$1")
+            value = text if f.type == "STRING" else text.try_cast(f.type)
             typed.append(value.alias(f.name))
             if f.type != "STRING":
                 checks.append(
                     F.when(
                         text.isNotNull() & value.isNull(),
-                        F.concat(F.lit(f"field {f.name}: '"), F.substring(text, 1, 200), F.lit(f"' is not a {f.type}")),
+                        F.concat(F.lit(f"field {f.name}: '"), F.substring(text, 1, 200), F.lit(f"' {_cast_problem(f.type)}")),
                     )
                 )
-        checks.extend(self._key_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
+        checks.extend(self._value_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
         reason = F.coalesce(*checks)
-        return parsed.select("_file", "_line", "_raw", *typed, reason.alias("_reason"))
+        keep = F.when(too_long, F.lit(LONG_LINE_RAW_CHARS)).otherwise(F.lit(MAX_RAW_CHARS))
+        return parsed.select("_file", "_line", "_raw", *typed, reason.alias("_reason"), keep.alias("_keep"))
+
+    @staticmethod
+    def _csv_header(lines: DataFrame, spec: PipelineSpec) -> tuple[DataFrame, Column]:
+        """Drop each file's header line; a reason for records under a header that does not fit.
+
+        The first non-blank line of each file is its header. Records of a file
+        whose header does not name the schema's columns in order would be
+        misread, so they are quarantined instead. Columns are compared one by
+        one (spaces and quotes around names ignored), so any delimiter works,
+        a tab included.
+        """
+        from pyspark.sql import functions as F
+
+        delimiter = spec.source.csv.delimiter
+        expected = ",".join(f.name for f in spec.source.fields)
+        first = F.min("_line").over(_by_file())
+        header_line = F.first(F.when(F.col("_line") == first, F.col("_raw")), ignorenulls=True).over(_by_file())
+        names = F.transform(
+            F.split(header_line, "\\Q" + delimiter + "\\E"), lambda c: F.regexp_replace(F.trim(c), '^"|"$', "")
+        )
+        lines = lines.withColumn("_is_header", F.col("_line") == first).withColumn("_header", F.array_join(names, ","))
+        lines = lines.where(~F.col("_is_header"))
+        reason = F.when(
+            F.col("_header") != F.lit(expected),
+            F.concat(F.lit("CSV header '"), F.col("_header"), F.lit(f"' does not match source.schema '{expected}'")),
+        )
+        return lines, reason
 
     def _read_parquet(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
         from pyspark.sql import functions as F
@@ -226,17 +283,20 @@ class SparkCompute:
         fields = spec.source.fields
         if any(is_s3(uri) for uri in uris):
             df = s3_read.parquet_rows(self.spark, uris, endpoint_url(), region(), [f.name for f in fields])
-            file_col, line_col, data_columns = F.col("_file"), F.col("_line"), [f.name for f in fields]
+            file_col, line_col, first_data = F.col("_file"), F.col("_line"), 2
         else:
             df = self.spark.read.option("mergeSchema", "true").parquet(*uris)
-            file_col, line_col, data_columns = F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, df.columns
-        present = {c.lower(): c for c in data_columns}
+            file_col, line_col, first_data = F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, 0
+        # Columns by position: a file's column names are not validated
+        # identifiers and must not be parsed as SQL.
+        data = [df[i] for i in range(first_data, len(df.columns))]
+        present = {name.lower(): column for name, column in zip(df.columns[first_data:], data)}
         checks: list[Column] = []
         typed: list[Column] = []
         for f in fields:
             if f.name.lower() in present:
-                source_col = F.col(_q(present[f.name.lower()]))
-                value = F.expr(f"try_cast({_q(present[f.name.lower()])} AS {f.type})")
+                source_col = present[f.name.lower()]
+                value = source_col.try_cast(f.type)
                 checks.append(
                     F.when(
                         source_col.isNotNull() & value.isNull(),
@@ -246,14 +306,15 @@ class SparkCompute:
             else:
                 value = F.lit(None).cast(f.type)
             typed.append(value.alias(f.name))
-        checks.extend(self._key_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
-        raw = F.to_json(F.struct(*[F.col(_q(c)) for c in data_columns]))
+        checks.extend(self._value_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
+        raw = F.to_json(F.struct(*data))
         return df.select(
             file_col.alias("_file"),
             line_col.alias("_line"),
             raw.alias("_raw"),
             *typed,
             F.coalesce(*checks).alias("_reason"),
+            F.lit(MAX_RAW_CHARS).alias("_keep"),
         )
 
     def _whole_files(self, uris: list[str]) -> DataFrame:
@@ -265,15 +326,53 @@ class SparkCompute:
         return self.spark.read.text(uris, wholetext=True).select(F.col("_metadata.file_path").alias("_file"), "value")
 
     @staticmethod
-    def _key_checks(spec: PipelineSpec, typed: dict[str, Column]) -> list[Column]:
-        """Null keys cannot be merged: quarantine records whose key is missing."""
+    def _value_checks(spec: PipelineSpec, typed: dict[str, Column]) -> list[Column]:
+        """Reasons for typed values that are well-formed but unusable.
+
+        NaN and infinities are refused in FLOAT/DOUBLE columns: one of them
+        summed into the state would poison that key's total for good (JSON's
+        1e400 arrives as Infinity). NOT NULL columns and keys must be present:
+        a null key cannot be merged.
+        """
         from pyspark.sql import functions as F
 
-        return [
+        checks = []
+        for f in spec.source.fields:
+            if f.type in _FLOATING:
+                value = typed[f.name]
+                checks.append(
+                    F.when(
+                        F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
+                        F.concat(
+                            F.lit(f"field {f.name}: "),
+                            value.cast("string"),
+                            F.lit(f" is not a finite {f.type} (NaN, Infinity and numbers beyond its range are refused)"),
+                        ),
+                    )
+                )
+        for f in spec.source.fields:
+            if not f.nullable:
+                checks.append(
+                    F.when(
+                        typed[f.name].isNull(),
+                        F.lit(f"field {f.name} is missing or null (NOT NULL in source.schema)"),
+                    )
+                )
+        checks.extend(
             F.when(typed[key].isNull(), F.lit(f"key {key} is missing or null"))
             for key in spec.state.keys
             if key in typed
-        ]
+        )
+        return checks
+
+
+def _cast_problem(sql_type: str) -> str:
+    """How a value that did not cast to `sql_type` is described."""
+    if sql_type in _INTEGRAL:
+        return f"is not a {sql_type} (or is out of its range)"
+    if sql_type.startswith("DECIMAL"):
+        return f"is not a {sql_type} (or has too many digits for it)"
+    return f"is not a {sql_type}"
 
 
 def _by_file():
@@ -290,10 +389,11 @@ def _explain(spec: PipelineSpec, batch: BatchRange, exc: Exception) -> Exception
     for entry in batch.manifest.get("files", []):
         if entry["name"] in text or entry["uri"] in text:
             return SourceError(
-                f"pipeline {spec.name}: cannot read source file {entry['name']} "
-                f"({text.strip().splitlines()[0][:300]}). Nothing was consumed. The batch is "
-                "planned and replays exactly its planned files: put a readable copy of the "
-                "file back and run again."
+                f"pipeline {spec.name}: cannot read source file {entry['name']} ({entry['uri']}): "
+                f"{text.strip().splitlines()[0][:300]}. Nothing was consumed and nothing committed. "
+                "The batch is already planned and replays exactly its planned files, so moving "
+                "the file away will not skip it: replace it with a readable file under the same "
+                "name (an empty file, or a Parquet file with no rows, drops its records) and run again."
             )
     first = text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
     return ComputeError(f"pipeline {spec.name}: the batch failed in Spark: {first}")

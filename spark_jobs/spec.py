@@ -23,9 +23,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spark_jobs.errors import SpecError
+from spark_jobs.storage_roots import check_location, parse_roots, roots_from_env
 
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-PIPELINE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# ASCII only (a Cyrillic "а" that looks like "a" is refused), and always used
+# with `fullmatch`: `re.match` with `$` would accept a trailing newline.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+PIPELINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+#: Default for `source.max_line_bytes`: longer lines are quarantined unparsed.
+DEFAULT_MAX_LINE_BYTES = 1024 * 1024
 MERGE_RULES = ("sum", "min", "max", "first", "last")
 #: Columns the job adds to tables it owns; users may not define them.
 RESERVED_COLUMNS = frozenset({"_batch_id"})
@@ -53,7 +58,8 @@ _ATOMIC_TYPES = {
     "TIMESTAMP_LTZ": "TIMESTAMP",
     "TIMESTAMP_NTZ": "TIMESTAMP_NTZ",
 }
-_DECIMAL = re.compile(r"^DECIMAL\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)$", re.IGNORECASE)
+_DECIMAL = re.compile(r"DECIMAL\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)", re.IGNORECASE)
+_NOT_NULL = re.compile(r"(.*?)\s+NOT\s+NULL", re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -62,10 +68,16 @@ class Field_:
 
     name: str
     type: str  # canonical Spark SQL type, e.g. "DOUBLE" or "DECIMAL(10,2)"
+    #: False for `NOT NULL` columns: records missing the field are quarantined.
+    nullable: bool = True
 
 
 def parse_schema(ddl: str) -> list[Field_]:
-    """Parse a Spark DDL column list (``"a STRING, b DOUBLE"``) without a JVM."""
+    """Parse a Spark DDL column list (``"a STRING, b DOUBLE NOT NULL"``) without a JVM.
+
+    Only ``name TYPE [NOT NULL]`` is accepted, TYPE from a fixed list: every
+    piece ends up in Spark SQL, so anything else is refused rather than passed on.
+    """
     fields: list[Field_] = []
     seen: set[str] = set()
     # Split on commas outside parentheses (DECIMAL(10,2) has one inside).
@@ -89,7 +101,10 @@ def parse_schema(ddl: str) -> list[Field_]:
         if len(bits) != 2:
             raise ValueError(f"column {item!r} has no type; write e.g. '{bits[0]} STRING'")
         name, type_text = bits[0], bits[1].strip()
-        if not IDENTIFIER.match(name):
+        nullable = True
+        if m := _NOT_NULL.fullmatch(type_text):
+            type_text, nullable = m.group(1).strip(), False
+        if not IDENTIFIER.fullmatch(name):
             raise ValueError(
                 f"column name {name!r} is not a plain identifier (letters, digits, _; "
                 "not starting with a digit)"
@@ -100,7 +115,7 @@ def parse_schema(ddl: str) -> list[Field_]:
         upper = type_text.upper()
         if upper in _ATOMIC_TYPES:
             canonical = _ATOMIC_TYPES[upper]
-        elif m := _DECIMAL.match(type_text):
+        elif m := _DECIMAL.fullmatch(type_text):
             precision, scale = int(m.group(1)), int(m.group(2))
             if not (1 <= precision <= 38 and 0 <= scale <= precision):
                 raise ValueError(f"column {name!r}: DECIMAL({precision},{scale}) is out of range")
@@ -109,14 +124,15 @@ def parse_schema(ddl: str) -> list[Field_]:
             raise ValueError(
                 f"column {name!r} has type {type_text!r}; use one of "
                 f"{', '.join(sorted(set(_ATOMIC_TYPES.values())))} or DECIMAL(p,s) "
-                "(read nested data as STRING and use from_json in the transform)"
+                "(read nested data as STRING and use from_json in the transform); "
+                "the only constraint allowed after the type is NOT NULL"
             )
-        fields.append(Field_(name, canonical))
+        fields.append(Field_(name, canonical, nullable))
     return fields
 
 
 def _check_identifier(value: str, what: str) -> str:
-    if not IDENTIFIER.match(value):
+    if not IDENTIFIER.fullmatch(value):
         raise ValueError(
             f"{what} {value!r} is not a plain identifier: use letters, digits and _, "
             "not starting with a digit (rename it with AS in the transform)"
@@ -134,6 +150,18 @@ class CsvOptions(_Model):
     header: bool = True
     delimiter: str = Field(default=",", min_length=1, max_length=1)
 
+    @field_validator("delimiter")
+    @classmethod
+    def _delimiter_usable(cls, value: str) -> str:
+        # A quote, escape, line break or control character as the separator
+        # would make records ambiguous (and the line split meaningless).
+        if value in ('"', "\\") or (not value.isprintable() and value != "\t"):
+            raise ValueError(
+                f"{value!r} cannot separate CSV columns; use a printable character other "
+                "than a quote or backslash (or a tab)"
+            )
+        return value
+
 
 class FilesSourceSpec(_Model):
     """A folder of files; each file is consumed exactly once."""
@@ -143,6 +171,8 @@ class FilesSourceSpec(_Model):
     format: Literal["json", "csv", "parquet"]
     schema_: str = Field(alias="schema", min_length=1)
     csv: CsvOptions = CsvOptions()
+    #: Lines longer than this (in UTF-8 bytes) are quarantined without being parsed.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
 
     @field_validator("schema_")
     @classmethod
@@ -235,7 +265,7 @@ class PipelineSpec(_Model):
     @field_validator("name")
     @classmethod
     def _name_safe(cls, name: str) -> str:
-        if not PIPELINE_NAME.match(name):
+        if not PIPELINE_NAME.fullmatch(name):
             raise ValueError(
                 f"{name!r} is not a valid pipeline name: use lowercase letters, digits "
                 "and _, starting with a letter, at most 64 characters (e.g. clicks_per_user)"
@@ -358,8 +388,14 @@ def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     return f"{where}field `{field}`: {message}"
 
 
-def parse_spec(text: str, *, base_dir: Path, spec_path: str) -> PipelineSpec:
-    """Validate spec text. Raises `SpecError` listing every problem found."""
+def parse_spec(
+    text: str, *, base_dir: Path, spec_path: str, storage_roots: list[str] | None = None
+) -> PipelineSpec:
+    """Validate spec text. Raises `SpecError` listing every problem found.
+
+    `storage_roots`: where the spec's locations may be (see
+    `spark_jobs.storage_roots`); None reads ``MICROBATCH_STORAGE_ROOTS``.
+    """
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -369,13 +405,32 @@ def parse_spec(text: str, *, base_dir: Path, spec_path: str) -> PipelineSpec:
     if not isinstance(data, dict):
         raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
     try:
-        return PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
+        spec = PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
     except ValidationError as exc:
         lines = _line_index(text)
         raise SpecError(spec_path, [_describe(e, lines) for e in exc.errors()]) from None
+    _check_locations(spec, text, roots_from_env() if storage_roots is None else storage_roots)
+    return spec
 
 
-def load_spec(path: str | Path) -> PipelineSpec:
+def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) -> None:
+    """Refuse locations outside the storage roots (or climbing out of the spec's folder)."""
+    try:
+        roots = parse_roots(storage_roots)
+    except ValueError as exc:
+        raise SpecError(spec.spec_path, [f"storage roots: {exc}"]) from None
+    lines = _line_index(text)
+    problems = []
+    for loc, raw in ((("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)):
+        problem = check_location(raw, spec.resolve(raw), roots)
+        if problem:
+            line = lines.get(loc)
+            problems.append(f"{f'line {line}, ' if line else ''}field `{'.'.join(loc)}`: {problem}")
+    if problems:
+        raise SpecError(spec.spec_path, problems)
+
+
+def load_spec(path: str | Path, *, storage_roots: list[str] | None = None) -> PipelineSpec:
     """Load and validate a spec file; relative paths resolve against its folder."""
     spec_file = Path(path)
     try:
@@ -384,4 +439,4 @@ def load_spec(path: str | Path) -> PipelineSpec:
         raise SpecError(str(path), ["file not found; pass the path to a pipeline YAML"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(path), [f"cannot read the file: {exc}"]) from None
-    return parse_spec(text, base_dir=spec_file.resolve().parent, spec_path=str(path))
+    return parse_spec(text, base_dir=spec_file.resolve().parent, spec_path=str(path), storage_roots=storage_roots)

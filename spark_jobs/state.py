@@ -25,6 +25,7 @@ from deltalake import DeltaTable
 from spark_jobs.delta_io import ensure_table, open_table
 from spark_jobs.fencing import STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.spec import PipelineSpec
+from spark_jobs.sql_text import datafusion_identifier
 
 BATCH_COLUMN = "_batch_id"
 #: Key of the commit metadata entry that makes a state commit self-describing.
@@ -34,7 +35,7 @@ HISTORY_SEARCH = 1000
 
 
 def _q(name: str) -> str:
-    return f'"{name}"'
+    return datafusion_identifier(name)
 
 
 def merge_expression(column: str, rule: str) -> str:

@@ -57,7 +57,7 @@ def count_records(path: str, fmt: str, *, csv_header: bool) -> int:
 
         try:
             return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # unreadable: count it as one; the read reports it by name
+        except Exception:  # unreadable: `check_readable` reports it by name before planning
             return 1
     lines = 0
     with open(path, "rb") as handle:
@@ -65,6 +65,33 @@ def count_records(path: str, fmt: str, *, csv_header: bool) -> int:
             if line.strip():
                 lines += 1
     return max(lines - (1 if fmt == "csv" and csv_header else 0), 0)
+
+
+def check_readable(root: str, file: SourceFile, fmt: str) -> None:
+    """Raise `SourceError` naming `file` if it cannot be opened (or, for
+    Parquet, its footer cannot be read).
+
+    Run on the files of a batch before its `planned` row is written: a file
+    found bad here is in no plan yet, so nothing is written or consumed and
+    the user may either replace it or move it away. (A file that breaks
+    after planning is reported by the read instead; see `spark_compute`.)
+    """
+    path = os.path.join(root, file.name)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(path)
+        else:
+            with open(path, "rb"):
+                pass
+    except Exception as exc:
+        what = "a readable Parquet file" if fmt == "parquet" else "readable"
+        raise SourceError(
+            f"source file {file.name} ({path}) is not {what}: {str(exc).strip().splitlines()[0][:300]}. "
+            "Nothing was planned or consumed. Replace it with a readable file under the same name, "
+            "or move it out of the source folder (or rename it to start with '_'), then run again."
+        ) from exc
 
 
 class FilesSource:
@@ -108,6 +135,10 @@ class FilesSource:
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
+    def check_readable(self, f: SourceFile) -> None:
+        """Refuse, by name, a file the batch could not read (see `check_readable`)."""
+        check_readable(self.root, f, self.format)
+
     def count_records(self, f: SourceFile) -> int:
         """Records in one listed file (for the `max_records` cap)."""
         return count_records(os.path.join(self.root, f.name), self.format, csv_header=self.csv_header)
@@ -143,6 +174,8 @@ class FilesSource:
             pending = taken
         if not pending:
             return None
+        for f in pending:
+            self.check_readable(f)
         start = len(consumed)
         return BatchRange(
             start_offsets={"files": start},

@@ -71,8 +71,26 @@ class S3FilesSource(FilesSource):
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
+    def _body(self, f: SourceFile) -> bytes:
+        return self.client.get_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)["Body"].read()
+
+    def check_readable(self, f: SourceFile) -> None:
+        """As for local files: a Parquet object must have a readable footer before it is planned."""
+        if self.format != "parquet":
+            return  # listed a moment ago, and S3 objects are never partially visible
+        import pyarrow.parquet as pq
+
+        try:
+            pq.read_metadata(io.BytesIO(self._body(f)))
+        except Exception as exc:
+            raise SourceError(
+                f"source object {f.name} ({f.uri}) is not a readable Parquet file: "
+                f"{str(exc).strip().splitlines()[0][:300]}. Nothing was planned or consumed. Replace it "
+                "under the same key, or move it out of the prefix, then run again."
+            ) from exc
+
     def count_records(self, f: SourceFile) -> int:
-        body = self.client.get_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)["Body"].read()
+        body = self._body(f)
         if self.format == "parquet":
             import pyarrow.parquet as pq
 

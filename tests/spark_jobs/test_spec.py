@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,153 @@ def test_transform_not_matching_state_fails_before_any_write(tmp_path, compute):
     assert "lacks column(s) events, amount, idhash, last_seen" in str(info.value)
     assert "returns column(s) n that have no merge rule" in str(info.value)
     assert not (tmp_path / "lake").exists()
+
+
+# -- hardening: identifiers, names, options ------------------------------------------
+
+ATTACKS = ["user_id) OR 1=1 --", "a`; DROP TABLE t", "x' OR '1'='1", "user_id\n", "usеr_id", 'a" = "a']
+
+
+FIELDS_UNDER_ATTACK = [
+    ("state.keys", lambda s, a: s["state"].update(keys=[a]), "is not a plain identifier"),
+    ("state.merge", lambda s, a: s["state"]["merge"].update({a: "sum"}), "is not a plain identifier"),
+    ("source.schema", lambda s, a: s["source"].update(schema=f"{a} STRING, amount DOUBLE"), "is not a plain identifier"),
+    ("name", lambda s, a: s.update(name=a), "is not a valid pipeline name"),
+]
+
+
+@pytest.mark.parametrize(
+    ("attack", "where", "change", "expected"),
+    [
+        (attack, *field)
+        for attack in ATTACKS
+        for field in FIELDS_UNDER_ATTACK
+        # In DDL a newline is whitespace between name and type, not part of the name.
+        if not (field[0] == "source.schema" and attack == "user_id\n")
+    ],
+)
+def test_injection_attempts_fail_at_validation(tmp_path, attack, where, change, expected):
+    spec = oracle_spec_dict()
+    change(spec, attack)
+    message = _error_for(tmp_path, spec)
+    assert f"field `{where}`" in message and expected in message
+
+
+@pytest.mark.parametrize(
+    ("schema", "expected"),
+    [
+        ("event_id STRING) ; DROP TABLE t; --", "has type"),
+        ("event_id STRING NOT NULL DEFAULT 'x'", "has type"),
+        ("event_id STRING COMMENT 'x' OR 1=1", "has type"),
+        ("event_id DECIMAL(10,2)) OR (1", "has type"),
+    ],
+)
+def test_schema_ddl_accepts_only_name_type_not_null(tmp_path, schema, expected):
+    message = _error_for(tmp_path, oracle_spec_dict(source={**oracle_spec_dict()["source"], "schema": schema}))
+    assert "field `source.schema`" in message and expected in message
+
+
+def test_not_null_in_the_schema():
+    fields = parse_schema("user_id STRING NOT NULL, amount double not null, n INT")
+    assert [(f.name, f.type, f.nullable) for f in fields] == [
+        ("user_id", "STRING", False),
+        ("amount", "DOUBLE", False),
+        ("n", "INT", True),
+    ]
+
+
+@pytest.mark.parametrize("delimiter", ['"', "\\", "\n", "\r", "\x00"])
+def test_csv_delimiters_that_break_records_are_refused(tmp_path, delimiter):
+    source = {**oracle_spec_dict()["source"], "format": "csv", "csv": {"header": True, "delimiter": delimiter}}
+    message = _error_for(tmp_path, oracle_spec_dict(source=source))
+    assert "field `source.csv.delimiter`" in message and "cannot separate CSV columns" in message
+
+
+def test_quoting_helpers_refuse_what_validation_would_refuse():
+    from spark_jobs.sql_text import datafusion_identifier, pipeline_literal, spark_identifier
+
+    assert spark_identifier("user_id") == "`user_id`"
+    assert datafusion_identifier("user_id") == '"user_id"'
+    assert pipeline_literal("clicks") == "'clicks'"
+    for bad in ATTACKS:
+        for quote in (spark_identifier, datafusion_identifier, pipeline_literal):
+            with pytest.raises(ValueError):
+                quote(bad)
+
+
+# -- storage roots ----------------------------------------------------------------------
+
+
+def _spec_file(tmp_path: Path, **changes) -> Path:
+    spec = oracle_spec_dict()
+    for key, value in changes.items():
+        if key == "source_path":
+            spec["source"]["path"] = value
+        elif key == "state_path":
+            spec["state"]["path"] = value
+        else:
+            spec[key] = value
+    path = tmp_path / "specs" / "p.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_without_roots_relative_paths_cannot_climb_out(tmp_path, monkeypatch):
+    monkeypatch.delenv("MICROBATCH_STORAGE_ROOTS", raising=False)
+    path = _spec_file(tmp_path, state_path="lake/../../elsewhere/state", checkpoint="x/../../../etc")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert f"line {_line_of(path, 'elsewhere')}, field `state.path`: 'lake/../../elsewhere/state' climbs out" in message
+    assert f"line {_line_of(path, 'checkpoint:')}, field `checkpoint`" in message
+    # Absolute paths stay allowed when no roots are configured.
+    assert load_spec(_spec_file(tmp_path, state_path=str(tmp_path / "abs" / "state"))).state_path == str(tmp_path / "abs" / "state")
+
+
+def test_roots_confine_every_location(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    (root / "landing").mkdir(parents=True)
+    monkeypatch.setenv("MICROBATCH_STORAGE_ROOTS", f"{root}{os.pathsep}s3://bucket/team")
+    inside = _spec_file(
+        tmp_path, source_path=str(root / "landing"), state_path="s3://bucket/team/state", checkpoint=str(root / "ckpt")
+    )
+    assert load_spec(inside).checkpoint_path == str(root / "ckpt")
+    cases = {
+        "source.path": dict(source_path=str(root / ".." / "outside")),
+        "state.path": dict(state_path="s3://bucket/teammate/state"),
+        "checkpoint": dict(checkpoint="s3://other-bucket/team/ckpt"),
+    }
+    for field, change in cases.items():
+        base = dict(source_path=str(root / "landing"), state_path=str(root / "state"), checkpoint=str(root / "ckpt"))
+        with pytest.raises(SpecError) as info:
+            load_spec(_spec_file(tmp_path, **{**base, **change}))
+        assert f"field `{field}`" in str(info.value) and "outside the allowed storage roots" in str(info.value)
+
+
+def test_roots_follow_symlinks_and_refuse_dotdot_in_uris(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    (tmp_path / "secret").mkdir()
+    (root / "link").symlink_to(tmp_path / "secret")
+    path = _spec_file(tmp_path, source_path=str(root), state_path=str(root / "link" / "state"), checkpoint=str(root / "c"))
+    with pytest.raises(SpecError, match=r"field `state.path`: .* resolves to .*secret/state, outside"):
+        load_spec(path, storage_roots=[str(root)])
+    path = _spec_file(tmp_path, source_path=str(root), state_path="s3://bucket/team/../other/state", checkpoint=str(root / "c"))
+    with pytest.raises(SpecError, match=r"field `state.path`: .*'\.\.' or '\.' segment"):
+        load_spec(path, storage_roots=[str(root), "s3://bucket/team"])
+
+
+def test_escaping_path_fails_on_the_cli_and_writes_nothing(tmp_path):
+    root = tmp_path / "allowed"
+    root.mkdir()
+    path = _spec_file(tmp_path, source_path=str(root), state_path=str(tmp_path / "lake" / "state"), checkpoint=str(root / "ckpt"))
+    (root / "a.json").write_text('{"event_id":"1","user_id":"u","amount":1}\n')
+    result = run_cli("run", str(path), "--storage-root", str(root), "--storage-root", "s3://bucket/x")
+    assert result.returncode == 2
+    assert "field `state.path`" in result.stderr and "outside the allowed storage roots" in result.stderr
+    assert not (tmp_path / "lake").exists() and not (root / "ckpt").exists()

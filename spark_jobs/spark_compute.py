@@ -177,6 +177,7 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         fields = spec.source.fields
+        limit = spec.source.max_line_bytes
         # Spark decodes text as UTF-8, replacing bytes that are not UTF-8 with
         # U+FFFD, and `split` works on the decoded text: validity can only be
         # tested on the whole file, before the split. In a file that is not

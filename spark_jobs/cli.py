@@ -29,6 +29,16 @@ def _parse_time(text: str) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
+def _master(text: str) -> str:
+    from spark_jobs.spec import SPARK_MASTER
+
+    if not SPARK_MASTER.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Spark master this job can use: local[*], spark://host:port or sc://host:port"
+        )
+    return text
+
+
 def _int_at_least(minimum: int):
     """An argparse type for whole numbers >= `minimum`."""
 
@@ -74,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
     run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
     run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    run.add_argument(
+        "--master",
+        type=_master,
+        help="Spark to run on: local[*], spark://host:port (standalone cluster) or sc://host:port "
+        "(Spark Connect); default: spark-submit's, else the spec's engine.master, else local[*]",
+    )
 
     status = sub.add_parser("status", help="where the pipeline stands", parents=[common])
     status.add_argument("spec")
@@ -125,7 +141,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         if args.run_id:
             options.run_id = args.run_id
-        outcome = protocol.run_batch(spec, options)
+        outcome = protocol.run_batch(spec, options, compute_factory=_compute_factory(args.master, spec))
         _print_outcome(outcome.to_json(), args.json)
         return EXIT_OK
     if args.command == "status":
@@ -176,6 +192,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 # -- output -------------------------------------------------------------------------
+
+
+def _compute_factory(master: str | None, spec: Any):  # noqa: ANN202
+    """Spark on the chosen master; the session starts only if the batch has work."""
+    from spark_jobs.spark_compute import SparkCompute, resolve_master
+
+    return lambda: SparkCompute(master=resolve_master(master, spec))
 
 
 def _print_outcome(outcome: dict[str, Any], as_json: bool) -> None:

@@ -163,7 +163,7 @@ def run_batch(
     if options.dry_run:
         return _outcome(DRY_RUN, spec, options, n, batch, started, f"would process {_describe(batch)} as {n}; nothing committed")
 
-    compute = compute_factory() if compute_factory else _spark_compute()
+    compute = compute_factory() if compute_factory else _spark_compute(spec)
     try:
         if planned is None:
             compute.check(spec)  # a transform that cannot fit the state fails before any write
@@ -446,11 +446,11 @@ def history(spec: PipelineSpec) -> list[LedgerRow]:
 # -- helpers ---------------------------------------------------------------------
 
 
-def _spark_compute() -> Compute:
+def _spark_compute(spec: PipelineSpec) -> Compute:
     # Imported here so that runs with nothing to do never import pyspark.
-    from spark_jobs.spark_compute import SparkCompute
+    from spark_jobs.spark_compute import SparkCompute, resolve_master
 
-    return SparkCompute()
+    return SparkCompute(master=resolve_master(None, spec))
 
 
 def _nothing_new(spec: PipelineSpec, options: RunOptions, head: Position, started: float) -> BatchOutcome:

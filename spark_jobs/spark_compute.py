@@ -55,16 +55,19 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     """
     from pyspark.sql import SparkSession
 
-    master = master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
+    if master is None and not under_spark_submit():
+        master = os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
     # Python workers (S3 fetches, Arrow transfers) need this interpreter's
     # packages; Spark's default is whatever `python3` is on the PATH.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    if master.startswith("local"):
+    if master and master.startswith("local"):
         # Bind the driver to loopback: nothing local needs another interface.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = SparkSession.builder.appName(app_name)
+    if master is not None:  # else spark-submit's --master applies
+        builder = builder.master(master)
     builder = (
-        SparkSession.builder.appName(app_name)
-        .master(master)
+        builder
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
@@ -76,6 +79,37 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     )
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
+    return session
+
+
+def under_spark_submit() -> bool:
+    """True in a driver launched by `spark-submit` (its JVM is already running)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def resolve_master(explicit: str | None, spec: PipelineSpec) -> str | None:
+    """The Spark master for a run; None means "the one spark-submit configured".
+
+    Precedence: an explicit choice (CLI `--master`, the operator's
+    `spark_master` / `spark_conn_id`), then `spark-submit --master`, then the
+    spec's `engine.master`, then ``MICROBATCH_SPARK_MASTER``, then `local[*]`.
+    """
+    if explicit:
+        return explicit
+    if under_spark_submit():
+        return None
+    return spec.engine.master or os.environ.get("MICROBATCH_SPARK_MASTER") or "local[*]"
+
+
+def connect_session(url: str) -> SparkSession:
+    """A Spark Connect client session for ``sc://host:port``."""
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.builder.remote(url).getOrCreate()
+    # Per-session settings the server's defaults may not match; the same
+    # meaning of timestamps as in local runs matters for exactness.
+    session.conf.set("spark.sql.session.timeZone", "UTC")
+    session.conf.set("spark.sql.shuffle.partitions", os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"))
     return session
 
 
@@ -97,9 +131,13 @@ class SparkCompute:
         if self._session is None:
             from pyspark.sql import SparkSession
 
+            if self._master and self._master.startswith("sc://"):
+                log.info("connecting to Spark Connect at %s", self._master)
+                self._session, self._owns_session = connect_session(self._master), True
+                return self._session
             active = SparkSession.getActiveSession()
             if active is None:
-                log.info("starting Spark (%s)", self._master or os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]"))
+                log.info("starting Spark (%s)", self._master or "master from spark-submit")
             self._session = active or default_session(self._master)
             self._owns_session = active is None
         return self._session

@@ -242,6 +242,35 @@ class WaitForData(_Model):
     soft_fail: bool = True
 
 
+SPARK_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]{0,3})\])?|spark://[A-Za-z0-9.\-]+:[0-9]{1,5}|sc://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/;[A-Za-z0-9_=;.\-]*)?")
+
+
+class EngineSpec(_Model):
+    """Where Spark runs: `local[*]` in the job's process, a standalone
+    cluster (`spark://host:port`, the job's process is the driver) or a
+    Spark Connect server (`sc://host:port`, the job is a thin client).
+
+    A `--master` on the command line, the operator's `spark_master` or
+    `spark_conn_id`, and `spark-submit --master` take precedence over this;
+    with none of them, ``MICROBATCH_SPARK_MASTER`` and then `local[*]` apply.
+    """
+
+    master: str | None = None
+    #: In Airflow: the connection to take the master from instead (e.g. a
+    #: `spark://` or `sc://` connection defined by the deployment).
+    airflow_conn_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,250}$")
+
+    @field_validator("master")
+    @classmethod
+    def _master_known(cls, value: str | None) -> str | None:
+        if value is not None and not SPARK_MASTER.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a Spark master this job can use; write local[*], "
+                "spark://host:port (standalone cluster) or sc://host:port (Spark Connect)"
+            )
+        return value
+
+
 class PipelineSpec(_Model):
     name: str
     description: str = ""
@@ -250,6 +279,7 @@ class PipelineSpec(_Model):
     state: StateSpec
     checkpoint: str = Field(min_length=1)
     batch: BatchLimits = BatchLimits()
+    engine: EngineSpec = EngineSpec()
     # Scheduling, read by the Airflow DAG factory; the job itself ignores them.
     schedule: str | None = None
     catchup: bool = False

@@ -26,40 +26,61 @@ from spark_jobs.spec import PipelineSpec, load_spec
 _INTERVAL_BOUND_RUN_TYPES = {"scheduled", "backfill"}
 
 
-class _LocalRunner:
-    """Spark in the task process: `local[*]`, a `spark://` master (client
-    mode, executors on the cluster), or a Spark Connect `sc://` server."""
+def master_from_connection(conn_id: str) -> str:
+    """The Spark master an Airflow connection names.
 
-    def __init__(self, master: str | None) -> None:
-        self.master = master
+    Accepted: a connection of type ``spark`` (host ``spark-master`` or
+    ``spark://spark-master``, port 7077) for a standalone cluster, of type
+    ``sc``/``spark_connect`` (port 15002 by default) for Spark Connect, or
+    any connection whose extra has ``{"master": "..."}``. Defined, e.g., as
+    ``AIRFLOW_CONN_MICROBATCH_SPARK=spark://spark-master:7077``.
+    """
+    from airflow.sdk import BaseHook
 
-    def compute_factory(self):
-        from spark_jobs.spark_compute import SparkCompute
+    from spark_jobs.spec import SPARK_MASTER
 
-        master = self.master
-        if master and master.startswith("sc://"):
-            from pyspark.sql import SparkSession
-
-            return lambda: SparkCompute(session=SparkSession.builder.remote(master).getOrCreate())
-        return lambda: SparkCompute(master=master)
+    conn = BaseHook.get_connection(conn_id)
+    master = (conn.extra_dejson or {}).get("master")
+    if not master:
+        kind = (conn.conn_type or "").lower().replace("-", "_")
+        host = (conn.host or "").split("://", 1)[-1]
+        if kind == "spark":
+            master = f"spark://{host}:{conn.port or 7077}"
+        elif kind in ("sc", "spark_connect"):
+            master = f"sc://{host}:{conn.port or 15002}"
+        else:
+            master = ""
+    if not SPARK_MASTER.fullmatch(master):
+        raise AirflowFailException(
+            f"connection {conn_id!r} does not name a Spark master this job can use (got {master!r} from "
+            f"type {conn.conn_type!r}); define it as spark://host:7077 or sc://host:15002, or put "
+            '{"master": "..."} in its extra'
+        )
+    return master
 
 
 class MicroBatchOperator(BaseOperator):
     """Run one micro-batch of the pipeline in `spec_path`.
 
     :param spec_path: the pipeline spec (YAML). Templated.
-    :param spark_master: ``local[*]`` (default), ``spark://host:port`` or
-        ``sc://host:port``. Overridden by the ``MICROBATCH_SPARK_MASTER``
-        environment variable when unset.
+    :param spark_master: ``local[*]``, ``spark://host:port`` or
+        ``sc://host:port``.
+    :param spark_conn_id: an Airflow connection naming the master instead
+        (see `master_from_connection`). With neither, the spec's
+        ``engine.airflow_conn_id``, then ``engine.master``, then
+        ``MICROBATCH_SPARK_MASTER``, then ``local[*]`` apply.
     """
 
     template_fields: Sequence[str] = ("spec_path",)
     ui_color = "#e8f1fb"
 
-    def __init__(self, *, spec_path: str, spark_master: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, spec_path: str, spark_master: str | None = None, spark_conn_id: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.spark_master = spark_master
+        self.spark_conn_id = spark_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
         from spark_jobs import protocol
@@ -78,12 +99,12 @@ class MicroBatchOperator(BaseOperator):
             max_records=params.get("max_records"),
             dry_run=bool(params.get("dry_run", False)),
         )
-        runner = _LocalRunner(self.spark_master)
+        compute_factory = self._compute_factory(spec)
         try:
             rewind_to = params.get("rewind_to_batch")
             if rewind_to is not None and not options.dry_run:
                 self._rewind_once(spec, int(rewind_to), options.run_id)
-            outcome = protocol.run_batch(spec, options, compute_factory=runner.compute_factory())
+            outcome = protocol.run_batch(spec, options, compute_factory=compute_factory)
         except (SpecError, TransformError, RewindError) as exc:
             raise AirflowFailException(str(exc)) from exc
         except MicrobatchError as exc:
@@ -119,6 +140,15 @@ class MicroBatchOperator(BaseOperator):
                 },
             )
         return summary
+
+    def _compute_factory(self, spec: PipelineSpec):  # noqa: ANN202
+        from spark_jobs.spark_compute import SparkCompute, resolve_master
+
+        conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
+        explicit = self.spark_master or (master_from_connection(conn_id) if conn_id else None)
+        master = resolve_master(explicit, spec)
+        self.log.info("Spark master: %s", master)
+        return lambda: SparkCompute(master=master)
 
     def _spec(self) -> PipelineSpec:
         try:

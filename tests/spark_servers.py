@@ -1,0 +1,134 @@
+"""Real Spark servers on loopback for the engine tests, from pyspark's own jars.
+
+* a standalone cluster: a master and one worker, each a `bin/spark-class`
+  JVM in the foreground (what `sbin/start-master.sh` would daemonise);
+* a Spark Connect server: `spark-submit --class ...SparkConnectServer`, the
+  class `sbin/start-connect-server.sh` runs, in the foreground.
+
+Each runs in its own process group and is killed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyspark
+
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spark_env(work: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SPARK_HOME": str(SPARK_HOME),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_LOG_DIR": str(work / "logs"),
+        "SPARK_WORKER_DIR": str(work / "worker"),
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+    }
+
+
+@dataclass
+class SparkServer:
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs.append(log)
+        handle = open(log, "w")  # noqa: SIM115 - lives as long as the process
+        self.procs.append(subprocess.Popen(args, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in self.logs if p.exists())
+
+    def wait_for(self, check, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{what}: a server process exited ({proc.returncode})\n{self.tail()}")
+            try:
+                if check():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{what}: not ready after {timeout} s\n{self.tail()}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+
+
+def start_cluster(work: Path, cores: int = 2) -> tuple[SparkServer, str]:
+    """A standalone master and worker; returns the server and ``spark://127.0.0.1:port``."""
+    env = spark_env(work)
+    port, ui = free_port(), free_port()
+    server = SparkServer()
+    spark_class = str(SPARK_HOME / "bin" / "spark-class")
+    server.start(
+        [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui)],
+        env,
+        work / "master.log",
+    )
+    master = f"spark://127.0.0.1:{port}"
+
+    def alive_workers() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
+            return int(json.load(response).get("aliveworkers", 0))
+
+    server.wait_for(lambda: alive_workers() >= 0, "spark master")
+    server.start(
+        [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
+         "--memory", "2g", "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
+        env,
+        work / "worker.log",
+    )
+    server.wait_for(lambda: alive_workers() == 1, "spark worker")
+    return server, master
+
+
+def start_connect(work: Path) -> tuple[SparkServer, str]:
+    """A Spark Connect server (local[2] behind it); returns the server and ``sc://127.0.0.1:port``."""
+    env = spark_env(work)
+    port = free_port()
+    server = SparkServer()
+    server.start(
+        [str(SPARK_HOME / "bin" / "spark-submit"), "--master", "local[2]",
+         "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+         "--conf", f"spark.connect.grpc.binding.port={port}",
+         "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+         "--conf", "spark.ui.enabled=false",
+         "--conf", "spark.sql.session.timeZone=UTC",
+         "spark-internal"],
+        env,
+        work / "connect.log",
+    )
+
+    def listening() -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    server.wait_for(listening, "spark connect server", timeout=180)
+    return server, f"sc://127.0.0.1:{port}"

@@ -9,9 +9,25 @@ runs into exit code 134.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from spark_jobs.errors import StorageError
+
+#: What a storage error means for the pipeline, unless the caller knows better.
+RERUN_SAFE = (
+    "A Delta commit is atomic, so the table holds it whole or not at all and every table "
+    "stays readable. It is safe to re-run once the storage is healthy again (space freed, "
+    "disk fixed): the next run completes or replays the batch exactly once."
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: How Rust renders an OS error inside a `DeltaError`'s text.
+_OS_ERROR = re.compile(r"\(os error \d+\)")
 
 from spark_jobs.storage import delta_storage_options
 
@@ -71,6 +87,33 @@ def read_all(table: DeltaTable) -> pa.Table:
 def query(table: DeltaTable, sql: str) -> pa.Table:
     """Run `sql` against the snapshot, registered as `t`."""
     return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
+
+
+@contextmanager
+def storage_errors(action: str, path: str, *, note: str = RERUN_SAFE) -> Iterator[None]:
+    """Turn an OS-level failure inside delta-rs into a retryable `StorageError`.
+
+    delta-rs reports a full disk or an I/O error either as an `OSError` whose
+    text is a colourised Rust error chain ("Generic LocalFileSystem error /
+    Unable to copy data to file / No space left on device (os error 28)") or,
+    when it happens while a data file is being finished, as a `DeltaError`
+    ("Failed to parse parquet: External: ... (os error 28)"). The message says
+    instead what the run was doing (`action`), on which table, the cause, and
+    whether re-running is safe (`note`). Commit conflicts and other Delta
+    errors pass through unchanged.
+    """
+    try:
+        yield
+    except (OSError, DeltaError) as exc:
+        if isinstance(exc, CommitFailedError) or not (isinstance(exc, OSError) or _OS_ERROR.search(str(exc))):
+            raise
+        raise StorageError(f"{action}: storage error on Delta table {path}: {describe_os_error(exc)}. {note}") from exc
+
+
+def describe_os_error(exc: Exception) -> str:
+    """One line from delta-rs's multi-line, colourised error chain (outermost first)."""
+    lines = (line.strip().lstrip("\u21b3").strip() for line in _ANSI.sub("", str(exc)).splitlines())
+    return ": ".join(line for line in lines if line) or type(exc).__name__
 
 
 def is_commit_conflict(exc: BaseException) -> bool:

@@ -62,5 +62,16 @@ class ConcurrentRunError(MicrobatchError):
     retryable = True
 
 
+class StorageError(MicrobatchError):
+    """A Delta table write failed in the storage layer (disk full, I/O error).
+
+    Raised with the table's path and what the run was doing. Retrying is safe:
+    a Delta commit either landed whole or not at all, and the next run finds
+    out which (see `spark_jobs.delta_io.storage_errors`).
+    """
+
+    retryable = True
+
+
 class RewindError(MicrobatchError):
     """A rewind request cannot be carried out."""

@@ -15,6 +15,11 @@ kills the process as soon as the merge has written its first new data file
 into the state folder, which is after data is written and before (or, when
 the merge is very fast, just after) the commit lands. Tests check exactness
 either way.
+
+In-process tests (the protocol state machine) cannot SIGKILL themselves, so
+`set_hook` installs a callable that every point calls first, with the point's
+name: it may raise to simulate a crash there, or block to pause a run there
+while another run goes ahead. Production code never sets it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 ENV = "MICROBATCH_FAULT_POINT"
 ARM_FILE_ENV = "MICROBATCH_FAULT_ARM_FILE"
@@ -37,6 +43,15 @@ POINTS = (
     "after_state_commit",
     "after_ledger_commit",
 )
+
+#: Test hook called with the point's name at every point (see `set_hook`).
+_hook: Callable[[str], None] | None = None
+
+
+def set_hook(hook: Callable[[str], None] | None) -> None:
+    """Install (or, with None, remove) the in-process hook called at every point."""
+    global _hook
+    _hook = hook
 
 
 def _armed() -> bool:
@@ -58,12 +73,19 @@ def _die(point: str) -> None:
 
 def fault_point(point: str) -> None:
     """Die here if this is the configured fault point."""
+    if _hook is not None:
+        _hook(point)
     if os.environ.get(ENV) == point and _armed():
         _die(point)
 
 
 def watch_for_new_files(point: str, folder: str) -> None:
-    """For `mid_state_merge`: die once a new data file appears in `folder`."""
+    """For `mid_state_merge`: die once a new data file appears in `folder`.
+
+    The in-process hook is called here, just before the merge starts writing.
+    """
+    if _hook is not None:
+        _hook(point)
     if os.environ.get(ENV) != point or "://" in folder or not _armed():
         return
 

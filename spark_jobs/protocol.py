@@ -59,8 +59,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from spark_jobs.compute import Compute
-from spark_jobs.delta_io import is_commit_conflict
-from spark_jobs.errors import ConcurrentRunError, MicrobatchError, RewindError, StateBehindLedgerError
+from spark_jobs.delta_io import is_commit_conflict, storage_errors
+from spark_jobs.errors import ConcurrentRunError, MicrobatchError, RewindError, StateBehindLedgerError, StorageError
 from spark_jobs.faults import fault_point, watch_for_new_files
 from spark_jobs.fencing import COMMIT_FENCE, PLAN_FENCE, Position
 from spark_jobs.ledger import COMMITTED, FORMAT_VERSION, PLANNED, REWOUND, LedgerRow, LedgerView, OffsetLedger, utcnow
@@ -181,7 +181,9 @@ def run_batch(
                 interval_end=options.interval_end,
                 planned_at=utcnow(),
             )
-            if not p.ledger.append(view, row, PLAN_FENCE):
+            with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
+                appended = p.ledger.append(view, row, PLAN_FENCE)
+            if not appended:
                 # Another run planned N first (or the pipeline moved on): use its plan.
                 view = p.ledger.load()
                 planned = view.planned(n)
@@ -200,13 +202,16 @@ def run_batch(
         fault_point("after_read")
         quarantined = result.quarantine.num_rows
         if quarantined:
-            p.quarantine.write(result.quarantine, n)
+            with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", p.quarantine.path):
+                p.quarantine.write(result.quarantine, n)
             log.info("quarantined %d of %d records", quarantined, result.records_in)
         fault_point("after_quarantine")
 
         # 4. Commit the state: the commit point. (A new state table is created
         # empty first, so that even batch 1 commits from a checked snapshot.)
-        table = p.state.open() or p.state.create(result.updates)
+        committing = f"pipeline {spec.name}: could not commit {n} to the state table"
+        with storage_errors(committing, p.state.path):
+            table = p.state.open() or p.state.create(result.updates)
         current = p.state.position(table)
         if current >= n:
             reconcile(p)
@@ -234,7 +239,8 @@ def run_batch(
         }
         watch_for_new_files("mid_state_merge", p.state.path)
         try:
-            version, keys_updated = p.state.commit_batch(table, result.updates, n, metadata)
+            with storage_errors(committing, p.state.path):
+                version, keys_updated = p.state.commit_batch(table, result.updates, n, metadata)
         except Exception as exc:
             if not is_commit_conflict(exc):
                 raise
@@ -283,7 +289,17 @@ def reconcile(p: Pipeline) -> LedgerView:
                 "automatically. Rewind to a batch in the ledger with `microbatch rewind`."
             )
         row = _row_from_commit(p.spec.name, commit)
-        if p.ledger.append(view, row, COMMIT_FENCE):
+        with storage_errors(
+            f"pipeline {p.spec.name}: could not record {row.status} {state_at} in the offset ledger",
+            p.ledger.path,
+            note=(
+                f"{state_at} itself is durable in the state table (the commit point); the next run "
+                "records this ledger row from it. It is safe to re-run once the storage is healthy "
+                "again (space freed, disk fixed)."
+            ),
+        ):
+            appended = p.ledger.append(view, row, COMMIT_FENCE)
+        if appended:
             log.info("ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
     view = p.ledger.load()
     if p.state.position(p.state.open()) != view.position:
@@ -370,8 +386,11 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> Batc
         "format_version": FORMAT_VERSION,
     }
     try:
-        state_version = p.state.restore(table, version, new, metadata)
+        with storage_errors(f"pipeline {spec.name}: could not rewind the state table to batch {to_batch}", p.state.path):
+            state_version = p.state.restore(table, version, new, metadata)
     except Exception as exc:
+        if isinstance(exc, StorageError):
+            raise
         if is_commit_conflict(exc):
             raise ConcurrentRunError(f"pipeline {spec.name}: a batch committed while rewinding; run the rewind again") from exc
         raise RewindError(

@@ -10,11 +10,11 @@ it can delete that file: a test arms one crash by creating the file, and
 exactly one process (the first to reach the point) dies. That is how an
 Airflow retry test kills the first attempt and lets the retry through.
 
-``mid_state_merge`` cannot be hooked inside delta-rs, so a watcher thread
-kills the process as soon as the merge has written its first new data file
-into the state folder, which is after data is written and before (or, when
-the merge is very fast, just after) the commit lands. Tests check exactness
-either way.
+``mid_state_merge`` and ``mid_quarantine_write`` cannot be hooked inside
+delta-rs, so a watcher thread kills the process as soon as the write has
+put its first new data file into the table's folder, which is after data is
+written and before (or, when the write is very fast, just after) the commit
+lands. Tests check exactness either way.
 
 In-process tests (the protocol state machine) cannot SIGKILL themselves, so
 `set_hook` installs a callable that every point calls first, with the point's
@@ -33,16 +33,23 @@ from collections.abc import Callable
 
 ENV = "MICROBATCH_FAULT_POINT"
 ARM_FILE_ENV = "MICROBATCH_FAULT_ARM_FILE"
+#: ``kill`` (default): SIGKILL at the point. ``stop``: SIGSTOP at the point,
+#: so a test can freeze a run there (a zombie) and SIGCONT it later.
+ACTION_ENV = "MICROBATCH_FAULT_ACTION"
 MARKER = "MICROBATCH-FAULT-POINT-HIT"
 POINTS = (
     "after_reconcile",
     "after_plan",
     "after_read",
+    "mid_quarantine_write",
     "after_quarantine",
     "mid_state_merge",
     "after_state_commit",
     "after_ledger_commit",
 )
+#: Points on the path of some batches only: the quarantine write happens
+#: only when a batch has bad records.
+CONDITIONAL_POINTS = ("mid_quarantine_write",)
 
 #: Test hook called with the point's name at every point (see `set_hook`).
 _hook: Callable[[str], None] | None = None
@@ -68,6 +75,9 @@ def _armed() -> bool:
 def _die(point: str) -> None:
     sys.stderr.write(f"{MARKER} {point} pid={os.getpid()}\n")
     sys.stderr.flush()
+    if os.environ.get(ACTION_ENV) == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns after SIGCONT; the run goes on
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -80,7 +90,7 @@ def fault_point(point: str) -> None:
 
 
 def watch_for_new_files(point: str, folder: str) -> None:
-    """For `mid_state_merge`: die once a new data file appears in `folder`.
+    """For `mid_*` points: die once a new data file appears in `folder`.
 
     The in-process hook is called here, just before the merge starts writing.
     """
@@ -101,6 +111,7 @@ def watch_for_new_files(point: str, folder: str) -> None:
         while True:
             if data_files() - before:
                 _die(point)
+                return
             time.sleep(0.0005)
 
     threading.Thread(target=watch, name="fault-watch", daemon=True).start()

@@ -202,6 +202,7 @@ def run_batch(
         fault_point("after_read")
         quarantined = result.quarantine.num_rows
         if quarantined:
+            watch_for_new_files("mid_quarantine_write", p.quarantine.path)
             with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", p.quarantine.path):
                 p.quarantine.write(result.quarantine, n)
             log.info("quarantined %d of %d records", quarantined, result.records_in)

@@ -248,3 +248,12 @@ def test_delta_jars_match_delta_spark_and_pyspark():
             f"delta-spark=={REQUIREMENTS['delta-spark']} and pyspark=={REQUIREMENTS['pyspark']}, so use {expected}"
         )
         assert "fetch-delta-jars.sh" in dockerfile.read_text()
+
+
+def test_the_docker_pipeline_spec_is_valid_and_names_a_defined_connection():
+    from spark_jobs.spec import load_spec
+
+    spec = load_spec(DOCKER / "pipelines" / "clicks_per_user_s3.yaml")
+    assert spec.source_path.startswith("s3://microbatch/") and spec.state_path.startswith("s3://microbatch/")
+    compose = (DOCKER / "docker-compose.yml").read_text()
+    assert f"AIRFLOW_CONN_{spec.engine.airflow_conn_id.upper()}:" in compose

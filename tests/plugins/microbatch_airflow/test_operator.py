@@ -66,3 +66,30 @@ def test_rewind_param_then_processes(spec_path, spark, airflow_db, dag_for):
     assert run.state == "success"
     lineage = assert_exact(spec_path)
     assert [(r.epoch, r.batch_id) for r in lineage] == [(0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    ("uri", "master"),
+    [
+        ("spark://spark-master:7077", "spark://spark-master:7077"),
+        ("spark://spark-master", "spark://spark-master:7077"),
+        ("sc://spark-connect:15002", "sc://spark-connect:15002"),
+        ('{"conn_type": "generic", "extra": {"master": "local[2]"}}', "local[2]"),
+    ],
+)
+def test_spark_connection_names_the_master(monkeypatch, uri, master):
+    from microbatch_airflow.operators import master_from_connection
+
+    monkeypatch.setenv("AIRFLOW_CONN_MB_ENGINE", uri)
+    assert master_from_connection("mb_engine") == master
+
+
+def test_a_connection_that_is_not_spark_fails_the_task_with_what_to_do(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from microbatch_airflow.operators import master_from_connection
+
+    monkeypatch.setenv("AIRFLOW_CONN_MB_DB", "postgres://user:secret-pw@db:5432/x")
+    with pytest.raises(AirflowFailException, match="define it as spark://host:7077 or sc://host:15002") as info:
+        master_from_connection("mb_db")
+    assert "secret-pw" not in str(info.value)

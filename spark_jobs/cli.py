@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from datetime import datetime, timezone
 from typing import Any
 
-from spark_jobs import __version__
+from spark_jobs import __version__, shutdown
 from spark_jobs.errors import MicrobatchError, SpecError, TransformError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -118,12 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Spark's py4j bridge logs every connection at INFO.
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    # SIGTERM (Airflow stopping a task, a container stopping) unwinds the run
-    # like an exception instead of killing it mid-statement: a commit call
-    # already in progress (native code) finishes, Spark is stopped, and the
-    # exit status says what happened. Nothing is left half-done either way:
-    # the protocol writes nothing while unwinding, and the next run resumes.
-    signal.signal(signal.SIGTERM, _terminated)
+    # SIGTERM (Airflow stopping a task, a container stopping) stops the run at
+    # the next protocol boundary with a clear, retryable error.
+    shutdown.install()
     try:
         return _dispatch(args)
     except SpecError as exc:
@@ -135,13 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     except MicrobatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    raise SystemExit(
-        "microbatch: terminated (SIGTERM); whatever this run committed stays committed, and "
-        "the next run resumes from there"
-    )
 
 
 def _dispatch(args: argparse.Namespace) -> int:

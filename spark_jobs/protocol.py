@@ -39,7 +39,10 @@ the two. A run of batch N (position ``(epoch, N)``):
 
 Every crash point is covered: before 4 nothing visible happened but a plan
 (reused on replay) and at most one quarantine append (fenced); after 4 the
-batch is durable and the next run's step 1 completes it.
+batch is durable and the next run's step 1 completes it. The boundaries
+between the steps are named fault points (`spark_jobs.faults`) for crash
+tests, and where a SIGTERM stops the run (`spark_jobs.shutdown`), except
+between 4 and 5, which are milliseconds apart.
 
 Rewind to batch K: restore the state to K's version in one commit that moves
 the state fence to ``(epoch + 1, K)``, then project a ``rewound`` row. Delta's
@@ -61,6 +64,7 @@ from typing import Any
 from spark_jobs.compute import Compute
 from spark_jobs.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, RewindError, StateBehindLedgerError, StorageError
+from spark_jobs import shutdown
 from spark_jobs.faults import fault_point, watch_for_new_files
 from spark_jobs.fencing import COMMIT_FENCE, PLAN_FENCE, Position
 from spark_jobs.ledger import COMMITTED, FORMAT_VERSION, PLANNED, REWOUND, LedgerRow, LedgerView, OffsetLedger, utcnow
@@ -141,7 +145,7 @@ def run_batch(
 
     # 1. Reconcile.
     view = reconcile(p)
-    fault_point("after_reconcile")
+    _boundary("after_reconcile")
     head = view.position
     n = head.next()
 
@@ -195,18 +199,18 @@ def run_batch(
             else:
                 planned = row
         log.info("planned %s: %s", n, _describe(batch))
-        fault_point("after_plan")
+        _boundary("after_plan")
 
         # 3. Read and quarantine.
         result = compute.process(spec, batch)
-        fault_point("after_read")
+        _boundary("after_read")
         quarantined = result.quarantine.num_rows
         if quarantined:
             watch_for_new_files("mid_quarantine_write", p.quarantine.path)
             with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", p.quarantine.path):
                 p.quarantine.write(result.quarantine, n)
             log.info("quarantined %d of %d records", quarantined, result.records_in)
-        fault_point("after_quarantine")
+        _boundary("after_quarantine")
 
         # 4. Commit the state: the commit point. (A new state table is created
         # empty first, so that even batch 1 commits from a checked snapshot.)
@@ -253,12 +257,13 @@ def run_batch(
                 f"pipeline {spec.name}: the state table changed while committing {n} "
                 f"({exc}); nothing was committed, run again"
             ) from exc
+        # No stop here on SIGTERM: the ledger row is a few milliseconds away.
         fault_point("after_state_commit")
         log.info("committed %s: state version %d, %d keys updated", n, version, keys_updated)
 
         # 5. Project into the ledger.
         reconcile(p)
-        fault_point("after_ledger_commit")
+        _boundary("after_ledger_commit")
         if p.ledger.compact():
             log.info("compacted the offset ledger")
     finally:
@@ -464,6 +469,12 @@ def history(spec: PipelineSpec) -> list[LedgerRow]:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def _boundary(point: str) -> None:
+    """A protocol boundary: a named fault point, and where a SIGTERM stops the run."""
+    fault_point(point)
+    shutdown.check(point)
 
 
 def _spark_compute(spec: PipelineSpec) -> Compute:

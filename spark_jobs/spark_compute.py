@@ -144,8 +144,15 @@ class SparkCompute:
 
     def close(self) -> None:
         if self._session is not None and self._owns_session:
-            self._session.stop()
-            self._session = None
+            session, self._session = self._session, None
+            try:
+                session.stop()
+            except Exception as exc:
+                # Typically a run interrupted (SIGTERM) in the middle of a py4j
+                # call, which leaves the bridge unusable. Stopping is clean-up
+                # only: no table depends on it, and the JVM exits with us. Not
+                # raising keeps the real reason the run ended visible.
+                log.warning("Spark did not stop cleanly (%s); it ends with this process", type(exc).__name__)
 
     # -- checks ---------------------------------------------------------------
 

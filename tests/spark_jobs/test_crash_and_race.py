@@ -74,6 +74,8 @@ def test_sigterm_either_finishes_or_leaves_nothing_half_done(spec_path, delay):
     out, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         assert json.loads(out)["status"] == "committed"  # it had finished
+    elif proc.returncode == -signal.SIGTERM:
+        pass  # still starting: terminated before the CLI installed its handler, nothing done yet
     else:
         assert proc.returncode == 1, err[-2000:]
         assert "terminated (SIGTERM)" in err, err[-2000:]

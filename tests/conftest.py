@@ -69,11 +69,13 @@ def s3_endpoint():
 @pytest.fixture
 def bucket(s3_endpoint, request) -> str:
     """A fresh bucket for one test."""
+    import hashlib
     import re
 
     from spark_jobs.storage import s3_client
 
-    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]  # parametrized names differ only at the end
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{digest}-{os.getpid()}"
     s3_client().create_bucket(Bucket=name)
     return name
 

@@ -114,3 +114,23 @@ def test_engine_master_on_the_command_line_wins_over_the_spec(connect, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout)["status"] == "committed"
     assert_exact(spec_path)
+
+
+@pytest.mark.parametrize("engine", ["cluster", "connect"])
+def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engine, tmp_path, bucket):
+    """Source and tables on S3 (moto); the objects are fetched by the executors (cluster) or the server (Connect)."""
+    from tests.conftest import upload_folder
+    from tests.spark_jobs.test_s3 import _s3_spec
+
+    master = request.getfixturevalue(engine)
+    spec_path = _s3_spec(tmp_path, bucket)
+    mirror = tmp_path / "mirror"
+    for wave in range(2):
+        write_wave(mirror, wave, files=2, records_per_file=500, users=50, seed=wave, bad_every=90)
+        upload_folder(mirror, f"s3://{bucket}/landing/clicks")
+        result = run_cli("run", str(spec_path), "--master", master, "--json")
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome = json.loads(result.stdout)
+        assert outcome["status"] == "committed" and outcome["records_in"] == 1000, outcome
+    lineage = assert_exact(spec_path, mirror=mirror)
+    assert len(lineage) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -111,7 +112,16 @@ def test_backfill_processes_each_interval_once(live):
             os.utime(path, (t, t))
     args = ["backfill", "create", "--dag-id", "yearly_clicks", "--from-date", "2022-01-01T00:00:00+00:00",
             "--to-date", "2024-01-01T00:00:00+00:00", "--max-active-runs", "1"]
-    assert live.airflow(*args).returncode == 0
+    created = live.airflow(*args)
+    for _ in range(3):
+        # SQLite allows one writer: under load the CLI can lose the lock to the
+        # scheduler ("database is locked", seen once in 4 suite runs). Not a
+        # concern with Postgres; retrying the CLI is what a user would do.
+        if created.returncode == 0 or "database is locked" not in created.stderr:
+            break
+        time.sleep(3)
+        created = live.airflow(*args)
+    assert created.returncode == 0, created.stderr[-3000:]
     runs = live.wait_for_runs("yearly_clicks", 4)
     assert all(r["state"] == "success" for r in runs), live.logs()
     committed = _committed(spec_file)

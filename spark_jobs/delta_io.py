@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pyarrow as pa
-from deltalake import DeltaTable, QueryBuilder
+from deltalake import CommitProperties, DeltaTable, QueryBuilder
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from spark_jobs.errors import StorageError
@@ -69,8 +69,17 @@ def ensure_table(
     if table is not None:
         return table
     try:
+        # No commit retries: delta-rs would retry a CREATE that lost the race
+        # as the next version, a second CREATE (new table id) that makes any
+        # fenced commit in flight fail with "metadata changed".
         DeltaTable.create(
-            path, schema, mode="ignore", name=name, description=description, storage_options=storage_options
+            path,
+            schema,
+            mode="ignore",
+            name=name,
+            description=description,
+            storage_options=storage_options,
+            commit_properties=CommitProperties(max_commit_retries=0),
         )
     except Exception as exc:
         # A racing creator wrote version 0 first: fine, use its table.

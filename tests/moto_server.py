@@ -8,12 +8,15 @@ in-process server thread then cannot answer them.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from moto.server import ThreadedMotoServer
 
 
 def main() -> None:
+    # One log line per request drowns a failing test's output; keep warnings.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     print(f"PORT {server.get_host_and_port()[1]}", flush=True)

@@ -47,6 +47,29 @@ def _commit_state(spec_file: str, barrier, results) -> None:
         results.put("conflict" if is_commit_conflict(exc) else repr(exc))
 
 
+def _create(base: str, rounds: int, barrier, results) -> None:
+    """Race to create `rounds` new tables, one per barrier release."""
+    from spark_jobs.delta_io import ensure_table
+
+    for i in range(rounds):
+        barrier.wait()
+        results.put(ensure_table(f"{base}/t{i}", pa.schema([("n", pa.int64())])).version())
+
+
+def racing_creators_make_one_create_commit(base: str, rounds: int = 8) -> None:
+    """Shared by the S3 test: every racer sees version 0 and no table has a version 1."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(RACERS), ctx.Queue()
+    procs = [ctx.Process(target=_create, args=(base, rounds, barrier, results)) for _ in range(RACERS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    versions = [results.get(timeout=5) for _ in range(RACERS * rounds)]
+    assert versions == [0] * (RACERS * rounds), versions
+    assert all(open_table(f"{base}/t{i}").version() == 0 for i in range(rounds))
+
+
 def _race(target, *args) -> list:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(RACERS), ctx.Queue()
@@ -64,6 +87,14 @@ def test_racing_planners_on_a_new_ledger_append_one_row(tmp_path):
     assert outcomes.count(True) == 1, outcomes
     rows = read_all(open_table(path)).to_pylist()
     assert len(rows) == 1
+
+
+def test_racing_creators_make_one_create_commit(tmp_path):
+    """Regression: delta-rs retries a CREATE that lost the race as the next
+    version (a second CREATE with a new table id). A fenced commit in flight
+    then conflicts with that metadata change and reads as "another run won",
+    and a run failed with "could not plan". Seen on S3 in CI (issue 5)."""
+    racing_creators_make_one_create_commit(str(tmp_path))
 
 
 def test_racing_first_state_commits_merge_once(tmp_path):

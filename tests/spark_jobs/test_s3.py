@@ -200,3 +200,12 @@ def test_six_writers_racing_for_one_version_on_s3_exactly_one_wins(bucket):
         "00000000000000000000.json",
         "00000000000000000001.json",
     ]
+
+
+def test_racing_creators_on_s3_make_one_create_commit(bucket):
+    """Three runs at once on an empty bucket all create the ledger: a CREATE
+    that lost the race must fail, not land as version 1 (it did, and a run
+    then failed to plan in CI)."""
+    from tests.spark_jobs.test_fencing import racing_creators_make_one_create_commit
+
+    racing_creators_make_one_create_commit(f"s3://{bucket}/created")

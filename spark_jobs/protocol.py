@@ -32,7 +32,9 @@ the two. A run of batch N (position ``(epoch, N)``):
    this batch (or rewound the pipeline) and this run is a no-op. Otherwise
    MERGE the updates, carrying fence position N and the batch's metadata. If
    the commit fails because a commit with the state fence landed after our
-   snapshot, the winner did the work: no-op, never a retry of N.
+   snapshot, the winner did the work: no-op, never a retry of N. (The
+   "winner" can be this very commit, reported as failed by the store after it
+   landed; its ``commit_token`` says so, and the run carries on to step 5.)
 
 5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
    from the state commit we just made.
@@ -241,6 +243,8 @@ def run_batch(
             "planned_at": _iso(planned.planned_at),
             "duration_ms": int((time.monotonic() - started) * 1000),
             "format_version": FORMAT_VERSION,
+            # Tells this commit from any other at the same position (below).
+            "commit_token": uuid.uuid4().hex,
         }
         watch_for_new_files("mid_state_merge", p.state.path)
         try:
@@ -249,14 +253,23 @@ def run_batch(
         except Exception as exc:
             if not is_commit_conflict(exc):
                 raise
-            now = p.state.position(p.state.open())
-            if now >= n:
+            table = p.state.open()
+            now = p.state.position(table)
+            landed = p.state.find_commit(table, n) if now >= n else None
+            if landed is not None and landed.metadata.get("commit_token") == metadata["commit_token"]:
+                # Our own commit landed but the store answered with an error: S3
+                # can time out after the write, and the retried conditional put
+                # then finds our log entry and reports a conflict.
+                log.warning("the commit of %s landed although the store reported a failure", n)
+                version, keys_updated = landed.version, _row_from_commit(spec.name, landed).keys_updated or 0
+            elif now >= n:
                 reconcile(p)
                 return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, f"a concurrent run committed {n} first; nothing to do")
-            raise ConcurrentRunError(
-                f"pipeline {spec.name}: the state table changed while committing {n} "
-                f"({exc}); nothing was committed, run again"
-            ) from exc
+            else:
+                raise ConcurrentRunError(
+                    f"pipeline {spec.name}: the state table changed while committing {n} "
+                    f"({exc}); nothing was committed, run again"
+                ) from exc
         # No stop here on SIGTERM: the ledger row is a few milliseconds away.
         fault_point("after_state_commit")
         log.info("committed %s: state version %d, %d keys updated", n, version, keys_updated)

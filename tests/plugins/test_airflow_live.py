@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -112,15 +111,7 @@ def test_backfill_processes_each_interval_once(live):
             os.utime(path, (t, t))
     args = ["backfill", "create", "--dag-id", "yearly_clicks", "--from-date", "2022-01-01T00:00:00+00:00",
             "--to-date", "2024-01-01T00:00:00+00:00", "--max-active-runs", "1"]
-    created = live.airflow(*args)
-    for _ in range(3):
-        # SQLite allows one writer: under load the CLI can lose the lock to the
-        # scheduler ("database is locked", seen once in 4 suite runs). Not a
-        # concern with Postgres; retrying the CLI is what a user would do.
-        if created.returncode == 0 or "database is locked" not in created.stderr:
-            break
-        time.sleep(3)
-        created = live.airflow(*args)
+    created = live.airflow_writing(*args)
     assert created.returncode == 0, created.stderr[-3000:]
     runs = live.wait_for_runs("yearly_clicks", 4)
     assert all(r["state"] == "success" for r in runs), live.logs()
@@ -132,7 +123,7 @@ def test_backfill_processes_each_interval_once(live):
     assert_exact(spec_file)
     # Backfilling the same range again re-runs completed intervals: all no-ops.
     live.wait_for_backfills("yearly_clicks")
-    again = live.airflow(*args, "--reprocess-behavior", "completed")
+    again = live.airflow_writing(*args, "--reprocess-behavior", "completed")
     assert again.returncode == 0, again.stderr[-2000:]
     live.wait_for_backfills("yearly_clicks", timeout=600)  # reprocessing clears and re-runs the same runs
     runs = live.wait_for_runs("yearly_clicks", 4)

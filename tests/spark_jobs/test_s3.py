@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import subprocess
+import sys
+import urllib.request
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
+import pytest
 import yaml
 
 from spark_jobs.clickstream import write_wave
@@ -22,6 +26,7 @@ from spark_jobs.sources.s3 import S3FilesSource
 from spark_jobs.spec import load_spec
 from spark_jobs.storage import S3Location, delta_storage_options, s3_client
 from tests.conftest import (
+    ROOT,
     TEST_AWS_SECRET,
     assert_exact,
     oracle_spec_dict,
@@ -209,3 +214,59 @@ def test_racing_creators_on_s3_make_one_create_commit(bucket):
     from tests.spark_jobs.test_fencing import racing_creators_make_one_create_commit
 
     racing_creators_make_one_create_commit(f"s3://{bucket}/created")
+
+
+@pytest.fixture
+def faulty_s3(s3_endpoint):
+    """`tests.s3_fault_proxy` in front of moto: 5% of requests throttled (503),
+    30% of Delta log PUTs, and every one of the state table's, applied and then
+    answered 500 (the ambiguous failure: the commit landed, the writer is told
+    it did not)."""
+    proxy = subprocess.Popen(
+        [
+            sys.executable, "-m", "tests.s3_fault_proxy", s3_endpoint,
+            "--seed", "5", "--unavailable", "0.05", "--ambiguous", "0.3",
+            "--ambiguous-always", "/lake/state/_delta_log/",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    line = proxy.stdout.readline()
+    assert line.startswith("PORT "), f"fault proxy did not start: {line!r}"
+    yield f"http://127.0.0.1:{int(line.split()[1])}"
+    proxy.stdin.close()
+    proxy.wait(30)
+
+
+def test_throttling_and_ambiguous_commits_on_s3_end_exact(tmp_path, bucket, faulty_s3):
+    mirror = tmp_path / "mirror"
+    spec_file = _s3_spec(tmp_path, bucket)
+    through_proxy = {"AWS_ENDPOINT_URL": faulty_s3}  # driver, delta-rs and executors alike
+
+    # Two runs at once, then lone runs: every run ends 0, and a lone run must
+    # report its batch as committed even when every state commit it makes is
+    # answered with an error (its commit token identifies the landed commit).
+    _land(mirror, bucket, 0, files=2, records_per_file=150, users=30, bad_every=50)
+    procs = [start_cli("run", str(spec_file), "--max-files", "1", "--json", env=through_proxy) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    for wave in (1, 2):
+        _land(mirror, bucket, wave, files=2, records_per_file=150, users=30, bad_every=50)
+        result = run_cli("run", str(spec_file), "--json", env=through_proxy)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout)["status"] == "committed", result.stdout
+    drain = run_cli("run", str(spec_file), "--json", env=through_proxy)
+    assert drain.returncode == 0, drain.stderr[-2000:]
+    assert json.loads(drain.stdout)["status"] in {"committed", "no_new_data"}
+
+    assert_exact(spec_file, mirror=mirror)  # read straight from moto, not through the proxy
+    faults = json.loads(urllib.request.urlopen(f"{faulty_s3}/__faults__", timeout=30).read())
+    state_faults = [p for p in faults["ambiguous_paths"] if "/lake/state/_delta_log/" in p]
+    print(
+        f"S3 faults: {faults['requests']} requests, {faults['unavailable']} throttled, {faults['ambiguous']} of "
+        f"{faults['log_puts']} log-entry PUTs ambiguous ({len(state_faults)} on the state table)"
+    )
+    assert len(state_faults) >= 3 and faults["unavailable"] >= 1, faults

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
+
+import pyarrow as pa
 
 from spark_jobs import s3_read
 from spark_jobs.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
 from spark_jobs.errors import ComputeError, SourceError, TransformError
 from spark_jobs.jvm_cache import driver_java_options
 from spark_jobs.sources.base import BatchRange
+from spark_jobs.sources.files import HADOOP_GLOB_CHARS
 from spark_jobs.spec import PipelineSpec
 from spark_jobs.sql_text import spark_identifier
 from spark_jobs.storage import endpoint_url, is_s3, region
@@ -76,6 +82,11 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
         .config("spark.driver.memory", os.environ.get("MICROBATCH_DRIVER_MEMORY", "2g"))
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
+        # Hadoop's default local file system looks for a `.<name>.crc` beside
+        # each file it reads, and cannot even form that name for a file whose
+        # name holds a ':' (common in timestamped names). Source files never
+        # have Hadoop checksums, so read them through the raw file system.
+        .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
     )
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
@@ -173,7 +184,7 @@ class SparkCompute:
         parsed = None
         try:
             # Inside the try: reading a Parquet schema already opens the files.
-            parsed = self._read(spec, batch.uris).cache()
+            parsed = self._read(spec, [spark_path(uri) for uri in batch.uris]).cache()
             records_in = parsed.count()
             cut = F.length("_raw") > F.col("_keep")
             bad = parsed.where(F.col("_reason").isNotNull()).select(
@@ -187,7 +198,7 @@ class SparkCompute:
                 .otherwise(F.col("_reason"))
                 .alias("reason"),
             )
-            quarantine = bad.toArrow().cast(QUARANTINE_COLUMNS)
+            quarantine = _name_files_as_planned(bad.toArrow().cast(QUARANTINE_COLUMNS), batch)
             valid = parsed.where(F.col("_reason").isNull()).select(
                 *[F.col(_q(f.name)) for f in spec.source.fields]
             )
@@ -412,6 +423,46 @@ class SparkCompute:
         return checks
 
 
+def spark_path(uri: str) -> str:
+    """The path to give Spark's file readers for a planned file's URI.
+
+    Local files are planned as percent-encoded ``file://`` URIs, but Hadoop's
+    `Path` does not decode its argument, so ``dt%3D2024-01-01`` would name a
+    folder that does not exist; and Spark expands glob characters in every
+    path it reads, so a file named ``a[1].json`` would not match itself. Hence
+    the decoded path, with Hadoop's glob characters escaped. (S3 objects are
+    fetched by key with boto3, not through Hadoop.)
+    """
+    if not uri.startswith("file:"):
+        return uri
+    path = url2pathname(urlparse(uri).path)
+    return "file://" + re.sub(f"([{re.escape(HADOOP_GLOB_CHARS)}])", r"\\\1", path)
+
+
+def _local_path(uri: str) -> str:
+    """A local file's path from a URI as Spark or the manifest writes it."""
+    return unquote(urlparse(uri).path)
+
+
+def _name_files_as_planned(quarantine: pa.Table, batch: BatchRange) -> pa.Table:
+    """Report quarantined records' files by the URIs in the batch's manifest.
+
+    Spark reports a local file as Hadoop spells it (``file:/a/x%20y.json``);
+    the manifest, the ledger and the quarantine should agree on one spelling.
+    """
+    if quarantine.num_rows == 0:
+        return quarantine
+    planned = {_local_path(uri): uri for uri in batch.uris if uri.startswith("file:")}
+    if not planned:
+        return quarantine
+    files = [
+        planned.get(_local_path(f), f) if f and f.startswith("file:") else f
+        for f in quarantine.column("file").to_pylist()
+    ]
+    index = quarantine.schema.get_field_index("file")
+    return quarantine.set_column(index, quarantine.schema.field(index), pa.array(files, pa.string()))
+
+
 def _cast_problem(sql_type: str) -> str:
     """How a value that did not cast to `sql_type` is described."""
     if sql_type in _INTEGRAL:
@@ -432,8 +483,10 @@ def _explain(spec: PipelineSpec, batch: BatchRange, exc: Exception) -> Exception
     if isinstance(exc, (TransformError, SourceError)):
         return exc
     text = str(exc)
+    # Spark's messages spell local paths as Hadoop does (percent-encoded).
+    decoded = unquote(text)
     for entry in batch.manifest.get("files", []):
-        if entry["name"] in text or entry["uri"] in text:
+        if entry["name"] in text or entry["name"] in decoded or entry["uri"] in text:
             return SourceError(
                 f"pipeline {spec.name}: cannot read source file {entry['name']} ({entry['uri']}): "
                 f"{text.strip().splitlines()[0][:300]}. Nothing was consumed and nothing committed. "

@@ -31,7 +31,15 @@ from pathlib import Path
 from spark_jobs.errors import SourceError
 from spark_jobs.sources.base import BatchRange
 
-IN_PROGRESS_SUFFIXES = (".tmp", ".temp", ".partial", ".part", ".inprogress", ".crc", ".swp", ".copying", "~")
+#: Compared lower-cased. `._copying_` is what `hadoop fs -put` / `distcp`
+#: write before renaming into place (Spark's file index skips it too).
+IN_PROGRESS_SUFFIXES = (
+    ".tmp", ".temp", ".partial", ".part", ".inprogress", ".crc", ".swp", ".copying", "._copying_", "~"
+)
+
+
+#: Characters Spark's file readers treat as a glob pattern (escaped when read).
+HADOOP_GLOB_CHARS = "[]{}*?\\"
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,14 @@ def check_readable(root: str, file: SourceFile, fmt: str) -> None:
     after planning is reported by the read instead; see `spark_compute`.)
     """
     path = os.path.join(root, file.name)
+    if ":" in path and any(c in path for c in HADOOP_GLOB_CHARS):
+        # Spark globs such a path, and Hadoop's globber cannot rebuild a path
+        # holding ':' (it reads the text before it as a URI scheme).
+        raise SourceError(
+            f"source file {file.name} ({path}) cannot be read by Spark: its path holds both ':' and one "
+            f"of {HADOOP_GLOB_CHARS}. Nothing was planned or consumed. Rename it (or its folder) without "
+            "one of them, then run again."
+        )
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq

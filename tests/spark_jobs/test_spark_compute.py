@@ -94,6 +94,30 @@ def test_parquet_source(tmp_path, compute):
     assert _state(spec)["u1"]["amount"] == 4.0
 
 
+#: Names Hadoop's `Path` and Spark's globbing trip over: Hive-style folders,
+#: spaces, non-ASCII, '%', '#', glob characters and ':' (timestamped names).
+AWKWARD_NAMES = ["dt=2026-01-01/x y/é b%41[1]#2.json", "dt=2026-01-01/{a,b}*?.json", "dt=2026-01-01/10:00:00.json"]
+
+
+@pytest.mark.parametrize("fmt", ["json", "parquet"])
+def test_files_with_awkward_names_are_read_and_quarantined_by_their_planned_uri(tmp_path, compute, fmt):
+    source = {"type": "files", "path": "landing", "format": fmt, "schema": SCHEMA}
+    spec = load_spec(write_spec(tmp_path, oracle_spec_dict(source=source, **SIMPLE)))
+    for i, name in enumerate(AWKWARD_NAMES):
+        path = tmp_path / "landing" / name.replace(".json", f".{fmt}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = {"event_id": [f"{i}a", f"{i}b"], "user_id": [f"u{i}", None], "amount": [1.0 + i, 5.0]}
+        if fmt == "parquet":
+            pq.write_table(pa.table(rows), path)
+        else:
+            path.write_text('{"event_id":"%sa","user_id":"u%s","amount":%s}\n{"event_id":"%sb","amount":5}\n' % (i, i, 1.0 + i, i))
+    outcome = run_batch(spec, compute_factory=compute)
+    assert outcome.status == "committed" and outcome.records_in == 6 and outcome.records_quarantined == 3
+    assert {u: r["amount"] for u, r in _state(spec).items()} == {"u0": 1.0, "u1": 2.0, "u2": 3.0}
+    planned = {f["uri"] for f in history(spec)[0].manifest["files"]}
+    assert {r["file"] for r in _quarantine(spec)} == planned
+
+
 def _spec_with_transform(tmp_path, sql: str, *lines: str):
     """The simple pipeline with another transform, and one input file."""
     spec = load_spec(write_spec(tmp_path, oracle_spec_dict(**{**SIMPLE, "transform": sql})))

@@ -56,7 +56,7 @@ def test_late_file_with_old_mtime_is_picked_up(tmp_path):
 
 def test_files_being_written_are_ignored(tmp_path):
     source = FilesSource(str(tmp_path), "json")
-    for name in [".part-1.json", "_temporary/x.json", "x.json.tmp", "y.json.inprogress", "z.json.crc", "_SUCCESS", ".hidden/a.json"]:
+    for name in [".part-1.json", "_temporary/x.json", "x.json.tmp", "y.json.inprogress", "z.json.crc", "_SUCCESS", ".hidden/a.json", "w.json._COPYING_"]:
         _write(tmp_path, name)
     assert source.plan(set()) is None
     _write(tmp_path, "ready.json")
@@ -104,3 +104,14 @@ def test_until_bounds_by_arrival_time(tmp_path):
 def test_missing_folder_is_a_clear_error(tmp_path):
     with pytest.raises(SourceError, match="does not exist"):
         FilesSource(str(tmp_path / "nope"), "json").plan(set())
+
+
+def test_a_path_spark_cannot_glob_is_refused_by_name_before_planning(tmp_path):
+    """':' with a glob character in one path: Hadoop's globber cannot rebuild it."""
+    source = FilesSource(str(tmp_path), "json")
+    _write(tmp_path, "10:00:00 [retry].json")
+    _write(tmp_path, "10:00:00.json")  # a ':' alone is fine
+    with pytest.raises(SourceError, match=r"10:00:00 \[retry\]\.json .*both ':' and one of .*Rename it"):
+        source.plan(set())
+    os.rename(tmp_path / "10:00:00 [retry].json", tmp_path / "10-00-00 [retry].json")
+    assert sorted(_names(source.plan(set()))) == ["10-00-00 [retry].json", "10:00:00.json"]

@@ -42,16 +42,53 @@ class SourceError(MicrobatchError):
     retryable = True
 
 
-class StateBehindLedgerError(MicrobatchError):
+class StateLedgerMismatchError(MicrobatchError):
+    """The state table and the offset ledger do not describe the same history.
+
+    Raised before anything is written; a retry meets the same tables, so it is
+    not retryable. Raised as such when the ledger is not this state's (see the
+    message); the subclasses say what else is wrong and how to repair it.
+    """
+
+
+class StateBehindLedgerError(StateLedgerMismatchError):
     """The state table is older than the ledger says it should be."""
 
-    def __init__(self, pipeline: str, ledger_txn: str, state_txn: str) -> None:
+    def __init__(self, pipeline: str, ledger_txn: str, state_txn: str, *, missing: bool = False) -> None:
         self.pipeline = pipeline
+        if missing:
+            message = (
+                f"pipeline {pipeline!r}: there is no state table, but the offset ledger has "
+                f"committed {ledger_txn}. If the state was moved or deleted on purpose to start "
+                "over, give the pipeline a new checkpoint as well (the ledger and quarantine "
+                "belong to the old state); otherwise put the state table back."
+            )
+        else:
+            message = (
+                f"pipeline {pipeline!r}: the state table is at {state_txn} but the offset "
+                f"ledger has committed {ledger_txn}. Someone restored, replaced or deleted "
+                "the state table outside `microbatch`. Use `microbatch rewind SPEC "
+                "--to-batch K` to a batch the state still holds, or restore the table."
+            )
+        super().__init__(message)
+
+
+class StateChangedOutsideError(StateLedgerMismatchError):
+    """A commit not made by `microbatch` changed the state's data (a manual
+    RESTORE, DELETE, UPDATE, MERGE or write), so the ledger no longer says
+    which records the state holds."""
+
+    def __init__(self, pipeline: str, path: str, changes: list[tuple[int, str]], head: str) -> None:
+        self.pipeline = pipeline
+        self.changes = changes
+        listed = ", ".join(f"version {v} ({op})" for v, op in changes)
         super().__init__(
-            f"pipeline {pipeline!r}: the state table is at {state_txn} but the offset "
-            f"ledger has committed {ledger_txn}. Someone restored, replaced or deleted "
-            "the state table outside `microbatch`. Use `microbatch rewind SPEC "
-            "--to-batch K` to a batch the state still holds, or restore the table."
+            f"pipeline {pipeline!r}: the state table {path} was changed outside `microbatch` at "
+            f"{listed}, after {head}. Continuing would count records the change removed as "
+            "processed (or records it added as input). Undo it with `microbatch rewind SPEC "
+            "--to-batch K` (K = the last batch, or an earlier one): the state is restored to "
+            "what batch K committed and the batches after K are replayed. Rewind is also the way "
+            "to go back in time; a Delta RESTORE of the state is not."
         )
 
 

@@ -9,10 +9,12 @@ projection of that commit, repaired by the next run if a crash falls between
 the two. A run of batch N (position ``(epoch, N)``):
 
 1. **Reconcile.** Read the ledger's head H and the state fence S. If S == H
-   the tables agree. If S is ahead, a run committed the state and died before
-   its ledger row: append that row from the state commit's metadata, fenced
-   on the ledger's commit fence (so a racing run does not append it twice).
-   If S is behind, someone replaced the state table outside the job: stop.
+   the tables agree (unless the state's history shows a change made outside
+   the job since H's commit: stop). If S is one event ahead, a run committed
+   the state and died before its ledger row: append that row from the state
+   commit's metadata, fenced on the ledger's commit fence (so a racing run
+   does not append it twice). If S is further ahead or behind, the tables do
+   not belong together (a lost checkpoint, a replaced state): stop.
 
 2. **Plan** N = H.batch_id + 1. If a ``planned`` row for N exists (an earlier
    attempt died), reuse its range: a replay reads exactly the same records.
@@ -23,9 +25,10 @@ the two. A run of batch N (position ``(epoch, N)``):
    the ledger's plan fence. If another run planned N first, use its plan.
 
 3. **Read and quarantine.** Compute reads exactly the planned range, splits
-   off bad records and runs the transform. Bad records are appended to the
-   quarantine table on its own fence, so a replay of N does not add them
-   twice.
+   off bad records and runs the transform. The result must fit the state
+   table's types (the first batch creates the table, empty) before anything
+   of N is written. Bad records are appended to the quarantine table on its
+   own fence, so a replay of N does not add them twice.
 
 4. **Commit the state** (the commit point). On a fresh snapshot, the state
    fence must still read H: if it reads N or beyond, another run committed
@@ -43,14 +46,17 @@ Every crash point is covered: before 4 nothing visible happened but a plan
 (reused on replay) and at most one quarantine append (fenced); after 4 the
 batch is durable and the next run's step 1 completes it. The boundaries
 between the steps are named fault points (`spark_jobs.faults`) for crash
-tests, and where a SIGTERM stops the run (`spark_jobs.shutdown`), except
-between 4 and 5, which are milliseconds apart.
+tests, and where a SIGTERM stops the run (`spark_jobs.shutdown`) up to step
+4; from the state commit on the run finishes (step 5 is milliseconds away)
+and reports its batch committed.
 
 Rewind to batch K: restore the state to K's version in one commit that moves
 the state fence to ``(epoch + 1, K)``, then project a ``rewound`` row. Delta's
 RESTORE does not roll ``txn`` versions back (delta-io/delta#1813), hence the
 new epoch: positions stay increasing and fencing keeps working. The next
-batch is K+1 in the new epoch and re-reads what K+1.. read before.
+batch is K+1 in the new epoch; it plans afresh from K's offsets, so it
+re-reads the files K+1.. read before (those still there) and whatever
+landed since, and its batch boundaries may differ from the old epoch's.
 """
 
 from __future__ import annotations
@@ -61,11 +67,19 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_jobs.compute import Compute
 from spark_jobs.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.errors import ConcurrentRunError, MicrobatchError, RewindError, StateBehindLedgerError, StorageError
+from spark_jobs.errors import (
+    ConcurrentRunError,
+    MicrobatchError,
+    RewindError,
+    StateBehindLedgerError,
+    StateChangedOutsideError,
+    StateLedgerMismatchError,
+    StorageError,
+)
 from spark_jobs import shutdown
 from spark_jobs.faults import fault_point, watch_for_new_files
 from spark_jobs.fencing import COMMIT_FENCE, PLAN_FENCE, Position
@@ -75,6 +89,9 @@ from spark_jobs.sources import BatchRange, FilesSource, make_source
 from spark_jobs.sources.files import consumed_names
 from spark_jobs.spec import PipelineSpec
 from spark_jobs.state import StateCommit, StateTable
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 log = logging.getLogger("microbatch")
 
@@ -195,7 +212,7 @@ def run_batch(
                 planned = view.planned(n)
                 if planned is None:
                     if view.position >= n:
-                        return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, f"another run already committed {n}")
+                        return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, _moved_past(n, view.position))
                     raise ConcurrentRunError(f"pipeline {spec.name}: could not plan {n}: the ledger moved; run again")
                 batch = BatchRange(planned.start_offsets, planned.end_offsets, planned.manifest)
             else:
@@ -206,6 +223,13 @@ def run_batch(
         # 3. Read and quarantine.
         result = compute.process(spec, batch)
         _boundary("after_read")
+        committing = f"pipeline {spec.name}: could not commit {n} to the state table"
+        with storage_errors(committing, p.state.path):
+            table = p.state.open() or p.state.create(result.updates)
+        # A batch that cannot fit the state fails before the quarantine write:
+        # that write is fenced per batch, so after a fix to the spec the
+        # replay would not quarantine again what the fixed spec rejects.
+        p.state.check_fits(table, result.updates)
         quarantined = result.quarantine.num_rows
         if quarantined:
             watch_for_new_files("mid_quarantine_write", p.quarantine.path)
@@ -214,17 +238,22 @@ def run_batch(
             log.info("quarantined %d of %d records", quarantined, result.records_in)
         _boundary("after_quarantine")
 
-        # 4. Commit the state: the commit point. (A new state table is created
-        # empty first, so that even batch 1 commits from a checked snapshot.)
-        committing = f"pipeline {spec.name}: could not commit {n} to the state table"
-        with storage_errors(committing, p.state.path):
-            table = p.state.open() or p.state.create(result.updates)
+        # 4. Commit the state: the commit point. (A new state table was created
+        # empty above, so that even batch 1 commits from a checked snapshot.)
+        table = p.state.open()
+        if table is None:
+            raise ConcurrentRunError(
+                f"pipeline {spec.name}: the state table {p.state.path} disappeared while this run "
+                f"prepared {n}; nothing was committed"
+            )
         current = p.state.position(table)
         if current >= n:
             reconcile(p)
-            return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, f"another run already committed {n} (state is at {current}); nothing to do")
+            return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, _moved_past(n, current))
         if current != head:
             raise StateBehindLedgerError(spec.name, str(head), str(current))
+        # Merging onto a change made outside the job since step 1 would hide it for good.
+        _check_unchanged(p, view, table)
         metadata = {
             "txn": n.encode(),
             "kind": "batch",
@@ -264,7 +293,7 @@ def run_batch(
                 version, keys_updated = landed.version, _row_from_commit(spec.name, landed).keys_updated or 0
             elif now >= n:
                 reconcile(p)
-                return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, f"a concurrent run committed {n} first; nothing to do")
+                return _outcome(ALREADY_COMMITTED, spec, options, n, batch, started, _moved_past(n, now))
             else:
                 raise ConcurrentRunError(
                     f"pipeline {spec.name}: the state table changed while committing {n} "
@@ -276,7 +305,9 @@ def run_batch(
 
         # 5. Project into the ledger.
         reconcile(p)
-        _boundary("after_ledger_commit")
+        # A fault point but no SIGTERM stop: the batch is committed, and a
+        # run that committed must say so.
+        fault_point("after_ledger_commit")
         if p.ledger.compact():
             log.info("compacted the offset ledger")
     finally:
@@ -297,9 +328,10 @@ def reconcile(p: Pipeline) -> LedgerView:
         table = p.state.open()
         state_at = p.state.position(table)
         if state_at == view.position:
+            _check_unchanged(p, view, table)
             return view
         if state_at < view.position:
-            raise StateBehindLedgerError(p.spec.name, str(view.position), str(state_at))
+            raise StateBehindLedgerError(p.spec.name, str(view.position), str(state_at), missing=table is None)
         commit = p.state.find_commit(table, state_at) if table is not None else None
         if commit is None:
             raise MicrobatchError(
@@ -307,6 +339,17 @@ def reconcile(p: Pipeline) -> LedgerView:
                 f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
                 "automatically. Rewind to a batch in the ledger with `microbatch rewind`."
             )
+        problem = _not_following(p, view.position, state_at, commit)
+        if problem is not None:
+            if p.ledger.load().position != view.position:
+                continue  # our view of the ledger was stale (two events landed): look again
+            raise StateLedgerMismatchError(problem)
+        if commit.metadata.get("kind") == "batch":
+            # A change made outside the job before the lagging batch would be
+            # hidden by projecting it; one made after it is found once the
+            # row is recorded. (A rewind replaces whatever was there with a
+            # version the ledger knows: it is the repair.)
+            _check_unchanged(p, view, table, before_version=commit.version)
         row = _row_from_commit(p.spec.name, commit)
         with storage_errors(
             f"pipeline {p.spec.name}: could not record {row.status} {state_at} in the offset ledger",
@@ -324,6 +367,57 @@ def reconcile(p: Pipeline) -> LedgerView:
     if p.state.position(p.state.open()) != view.position:
         raise ConcurrentRunError(f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again")
     return view
+
+
+def _not_following(p: Pipeline, head: Position, state_at: Position, commit: StateCommit) -> str | None:
+    """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
+
+    A run commits the state only from the ledger's head, and a rewind only
+    one epoch up, so the ledger can lag the state by one event at most. A
+    state further ahead, or one committed by another pipeline, means the
+    ledger is not this state's own (the checkpoint was deleted or replaced,
+    the pipeline renamed, or the state table shared): recording just the
+    latest commit would make the next runs re-read everything before it.
+    """
+    m = commit.metadata
+    if m.get("kind") == "rewind":
+        follows = state_at.epoch == head.epoch + 1 and state_at.batch_id <= head.batch_id
+    else:
+        follows = state_at == head.next()
+    if m.get("pipeline") == p.spec.name and follows:
+        return None
+    return (
+        f"pipeline {p.spec.name}: the state table {p.state.path} is at {state_at} (committed by pipeline "
+        f"{m.get('pipeline')!r}), which does not follow {head} in the offset ledger {p.ledger.path}. The "
+        "ledger is not this state's: its checkpoint was deleted or replaced, the pipeline was renamed, "
+        "or another pipeline writes the same state table. Nothing was written. Point `checkpoint` back "
+        "at the folder that belongs to this state, or give the pipeline a new state path and a new "
+        "checkpoint to start over."
+    )
+
+
+def _check_unchanged(
+    p: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None
+) -> None:
+    """Refuse a state whose data changed outside the job since the ledger's head.
+
+    A Delta RESTORE (or DELETE, ...) of the state does not move the fence
+    (RESTORE leaves `txn` alone), so the positions still agree; only the
+    history shows it.
+    """
+    head = view.head
+    if table is None or head is None or head.state_version is None:
+        return
+    changes = p.state.outside_changes(table, head.state_version, before_version)
+    if changes:
+        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, str(view.position))
+
+
+def _moved_past(n: Position, current: Position) -> str:
+    """Why a run of `n` is a no-op, given the position the pipeline moved to."""
+    if current.epoch > n.epoch:
+        return f"the pipeline was rewound (now at {current}) while this run prepared {n}; nothing to do"
+    return f"another run already committed {n} (the pipeline is at {current}); nothing to do"
 
 
 def _row_from_commit(pipeline: str, commit: StateCommit) -> LedgerRow:
@@ -366,7 +460,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> Batc
     try:
         view = reconcile(p)
         recovering = False
-    except StateBehindLedgerError:
+    except (StateBehindLedgerError, StateChangedOutsideError):
         view = p.ledger.load()
         recovering = True
     head = view.position
@@ -383,12 +477,16 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> Batc
         version, end_offsets = target.state_version, target.end_offsets
     table = p.state.open()
     if table is None:
-        raise RewindError(f"pipeline {spec.name}: there is no state table at {p.state.path} to rewind")
+        raise RewindError(
+            f"pipeline {spec.name}: there is no state table at {p.state.path} to rewind. If it was "
+            "moved or deleted on purpose to start over, give the pipeline a new checkpoint as well."
+        )
     # The restore commits from this snapshot: its fence must be where the
-    # ledger says (or, recovering, behind it), else a run or another rewind
-    # moved the pipeline since we looked.
+    # ledger says (recovering: not ahead of it, or ahead by the one batch
+    # the ledger may lag by), else a run or another rewind moved the
+    # pipeline since we looked.
     current = p.state.position(table)
-    if (current != head) if not recovering else not (current < head):
+    if (current != head) if not recovering else not (current <= head or current == head.next()):
         raise ConcurrentRunError(f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again")
     new = Position(head.epoch + 1, to_batch)
     metadata = {
@@ -414,7 +512,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str | None = None) -> Batc
             raise ConcurrentRunError(f"pipeline {spec.name}: a batch committed while rewinding; run the rewind again") from exc
         raise RewindError(
             f"pipeline {spec.name}: could not restore {p.state.path} to version {version}: {exc}. "
-            "If old files were vacuumed, batch {to_batch} cannot be restored."
+            f"If old files were vacuumed, batch {to_batch} cannot be restored."
         ) from exc
     reconcile(p)
     outcome = BatchOutcome(
@@ -453,10 +551,9 @@ def status(spec: PipelineSpec) -> PipelineStatus:
     p = Pipeline(spec)
     view = p.ledger.load()
     head = view.head
-    state_at = p.state.position(p.state.open())
-    note = None
-    if state_at > view.position:
-        note = f"the state is at {state_at}; the next run will record it in the ledger"
+    table = p.state.open()
+    state_at = p.state.position(table)
+    note = _disagreement(p, view, table, state_at)
     consumed = consumed_names([r.manifest for r in view.lineage()])
     try:
         waiting = len(p.source.pending(consumed))
@@ -482,6 +579,21 @@ def history(spec: PipelineSpec) -> list[LedgerRow]:
 
 
 # -- helpers ---------------------------------------------------------------------
+
+
+def _disagreement(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> str | None:
+    """What the next run will find about state and ledger, said without acting on it."""
+    if state_at < view.position:
+        return str(StateBehindLedgerError(p.spec.name, str(view.position), str(state_at), missing=table is None))
+    if state_at == view.position:
+        try:
+            _check_unchanged(p, view, table)
+        except StateChangedOutsideError as exc:
+            return str(exc)
+        return None
+    commit = p.state.find_commit(table, state_at) if table is not None else None
+    problem = _not_following(p, view.position, state_at, commit) if commit is not None else None
+    return problem or f"the state is at {state_at}; the next run will record it in the ledger"
 
 
 def _boundary(point: str) -> None:

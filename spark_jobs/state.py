@@ -32,6 +32,34 @@ BATCH_COLUMN = "_batch_id"
 METADATA_KEY = "microbatch"
 #: How far back in the state's history to look for a commit we need to find.
 HISTORY_SEARCH = 1000
+#: Delta operations (as Delta and delta-rs name them in commit info) that
+#: leave a table's rows as they were. Any other commit not made by this job
+#: (RESTORE, DELETE, UPDATE, MERGE, WRITE, FSCK, REPLACE, ...) is taken as a
+#: change of the state behind the ledger's back: failing closed on an
+#: operation missing here costs a `microbatch rewind`, while missing a
+#: data-changing one would cost exactness.
+MAINTENANCE_OPERATIONS = frozenset(
+    {
+        "OPTIMIZE",
+        "VACUUM START",
+        "VACUUM END",
+        "REORG",
+        "CREATE TABLE",
+        "SET TBLPROPERTIES",
+        "UNSET TBLPROPERTIES",
+        "ADD CONSTRAINT",
+        "DROP CONSTRAINT",
+        "ADD COLUMNS",
+        "ADD COLUMN",
+        "CHANGE COLUMN",
+        "RENAME COLUMN",
+        "UPDATE FIELD METADATA",
+        "UPDATE TABLE METADATA",
+        "UPGRADE PROTOCOL",
+        "ADD FEATURE",
+        "COMPUTE STATS",
+    }
+)
 
 
 def _q(name: str) -> str:
@@ -121,7 +149,8 @@ class StateTable:
             .execute()
         )
         keys_updated = int(metrics["num_target_rows_inserted"]) + int(metrics["num_target_rows_updated"])
-        table.update_incremental()
+        # delta-rs moves the handle to the version it committed. (Not
+        # `update_incremental()`: that could skip ahead to a later writer's.)
         return table.version(), keys_updated
 
     def _align(self, table: DeltaTable, data: pa.Table) -> pa.Table:
@@ -134,7 +163,8 @@ class StateTable:
             if field.name not in existing.names:
                 raise TransformError(
                     f"pipeline {self.spec.name}: column {field.name!r} is not in the state table "
-                    f"{self.path}; changing the state's columns needs a new state path"
+                    f"{self.path}; changing the state's columns needs a new state path and a new "
+                    "checkpoint (the pipeline then reprocesses its source from the start)"
                 )
             fields.append(existing.field(field.name).with_nullable(True))
         try:
@@ -156,10 +186,11 @@ class StateTable:
             table.delete(commit_properties=props)
         else:
             table.restore(version, commit_properties=props)
-        table.update_incremental()
+        # The handle moves only if delta-rs committed. (Refreshing it here
+        # would mistake a concurrent writer's commit for ours.)
         if table.version() == before:
             # Nothing to delete or restore: delta-rs made no commit, but the
-            # fence must still move.
+            # fence must still move, from the snapshot the caller checked.
             return self._fenced_empty_commit(table, props)
         return table.version()
 
@@ -169,8 +200,37 @@ class StateTable:
 
         empty = pa.schema(table.schema().to_arrow()).empty_table()
         write_deltalake(table, empty, mode="append", commit_properties=props)
-        table.update_incremental()
         return table.version()
+
+    def check_fits(self, table: DeltaTable, updates: pa.Table) -> None:
+        """Raise `TransformError` if a batch's updates cannot be merged into `table`."""
+        self._align(table, updates)
+
+    def outside_changes(
+        self, table: DeltaTable, since_version: int, before_version: int | None = None
+    ) -> list[tuple[int, str]]:
+        """Commits after `since_version` (and before `before_version`) that
+        changed the data and are not ours.
+
+        Maintenance (`MAINTENANCE_OPERATIONS`: OPTIMIZE, VACUUM, table
+        properties, ...) keeps the data and is fine; anything else by someone
+        else is reported. Costs nothing in the usual case, where our last
+        commit is the table's latest version.
+        """
+        newer = table.version() - since_version
+        if newer <= 0:
+            return []
+        changes = []
+        for info in table.history(min(newer, HISTORY_SEARCH)):
+            version = int(info["version"])
+            if version <= since_version or (before_version is not None and version >= before_version):
+                continue
+            if info.get(METADATA_KEY):
+                continue
+            operation = str(info.get("operation", "")).upper()
+            if operation not in MAINTENANCE_OPERATIONS:
+                changes.append((version, operation))
+        return sorted(changes)
 
     def find_commit(self, table: DeltaTable, position: Position) -> StateCommit | None:
         """The commit of ours that carried the state fence at `position`.

@@ -203,3 +203,198 @@ def test_two_pipelines_can_share_a_checkpoint_folder(tmp_path, compute):
     for path in paths:
         assert_exact(path)
         assert run_batch(load_spec(path), compute_factory=compute).status == "no_new_data"
+
+
+# -- state and ledger that do not belong together (JVM-free: ArrowCompute) ----------
+
+
+def _arrow_batches(spec, waves: int) -> None:
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    for wave in range(waves):
+        write_wave(spec.source_path, wave, files=1, records_per_file=40, users=10, bad_every=9)
+        assert run_batch(spec, compute_factory=ArrowCompute).status == "committed"
+
+
+def test_lost_checkpoint_is_refused_instead_of_rereading_earlier_batches(spec_path):
+    """A state three batches ahead of an empty ledger: recording only its last
+    commit would make the next run re-read batches 1 and 2."""
+    import pytest
+
+    from spark_jobs.errors import StateLedgerMismatchError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 3)
+    shutil.rmtree(spec.checkpoint_path)
+    state_version = open_table(spec.state_path).version()
+    with pytest.raises(StateLedgerMismatchError, match="does not follow batch 0 .* new checkpoint"):
+        run_batch(spec, compute_factory=ArrowCompute)
+    assert open_table(spec.state_path).version() == state_version
+    assert not os.path.exists(spec.ledger_path)  # nothing written
+
+
+def test_state_of_another_pipeline_is_refused(tmp_path, spec_path):
+    import pytest
+    import yaml
+
+    from spark_jobs.errors import StateLedgerMismatchError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 1)
+    # A second pipeline pointed at the same state table, with its own checkpoint.
+    other = yaml.safe_load(spec_path.read_text())
+    other.update(name="other", checkpoint="lake/_checkpoints/other")
+    other_path = spec_path.parent / "other.yaml"
+    other_path.write_text(yaml.safe_dump(other))
+    with pytest.raises(StateLedgerMismatchError, match="committed by pipeline 'clicks'"):
+        run_batch(load_spec(other_path), compute_factory=ArrowCompute)
+
+
+def test_deleted_state_says_to_use_a_new_checkpoint(spec_path):
+    import pytest
+
+    from spark_jobs.errors import RewindError, StateBehindLedgerError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 2)
+    shutil.rmtree(spec.state_path)
+    with pytest.raises(StateBehindLedgerError, match="no state table.*new checkpoint"):
+        run_batch(spec, compute_factory=ArrowCompute)
+    with pytest.raises(RewindError, match="new checkpoint"):
+        rewind(spec, 0)
+
+
+def test_manual_restore_of_the_state_is_detected_and_rewind_repairs_it(spec_path):
+    """Delta's RESTORE leaves the fence where it was: only the history shows it."""
+    import pytest
+
+    from spark_jobs.errors import StateChangedOutsideError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 3)
+    table = open_table(spec.state_path)
+    table.optimize.compact()  # maintenance is fine
+    assert run_batch(spec, compute_factory=ArrowCompute).status == "no_new_data"
+    restored_to = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.batch_id == 1 and r.status == COMMITTED][0]
+    open_table(spec.state_path).restore(restored_to.state_version)
+    write_wave(spec.source_path, 9, files=1, records_per_file=40, users=10)
+    with pytest.raises(StateChangedOutsideError, match=r"version \d+ \(RESTORE\).*microbatch rewind"):
+        run_batch(spec, compute_factory=ArrowCompute)
+    rewind(spec, 3)  # back to what batch 3 committed, undoing the RESTORE
+    assert run_batch(spec, compute_factory=ArrowCompute).status == "committed"
+    assert_exact(spec_path)
+
+
+def test_batch_that_cannot_fit_the_state_fails_before_quarantining(spec_path, monkeypatch):
+    """The quarantine write is fenced per batch: if it happened before a type
+    error, a replay after fixing the spec would not quarantine again."""
+    import pyarrow as pa
+    import pytest
+
+    from spark_jobs.delta_io import read_all
+    from spark_jobs.errors import TransformError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 1)
+    quarantined = read_all(open_table(spec.quarantine_path)).num_rows
+    write_wave(spec.source_path, 1, files=1, records_per_file=40, users=10, bad_every=9)
+    real = ArrowCompute._transform
+
+    def amount_as_text(parsed):  # a transform whose `amount` no longer casts to DOUBLE
+        out = real(parsed)
+        return out.set_column(out.schema.get_field_index("amount"), "amount", pa.array(["x"] * out.num_rows))
+
+    monkeypatch.setattr(ArrowCompute, "_transform", staticmethod(amount_as_text))
+    with pytest.raises(TransformError, match="types"):
+        run_batch(spec, compute_factory=ArrowCompute)
+    assert read_all(open_table(spec.quarantine_path)).num_rows == quarantined
+    monkeypatch.setattr(ArrowCompute, "_transform", staticmethod(real))
+    assert run_batch(spec, compute_factory=ArrowCompute).status == "committed"
+    assert_exact(spec_path)
+
+
+def test_outside_change_during_a_run_is_not_merged_over(spec_path):
+    """A DELETE landing between a run's reconcile and its state commit would be
+    hidden for good once the run merged on top of it."""
+    import pytest
+
+    from spark_jobs import faults
+    from spark_jobs.errors import StateChangedOutsideError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 1)
+    write_wave(spec.source_path, 1, files=1, records_per_file=40, users=10)
+
+    def delete_after_read(point: str) -> None:
+        if point == "after_read":
+            open_table(spec.state_path).delete("user_id = 'user000001'")
+
+    faults.set_hook(delete_after_read)
+    try:
+        with pytest.raises(StateChangedOutsideError, match=r"\(DELETE\)"):
+            run_batch(spec, compute_factory=ArrowCompute)
+    finally:
+        faults.set_hook(None)
+    rewind(spec, 1)
+    assert run_batch(spec, compute_factory=ArrowCompute).status == "committed"
+    assert_exact(spec_path)
+
+
+def test_a_stale_view_of_the_ledger_is_read_again_not_refused(spec_path):
+    """Two events landing between reconcile's ledger read and its state read
+    leave the state two events ahead of what it read: a race, not a foreign ledger."""
+    from spark_jobs.protocol import Pipeline, reconcile
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 3)
+    p = Pipeline(spec)
+    stale, fresh = p.ledger.load(), p.ledger.load
+    rewind(spec, 2)
+    rewind(spec, 1)
+    reads = iter([stale])
+    p.ledger.load = lambda: next(reads, None) or fresh()
+    assert reconcile(p).position == Position(2, 1)
+
+
+def test_sigterm_after_the_state_commit_still_reports_the_batch_committed(spec_path):
+    from spark_jobs import faults, shutdown
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=1, records_per_file=40, users=10)
+    faults.set_hook(lambda point: shutdown._requested.set() if point == "after_state_commit" else None)
+    try:
+        outcome = run_batch(spec, compute_factory=ArrowCompute)
+    finally:
+        faults.set_hook(None)
+        shutdown._requested.clear()
+    assert outcome.status == "committed"
+    assert_exact(spec_path)
+
+
+def test_ledger_compaction_failing_never_fails_a_committed_run(spec_path, monkeypatch, caplog):
+    from spark_jobs import ledger
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    monkeypatch.setattr(ledger, "COMPACT_AT_FILES", 1)
+
+    def broken_open(*args, **kwargs):
+        raise OSError("storage unavailable")
+
+    write_wave(spec.source_path, 0, files=1, records_per_file=40, users=10)
+    real_compact = ledger.OffsetLedger.compact
+
+    def compact_with_broken_storage(self):
+        monkeypatch.setattr(ledger, "open_table", broken_open)
+        return real_compact(self)
+
+    monkeypatch.setattr(ledger.OffsetLedger, "compact", compact_with_broken_storage)
+    assert run_batch(spec, compute_factory=ArrowCompute).status == "committed"
+    assert "not compacted this time (storage unavailable)" in caplog.text

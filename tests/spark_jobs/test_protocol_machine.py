@@ -3,7 +3,9 @@
 Rules: land a wave of files, land *late* files (in a subfolder, with an mtime
 older than anything consumed), run one batch, crash a run at a named fault
 point, interleave two runs (run A paused at a point while run B runs or
-rewinds, then A resumes), rewind to a random committed batch, and drain.
+rewinds, then A resumes), rewind to a random committed batch, OPTIMIZE and
+VACUUM the state (must not be taken for tampering), RESTORE the state behind
+the job's back (the next run must refuse; a rewind repairs it), and drain.
 After every step the invariant checks exactly-once against the oracle:
 
 * the effective lineage (the ledger's, plus the one state commit the ledger
@@ -57,7 +59,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from spark_jobs import faults
 from spark_jobs.clickstream import differences, fold, state_totals, write_wave
 from spark_jobs.delta_io import open_table, read_all
-from spark_jobs.errors import ConcurrentRunError
+from spark_jobs.errors import ConcurrentRunError, StateChangedOutsideError
 from spark_jobs.faults import POINTS
 from spark_jobs.fencing import Position
 from spark_jobs.ledger import LedgerRow, LedgerView, OffsetLedger
@@ -311,6 +313,31 @@ class ProtocolMachine(RuleBasedStateMachine):
         STATS["rewinds"] += 1
 
     @rule()
+    def maintenance(self) -> None:
+        """OPTIMIZE and VACUUM on the state: the job must not take them for tampering."""
+        table = open_table(self.spec.state_path)
+        if table is None:
+            return
+        table.optimize.compact()
+        table.vacuum(dry_run=False)  # the default retention keeps every file a rewind may restore
+        STATS["steps"] += 1
+        STATS["maintenance"] += 1
+
+    @precondition(lambda self: self._effective()[1].batch_id >= 1)
+    @rule(data=st.data())
+    def outside_restore_is_refused_then_rewound(self, data: st.DataObject) -> None:
+        """A Delta RESTORE of the state behind the job's back (the fence stays):
+        the next run must refuse, and a rewind to the ledger's head repairs it."""
+        table = open_table(self.spec.state_path)
+        table.restore(data.draw(st.integers(0, table.version() - 1), label="RESTORE to version"))
+        with pytest.raises(StateChangedOutsideError):
+            self._run()
+        head = OffsetLedger(self.spec.ledger_path, self.spec.name).load().position
+        rewind(self.spec, head.batch_id)
+        STATS["steps"] += 1
+        STATS["outside_restores"] += 1
+
+    @rule()
     def drain(self) -> None:
         """Liveness: runs until no new data consume every ready file."""
         for _ in range(len(self._ready_files()) + 2):
@@ -373,10 +400,10 @@ def _explore(max_examples: int, steps: int) -> dict[str, int]:
 
 
 def test_protocol_machine():
-    report = _explore(max_examples=25, steps=30)
+    report = _explore(max_examples=28, steps=32)
     # The machine must have explored, not just passed: every kind of step ran.
     assert report["steps"] >= 300, report
-    for kind in ("batches_committed", "crashes", "interleavings", "rewinds", "late_files"):
+    for kind in ("batches_committed", "crashes", "interleavings", "rewinds", "late_files", "maintenance", "outside_restores"):
         assert report.get(kind, 0) > 0, f"no {kind} explored: {report}"
 
 

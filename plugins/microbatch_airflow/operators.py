@@ -3,7 +3,11 @@
 Outcomes: a committed batch succeeds and emits an asset event for the state
 table (batch id, offsets, state version as extra). Nothing new, an interval
 the pipeline already passed, or a batch a concurrent run committed first all
-succeed as no-ops and say so in the log; they emit no asset event. A bad spec
+succeed as no-ops and say so in the log; they emit no asset event, except for
+a batch an earlier attempt of the same run committed before it died (its
+event was never sent, so the retry sends it; a task cleared after it
+succeeded sends its run's events again, as a static outlet would: consumers
+can tell repeats by `(epoch, batch_id)` in the extra). A bad spec
 or a bad parameter fails at once (`AirflowFailException`: retrying cannot
 help). Anything else is raised as is, so the task's normal retries apply;
 they are safe because every retry re-enters the commit protocol.
@@ -12,7 +16,7 @@ they are safe because every retry re-enters the commit protocol.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
@@ -20,6 +24,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from microbatch_airflow.assets import batches_alias, state_asset
 from spark_jobs.errors import MicrobatchError, RewindError, SpecError, TransformError
 from spark_jobs.spec import PipelineSpec, load_spec
+
+if TYPE_CHECKING:
+    from spark_jobs.protocol import BatchOutcome
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -128,18 +135,56 @@ class MicroBatchOperator(BaseOperator):
                 outcome.state_version,
                 (outcome.duration_ms or 0) / 1000,
             )
-            context["outlet_events"][batches_alias(spec)].add(
-                state_asset(spec),
-                extra={
-                    "pipeline": spec.name,
-                    "batch_id": outcome.batch_id,
-                    "epoch": outcome.epoch,
-                    "start_offsets": outcome.start_offsets,
-                    "end_offsets": outcome.end_offsets,
-                    "state_version": outcome.state_version,
-                },
-            )
+            self._emit(context, spec, outcome)
+        if options.attempt > 1:
+            summary["committed_by_earlier_attempts"] = self._emit_earlier_attempts(context, spec, options.run_id, outcome)
         return summary
+
+    @staticmethod
+    def _emit(context: Context, spec: PipelineSpec, batch: Any) -> None:
+        """One asset event for a committed batch (a `BatchOutcome` or a ledger row)."""
+        context["outlet_events"][batches_alias(spec)].add(
+            state_asset(spec),
+            extra={
+                "pipeline": spec.name,
+                "batch_id": batch.batch_id,
+                "epoch": batch.epoch,
+                "start_offsets": batch.start_offsets,
+                "end_offsets": batch.end_offsets,
+                "state_version": batch.state_version,
+            },
+        )
+
+    def _emit_earlier_attempts(self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome) -> list[int]:
+        """Asset events for batches an earlier attempt of this run committed.
+
+        An attempt killed after its state commit (or failing after it, e.g. on
+        the ledger row) never emitted its event; the retry then finds the
+        batch done. Without this, downstream DAGs would not hear of that
+        batch until the next one.
+        """
+        from spark_jobs import protocol
+        from spark_jobs.ledger import COMMITTED
+
+        earlier = [
+            row
+            for row in protocol.history(spec)
+            if row.status == COMMITTED
+            and row.run_id == run_id
+            and not (
+                outcome.status == protocol.COMMITTED_BATCH and (row.epoch, row.batch_id) == (outcome.epoch, outcome.batch_id)
+            )
+        ]
+        for row in earlier:
+            self.log.info(
+                "batch %s (epoch %s) was committed by attempt %s of this run, which did not finish: "
+                "emitting its asset event now",
+                row.batch_id,
+                row.epoch,
+                row.attempt,
+            )
+            self._emit(context, spec, row)
+        return [row.batch_id for row in earlier]
 
     def _compute_factory(self, spec: PipelineSpec):  # noqa: ANN202
         from spark_jobs.spark_compute import SparkCompute, resolve_master
@@ -159,13 +204,13 @@ class MicroBatchOperator(BaseOperator):
     def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> None:
         """Rewind, unless this Airflow run already did (a retry must not rewind twice)."""
         from spark_jobs import protocol
-        from spark_jobs.errors import StateBehindLedgerError
+        from spark_jobs.errors import StateBehindLedgerError, StateChangedOutsideError
         from spark_jobs.ledger import REWOUND
 
         # Record a rewind a killed attempt made before it could write its ledger row.
         try:
             protocol.reconcile(protocol.Pipeline(spec))
-        except StateBehindLedgerError:
+        except (StateBehindLedgerError, StateChangedOutsideError):
             pass  # the rewind below is the way out
         if any(row.status == REWOUND and row.run_id == run_id for row in protocol.history(spec)):
             self.log.info("this run already rewound the pipeline; not rewinding again")

@@ -91,9 +91,14 @@ def test_task_killed_after_state_commit_is_retried_and_exact(live):
     assert not (live.root / "arm-fault").exists(), "the fault never fired"
     (ti,) = live.task_instances("clicks_per_user", run_id)
     assert ti["try_number"] == 2  # attempt 1 was SIGKILLed, attempt 2 completed it
-    assert live.xcom("clicks_per_user", run_id)["status"] in ("committed", "no_new_data")
+    summary = live.xcom("clicks_per_user", run_id)
+    assert summary["status"] == "no_new_data" and summary["committed_by_earlier_attempts"] == [2]
     assert_exact(spec_file)
     assert len(_committed(spec_file)) == 2
+    # Attempt 1 died before it could emit batch 2's asset event: attempt 2 sent it.
+    live.wait_for_runs("clicks_per_user_downstream", 2)
+    batches = sorted(e["extra"]["batch_id"] for e in live.asset_events() if e["source_dag_id"] == "clicks_per_user")
+    assert batches == [1, 2]
 
 
 def test_backfill_processes_each_interval_once(live):

@@ -456,8 +456,43 @@ def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) ->
         if problem:
             line = lines.get(loc)
             problems.append(f"{f'line {line}, ' if line else ''}field `{'.'.join(loc)}`: {problem}")
+    problems.extend(_overlaps(spec, lines))
     if problems:
         raise SpecError(spec.spec_path, problems)
+
+
+def _inside(location: str, folder: str) -> bool:
+    """Whether `location` is `folder` or under it (same spelling: both resolved)."""
+    location, folder = location.rstrip("/"), folder.rstrip("/")
+    return location == folder or location.startswith(folder + "/")
+
+
+def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str]:
+    """Locations that would read or clobber each other's files.
+
+    The source lists every file under its folder, so a state or checkpoint
+    inside it would be fed back in as input (or the source would read a
+    table's Parquet parts if it sat inside one). A checkpoint inside the
+    state table's folder would be deleted by a VACUUM of the state, which
+    removes files its log does not know; and the state cannot be one of the
+    checkpoint's own tables.
+    """
+    source, state, checkpoint = spec.source_path, spec.state_path, spec.checkpoint_path
+    found = []
+
+    def problem(loc: tuple[str, ...], text: str) -> None:
+        line = lines.get(loc)
+        found.append(f"{f'line {line}, ' if line else ''}field `{'.'.join(loc)}`: {text}")
+
+    for loc, other in ((("state", "path"), state), (("checkpoint",), checkpoint)):
+        if _inside(other, source) or _inside(source, other):
+            problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables")
+    if _inside(checkpoint, state):
+        problem(("checkpoint",), f"{checkpoint} is inside the state table's folder {state}; put it beside it")
+    for table in (spec.ledger_path, spec.quarantine_path):
+        if _inside(state, table) or _inside(table, state):
+            problem(("state", "path"), f"{state} overlaps the checkpoint's table {table}; put the state elsewhere")
+    return found
 
 
 def load_spec(path: str | Path, *, storage_roots: list[str] | None = None) -> PipelineSpec:

@@ -55,6 +55,11 @@ def test_the_issue_spec_loads_as_written():
         (lambda s: s.update(transform="SELECT 1"), "must read the new records from the view `batch`"),
         (lambda s: s["batch"].update(max_files=0), "field `batch.max_files`"),
         (lambda s: s.update(checkpont="x"), "field `checkpont`: is not a known field"),
+        (lambda s: s["state"].update(path="landing/state"), "field `state.path`: "),
+        (lambda s: s.update(checkpoint="landing/_ckpt"), "overlaps source.path"),
+        (lambda s: s["source"].update(path="lake"), "keep the source folder apart from the tables"),
+        (lambda s: s.update(checkpoint="lake/state/_ckpt"), "is inside the state table's folder"),
+        (lambda s: s["state"].update(path="lake/_checkpoints/clicks/offsets"), "overlaps the checkpoint's table"),
     ],
 )
 def test_each_mistake_has_its_own_message(tmp_path, change, expected):

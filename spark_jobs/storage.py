@@ -20,7 +20,8 @@ storage options. Two settings matter for correctness:
   AWS S3 supports conditional writes since 2024-08, as do MinIO, R2 and
   moto; delta-rs 1.x defaults to this, and we set it explicitly so that a
   changed default can never silently turn it off.
-* ``AWS_S3_ALLOW_UNSAFE_RENAME`` is never set: it would allow the
+* ``AWS_S3_ALLOW_UNSAFE_RENAME`` is passed as ``false``: delta-rs would
+  otherwise also take it from the environment, and ``true`` allows the
   last-writer-wins rename that loses commits under concurrency.
 
 The options dict holds credentials: it is passed to delta-rs and nowhere
@@ -108,6 +109,7 @@ def _s3_options() -> tuple[tuple[str, str], ...]:
         "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
         "AWS_REGION": region(),
         "conditional_put": "etag",
+        "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
     }
     if frozen.token:
         options["AWS_SESSION_TOKEN"] = frozen.token

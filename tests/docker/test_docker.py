@@ -130,6 +130,13 @@ def test_spark_services_get_the_s3_settings():
             assert env.get(key) == airflow_env[key], f"docker/docker-compose.yml: {name} {key} != the Airflow services'"
 
 
+def test_no_service_allows_unsafe_renames():
+    """`AWS_S3_ALLOW_UNSAFE_RENAME=true` lets two racing Delta commits both
+    succeed, one of them lost; MinIO's conditional puts make it unnecessary."""
+    for name, service in _config()["services"].items():
+        assert "AWS_S3_ALLOW_UNSAFE_RENAME" not in _env(service), f"docker/docker-compose.yml: {name} sets AWS_S3_ALLOW_UNSAFE_RENAME"
+
+
 def test_every_long_running_service_has_a_healthcheck_and_waits_for_its_dependencies():
     services = _config()["services"]
     one_shot = {"airflow-init", "minio-init"}

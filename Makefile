@@ -29,10 +29,17 @@ demo: setup
 test: setup tools
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
-# tests/docker needs docker-compose (`config` only, no engine); CI runs as root on Debian.
+# tests/docker needs docker-compose (`config` only, no engine) and the storage
+# fault tests need strace; CI runs as root on Debian, so install what is missing.
 .PHONY: tools
 tools:
-	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q docker-compose; } || echo "docker-compose is missing: apt-get install docker-compose"
+	@missing=""; \
+	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	  command -v strace >/dev/null || missing="$$missing strace"; \
+	  if [ -n "$$missing" ]; then \
+	    { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $$missing; } \
+	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \
+	  fi
 
 soak: setup
 	$(BIN)/python -m pytest -q -m slow

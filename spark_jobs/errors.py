@@ -78,7 +78,7 @@ class StateChangedOutsideError(StateLedgerMismatchError):
     RESTORE, DELETE, UPDATE, MERGE or write), so the ledger no longer says
     which records the state holds."""
 
-    def __init__(self, pipeline: str, path: str, changes: list[tuple[int, str]], head: str) -> None:
+    def __init__(self, pipeline: str, path: str, changes: list[tuple[int, str]], head: str, last_batch: int) -> None:
         self.pipeline = pipeline
         self.changes = changes
         listed = ", ".join(f"version {v} ({op})" for v, op in changes)
@@ -86,8 +86,8 @@ class StateChangedOutsideError(StateLedgerMismatchError):
             f"pipeline {pipeline!r}: the state table {path} was changed outside `microbatch` at "
             f"{listed}, after {head}. Continuing would count records the change removed as "
             "processed (or records it added as input). Undo it with `microbatch rewind SPEC "
-            "--to-batch K` (K = the last batch, or an earlier one): the state is restored to "
-            "what batch K committed and the batches after K are replayed. Rewind is also the way "
+            f"--to-batch {last_batch}` (or an earlier batch K): the state is restored to what "
+            "that batch committed and the batches after it are replayed. Rewind is also the way "
             "to go back in time; a Delta RESTORE of the state is not."
         )
 

@@ -410,7 +410,7 @@ def _check_unchanged(
         return
     changes = p.state.outside_changes(table, head.state_version, before_version)
     if changes:
-        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, str(view.position))
+        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, str(view.position), view.position.batch_id)
 
 
 def _moved_past(n: Position, current: Position) -> str:

@@ -218,8 +218,8 @@ class StateTable:
         commit is the table's latest version.
         """
         newer = table.version() - since_version
-        if newer <= 0:
-            return []
+        if newer <= 0 or (before_version is not None and before_version <= since_version + 1):
+            return []  # no version in between: no history to read
         changes = []
         for info in table.history(min(newer, HISTORY_SEARCH)):
             version = int(info["version"])

@@ -408,6 +408,7 @@ def test_protocol_machine():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 20 minutes on 2 cores; the suite default (900 s) is for CI tests
 def test_protocol_machine_soak():
     report = _explore(max_examples=200, steps=50)
     assert report["steps"] >= 5_000, report

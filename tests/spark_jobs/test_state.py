@@ -91,3 +91,33 @@ def test_find_commit_looks_past_later_commits(tmp_path):
     found = state.find_commit(state.open(), Position(0, 1))
     assert found is not None and found.version == version
     assert state.find_commit(state.open(), Position(0, 2)) is None
+
+
+def test_a_restore_that_commits_nothing_does_not_take_a_concurrent_commit_for_its_own(tmp_path):
+    """Emptying a state with no data files makes no delta-rs commit. If a batch
+    commits right then, the restore must still move the fence itself (and lose
+    to that batch), not report the batch's version as its own."""
+    from deltalake import write_deltalake
+
+    from spark_jobs.delta_io import is_commit_conflict
+    from spark_jobs.fencing import commit_properties, transaction_position
+    from spark_jobs.state import StateTable
+
+    spec = _spec(tmp_path, ["user_id"], {"events": "sum"})
+    state = StateTable(spec)
+    table = state.create(pa.table({"user_id": pa.array([], pa.string()), "events": pa.array([], pa.int64())}))
+    empty = pa.schema(table.schema().to_arrow()).empty_table()
+    checked = open_table(spec.state_path)  # the snapshot the rewind checked
+    delete = checked.delete
+
+    def delete_while_a_batch_commits(**kwargs):
+        metrics = delete(**kwargs)  # nothing to delete: no commit
+        write_deltalake(open_table(spec.state_path), empty, mode="append",
+                        commit_properties=commit_properties(STATE_FENCE, Position(0, 1), {}))
+        return metrics
+
+    checked.delete = delete_while_a_batch_commits
+    with pytest.raises(Exception) as info:
+        state.restore(checked, None, Position(1, 0), {"kind": "rewind"})
+    assert is_commit_conflict(info.value)
+    assert transaction_position(open_table(spec.state_path), STATE_FENCE) == Position(0, 1)

@@ -327,29 +327,14 @@ def reconcile(p: Pipeline) -> LedgerView:
         view = p.ledger.load()
         table = p.state.open()
         state_at = p.state.position(table)
-        if state_at == view.position:
-            _check_unchanged(p, view, table)
-            return view
-        if state_at < view.position:
-            raise StateBehindLedgerError(p.spec.name, str(view.position), str(state_at), missing=table is None)
-        commit = p.state.find_commit(table, state_at) if table is not None else None
-        if commit is None:
-            raise MicrobatchError(
-                f"pipeline {p.spec.name}: the state table is at {state_at} but its commit is not "
-                f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
-                "automatically. Rewind to a batch in the ledger with `microbatch rewind`."
-            )
-        problem = _not_following(p, view.position, state_at, commit)
-        if problem is not None:
+        try:
+            commit = _lagging_commit(p, view, table, state_at)
+        except StateLedgerMismatchError:
             if p.ledger.load().position != view.position:
-                continue  # our view of the ledger was stale (two events landed): look again
-            raise StateLedgerMismatchError(problem)
-        if commit.metadata.get("kind") == "batch":
-            # A change made outside the job before the lagging batch would be
-            # hidden by projecting it; one made after it is found once the
-            # row is recorded. (A rewind replaces whatever was there with a
-            # version the ledger knows: it is the repair.)
-            _check_unchanged(p, view, table, before_version=commit.version)
+                continue  # our view of the ledger was stale (events landed since): look again
+            raise
+        if commit is None:
+            return view
         row = _row_from_commit(p.spec.name, commit)
         with storage_errors(
             f"pipeline {p.spec.name}: could not record {row.status} {state_at} in the offset ledger",
@@ -367,6 +352,36 @@ def reconcile(p: Pipeline) -> LedgerView:
     if p.state.position(p.state.open()) != view.position:
         raise ConcurrentRunError(f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again")
     return view
+
+
+def _lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> StateCommit | None:
+    """The state commit the ledger lags behind, None if the two agree.
+
+    Raises `StateLedgerMismatchError` (or its subclasses) when they do not
+    belong together; reads only, so `status` can say what a run would find.
+    """
+    if state_at == view.position:
+        _check_unchanged(p, view, table)
+        return None
+    if state_at < view.position:
+        raise StateBehindLedgerError(p.spec.name, str(view.position), str(state_at), missing=table is None)
+    commit = p.state.find_commit(table, state_at) if table is not None else None
+    if commit is None:
+        raise MicrobatchError(
+            f"pipeline {p.spec.name}: the state table is at {state_at} but its commit is not "
+            f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
+            "automatically. Rewind to a batch in the ledger with `microbatch rewind`."
+        )
+    problem = _not_following(p, view.position, state_at, commit)
+    if problem is not None:
+        raise StateLedgerMismatchError(problem)
+    if commit.metadata.get("kind") == "batch":
+        # A change made outside the job before the lagging batch would be
+        # hidden by projecting it; one made after it is found once the row is
+        # recorded. (A rewind replaces whatever was there with a version the
+        # ledger knows: it is the repair.)
+        _check_unchanged(p, view, table, before_version=commit.version)
+    return commit
 
 
 def _not_following(p: Pipeline, head: Position, state_at: Position, commit: StateCommit) -> str | None:
@@ -553,7 +568,11 @@ def status(spec: PipelineSpec) -> PipelineStatus:
     head = view.head
     table = p.state.open()
     state_at = p.state.position(table)
-    note = _disagreement(p, view, table, state_at)
+    try:
+        lagging = _lagging_commit(p, view, table, state_at)
+        note = f"the state is at {state_at}; the next run will record it in the ledger" if lagging else None
+    except MicrobatchError as exc:
+        note = str(exc)
     consumed = consumed_names([r.manifest for r in view.lineage()])
     try:
         waiting = len(p.source.pending(consumed))
@@ -579,21 +598,6 @@ def history(spec: PipelineSpec) -> list[LedgerRow]:
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-def _disagreement(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> str | None:
-    """What the next run will find about state and ledger, said without acting on it."""
-    if state_at < view.position:
-        return str(StateBehindLedgerError(p.spec.name, str(view.position), str(state_at), missing=table is None))
-    if state_at == view.position:
-        try:
-            _check_unchanged(p, view, table)
-        except StateChangedOutsideError as exc:
-            return str(exc)
-        return None
-    commit = p.state.find_commit(table, state_at) if table is not None else None
-    problem = _not_following(p, view.position, state_at, commit) if commit is not None else None
-    return problem or f"the state is at {state_at}; the next run will record it in the ledger"
 
 
 def _boundary(point: str) -> None:

@@ -17,7 +17,6 @@ import re
 import sys
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
-from urllib.request import url2pathname
 
 import pyarrow as pa
 
@@ -435,7 +434,7 @@ def spark_path(uri: str) -> str:
     """
     if not uri.startswith("file:"):
         return uri
-    path = url2pathname(urlparse(uri).path)
+    path = _local_path(uri)
     return "file://" + re.sub(f"([{re.escape(HADOOP_GLOB_CHARS)}])", r"\\\1", path)
 
 

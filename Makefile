@@ -20,7 +20,7 @@ $(STAMP): requirements.lock pyproject.toml | java
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
-	$(BIN)/python -m spark_jobs.jvm_cache
+	$(BIN)/python -m spark_jobs.demo.warm_jvm
 	touch $(STAMP)
 
 demo: setup

@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from spark_jobs.clickstream import write_wave  # noqa: E402
+from spark_jobs.demo.clickstream import write_wave  # noqa: E402
 
 SPEC = {
     "name": "bench_clicks",
@@ -85,9 +85,10 @@ def bench_process_runs(work: Path) -> dict[str, float]:
 
 
 def bench_steady(work: Path, batches: int) -> list[float]:
-    from spark_jobs.protocol import run_batch
-    from spark_jobs.spark_compute import SparkCompute, default_session
-    from spark_jobs.spec import load_spec
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.engine.session import default_session
+    from spark_jobs.engine.spark_compute import SparkCompute
+    from spark_jobs.core.spec import load_spec
 
     spec_path = make_pipeline(work / "steady")
     spec = load_spec(spec_path)
@@ -96,7 +97,7 @@ def bench_steady(work: Path, batches: int) -> list[float]:
     for wave in range(batches):
         land(spec_path.parent, wave)
         start = time.perf_counter()
-        outcome = run_batch(spec, compute_factory=lambda: SparkCompute(session=session))
+        outcome = run_batch(spec, RunOptions(run_id="bench"), compute_factory=lambda: SparkCompute(session=session))
         times.append(time.perf_counter() - start)
         print(f"  steady batch {wave + 1}: {times[-1]:.2f} s ({outcome.keys_updated} keys)", flush=True)
     return times
@@ -107,10 +108,11 @@ def bench_big_state(work: Path, keys: int) -> tuple[float, float]:
     import pyarrow as pa
     from deltalake import write_deltalake
 
-    from spark_jobs.fencing import STATE_FENCE, Position, commit_properties
-    from spark_jobs.protocol import run_batch
-    from spark_jobs.spark_compute import SparkCompute, default_session
-    from spark_jobs.spec import load_spec
+    from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.engine.session import default_session
+    from spark_jobs.engine.spark_compute import SparkCompute
+    from spark_jobs.core.spec import load_spec
 
     session = default_session(short_lived=False)
     results = []
@@ -126,7 +128,7 @@ def bench_big_state(work: Path, keys: int) -> tuple[float, float]:
             STATE_FENCE, Position(0, 0), {"microbatch": '{"txn": 0}'}))
         land(spec_path.parent, 0)
         start = time.perf_counter()
-        run_batch(spec, compute_factory=lambda: SparkCompute(session=session))
+        run_batch(spec, RunOptions(run_id="bench"), compute_factory=lambda: SparkCompute(session=session))
         results.append(time.perf_counter() - start)
         print(f"  state {size:,} keys: batch {results[-1]:.2f} s", flush=True)
     return results[0], results[1]

@@ -12,7 +12,7 @@ from airflow.sdk import DAG, task
 
 from microbatch_airflow.assets import state_asset
 from microbatch_airflow.dag_factory import pipelines_dir
-from spark_jobs.spec import load_spec
+from spark_jobs.core.spec import load_spec
 
 SPEC = pipelines_dir(Path(__file__).parent / "pipelines") / "clicks_per_user.yaml"
 

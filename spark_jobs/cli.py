@@ -1,9 +1,11 @@
 """`microbatch`: run, inspect and rewind pipelines from the command line.
 
-Exit codes: 0 when the run committed, found nothing new, or found that a
-concurrent run had committed the batch (the message says which); 2 for a bad
-spec or bad arguments (fix them; retrying will not help); 1 for other
-failures (retrying is safe: the protocol makes every retry exactly-once).
+Exit codes (`spark_jobs.errors` decides them from the error's class): 0 when
+the run committed, found nothing new, or found that a concurrent run had
+committed the batch (the message says which); 2 when retrying cannot help (a
+bad spec or argument, tables that do not belong together, a state changed
+outside the job: the message says what to do); 1 for failures where
+retrying is safe (the protocol makes every retry exactly-once).
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ import argparse
 import json
 import logging
 import sys
+import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spark_jobs import __version__, shutdown
-from spark_jobs.errors import MicrobatchError, SpecError, TransformError
+from spark_jobs import __version__
+from spark_jobs.core import shutdown
+from spark_jobs.errors import EXIT_OK, MicrobatchError, exit_code
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+if TYPE_CHECKING:
+    from spark_jobs.core.outcome import BatchOutcome
+
+__all__ = ["build_parser", "main"]
 
 
 def _parse_time(text: str) -> datetime:
@@ -30,7 +37,7 @@ def _parse_time(text: str) -> datetime:
 
 
 def _master(text: str) -> str:
-    from spark_jobs.spec import SPARK_MASTER
+    from spark_jobs.core.spec import SPARK_MASTER
 
     if not SPARK_MASTER.fullmatch(text):
         raise argparse.ArgumentTypeError(
@@ -122,48 +129,52 @@ def main(argv: list[str] | None = None) -> int:
     shutdown.install()
     try:
         return _dispatch(args)
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except TransformError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except MicrobatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return exit_code(exc)
+
+
+def _run_id(kind: str) -> str:
+    """The CLI's own run ids, e.g. ``cli-20261123T101500-3fa2c1``."""
+    return f"cli{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from spark_jobs import protocol
-    from spark_jobs.spec import load_spec
+    from spark_jobs.core.inspect import history, status
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.engine import compute_factory
 
     spec = load_spec(args.spec, storage_roots=args.storage_root)
     if args.command == "run":
-        options = protocol.RunOptions(
-            interval_end=args.until, max_files=args.max_files, max_records=args.max_records, dry_run=args.dry_run
+        options = RunOptions(
+            run_id=args.run_id or _run_id(""),
+            interval_end=args.until,
+            max_files=args.max_files,
+            max_records=args.max_records,
+            dry_run=args.dry_run,
         )
-        if args.run_id:
-            options.run_id = args.run_id
-        outcome = protocol.run_batch(spec, options, compute_factory=_compute_factory(args.master, spec))
-        _print_outcome(outcome.to_json(), args.json)
+        outcome = run_batch(spec, options, compute_factory(spec, args.master))
+        _print_outcome(outcome, args.json)
         return EXIT_OK
     if args.command == "status":
-        st = protocol.status(spec)
+        st = status(spec)
         if args.json:
-            print(json.dumps(st.to_json(), indent=2))
+            print(json.dumps(st.to_dict(), indent=2))
         else:
             _table(
                 f"pipeline {st.pipeline}",
-                ["epoch", "last batch", "end offsets", "state version", "committed at", "files waiting"],
-                [[st.epoch, st.last_batch, _compact(st.end_offsets), st.state_version, _time(st.committed_at), st.files_waiting]],
+                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting"],
+                [[st.epoch, st.last_batch, _compact(st.end_offsets), st.state_version, _time(st.committed_at), st.lag.describe() if st.lag else "?"]],
             )
             if st.note:
                 print(f"note: {st.note}")
         return EXIT_OK
     if args.command == "history":
-        rows = protocol.history(spec)
+        rows = history(spec)
         if args.json:
-            print(json.dumps([r.to_json() for r in rows], indent=2))
+            print(json.dumps([r.to_dict() for r in rows], indent=2))
             return EXIT_OK
         shown = rows[-args.limit :] if args.limit else rows
         _table(
@@ -188,8 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     if args.command == "rewind":
-        outcome = protocol.rewind(spec, args.to_batch)
-        _print_outcome(outcome.to_json(), args.json)
+        outcome = rewind(spec, args.to_batch, run_id=_run_id("-rewind"))
+        _print_outcome(outcome, args.json)
         return EXIT_OK
     raise AssertionError(args.command)
 
@@ -197,37 +208,32 @@ def _dispatch(args: argparse.Namespace) -> int:
 # -- output -------------------------------------------------------------------------
 
 
-def _compute_factory(master: str | None, spec: Any):  # noqa: ANN202
-    """Spark on the chosen master; the session starts only if the batch has work."""
-    from spark_jobs.spark_compute import SparkCompute, resolve_master
+def _print_outcome(outcome: BatchOutcome, as_json: bool) -> None:
+    from spark_jobs.core.outcome import Outcome
 
-    return lambda: SparkCompute(master=resolve_master(master, spec))
-
-
-def _print_outcome(outcome: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        print(json.dumps(outcome, indent=2, default=str))
+        print(json.dumps(outcome.to_dict(), indent=2, default=str))
         return
-    print(f"{outcome['status']}: {outcome['message']}")
-    if outcome["status"] == "committed":
+    print(f"{outcome.status}: {outcome.message}")
+    if outcome.status is Outcome.COMMITTED:
         _table(
             None,
-            ["batch", "epoch", "files", "records", "quarantined", "keys updated", "state version", "seconds"],
+            ["batch", "epoch", "inputs", "records", "quarantined", "keys updated", "state version", "seconds"],
             [
                 [
-                    outcome["batch_id"],
-                    outcome["epoch"],
-                    len(outcome["files"]),
-                    outcome["records_in"],
-                    outcome["records_quarantined"],
-                    outcome["keys_updated"],
-                    outcome["state_version"],
-                    f"{outcome['duration_ms'] / 1000:.1f}",
+                    outcome.batch_id,
+                    outcome.epoch,
+                    len(outcome.inputs),
+                    outcome.records_in,
+                    outcome.records_quarantined,
+                    outcome.keys_updated,
+                    outcome.state_version,
+                    f"{(outcome.duration_ms or 0) / 1000:.1f}",
                 ]
             ],
         )
-    elif outcome["status"] == "dry_run" and outcome["files"]:
-        for name in outcome["files"]:
+    elif outcome.status is Outcome.DRY_RUN:
+        for name in outcome.inputs:
             print(f"  {name}")
 
 

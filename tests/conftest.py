@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spark_jobs.clickstream import ORACLE_MERGE, ORACLE_TRANSFORM
+from spark_jobs.demo.clickstream import ORACLE_MERGE, ORACLE_TRANSFORM
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_AWS_KEY_ID = "microbatch-test-key"
@@ -49,7 +49,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's S3 server on loopback (a real HTTP S3 API), for the whole session."""
-    from spark_jobs import storage
+    from spark_jobs.storage import s3 as storage
 
     server = subprocess.Popen(
         [sys.executable, "-m", "tests.moto_server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
@@ -72,7 +72,7 @@ def bucket(s3_endpoint, request) -> str:
     import hashlib
     import re
 
-    from spark_jobs.storage import s3_client
+    from spark_jobs.storage.s3 import s3_client
 
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]  # parametrized names differ only at the end
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{digest}-{os.getpid()}"
@@ -82,7 +82,7 @@ def bucket(s3_endpoint, request) -> str:
 
 def upload_folder(folder: Path, uri: str) -> None:
     """Copy the ready files under `folder` to the S3 prefix `uri`, oldest first."""
-    from spark_jobs.storage import S3Location, s3_client
+    from spark_jobs.storage.s3 import S3Location, s3_client
 
     target = S3Location.parse(uri)
     files = sorted((p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
@@ -94,7 +94,7 @@ def upload_folder(folder: Path, uri: str) -> None:
 
 @pytest.fixture(scope="session")
 def spark():
-    from spark_jobs.spark_compute import default_session
+    from spark_jobs.engine.session import default_session
 
     session = default_session("local[2]", app_name="microbatch-tests", short_lived=False)
     yield session
@@ -104,7 +104,7 @@ def spark():
 @pytest.fixture
 def compute(spark):
     """A compute factory sharing the session (the protocol closes computes; this one keeps it)."""
-    from spark_jobs.spark_compute import SparkCompute
+    from spark_jobs.engine.spark_compute import SparkCompute
 
     return lambda: SparkCompute(session=spark)
 
@@ -180,9 +180,9 @@ def assert_exact(spec_file: Path, *, drained: bool = True, mirror: Path | None =
     For an S3 source, `mirror` is a local folder holding the same files under
     the same relative names (the oracle reads them from there).
     """
-    from spark_jobs.clickstream import differences, fold, state_totals
-    from spark_jobs.ledger import OffsetLedger
-    from spark_jobs.spec import load_spec
+    from spark_jobs.demo.clickstream import differences, fold, state_totals
+    from spark_jobs.core.ledger import OffsetLedger
+    from spark_jobs.core.spec import load_spec
 
     spec = load_spec(spec_file)
     view = OffsetLedger(spec.ledger_path, spec.name).load()
@@ -201,3 +201,17 @@ def assert_exact(spec_file: Path, *, drained: bool = True, mirror: Path | None =
     problems = differences(fold(source / f for f in files), state_totals(spec.state_path))
     assert not problems, "state differs from the oracle:\n" + "\n".join(problems[:20])
     return lineage
+
+
+def batch_metadata(pipeline: str, position):
+    """The commit metadata of a batch at `position`, for tests that commit the state directly."""
+    from spark_jobs.core.commits import CommitKind, CommitMetadata
+
+    return CommitMetadata(
+        kind=CommitKind.BATCH, pipeline=pipeline, position=position, start_offsets={}, end_offsets={}, run_id="test"
+    )
+
+
+def commit_updates(state, table, updates, position):
+    """Commit one batch's updates to a `StateTable` as step 4 does: fitted to the table, then merged."""
+    return state.commit_batch(table, state.align(table, updates), batch_metadata(state.spec.name, position))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from airflow.sdk import Asset, AssetAlias
 
-from spark_jobs.spec import PipelineSpec
+from spark_jobs.core.spec import PipelineSpec
 
 
 def state_asset(spec: PipelineSpec) -> Asset:

@@ -24,7 +24,7 @@ from microbatch_airflow.assets import batches_alias
 from microbatch_airflow.operators import MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
-from spark_jobs.spec import PipelineSpec, load_spec
+from spark_jobs.core.spec import PipelineSpec, load_spec
 
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
 

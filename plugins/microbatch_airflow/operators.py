@@ -7,10 +7,14 @@ succeed as no-ops and say so in the log; they emit no asset event, except for
 a batch an earlier attempt of the same run committed before it died (its
 event was never sent, so the retry sends it; a task cleared after it
 succeeded sends its run's events again, as a static outlet would: consumers
-can tell repeats by `(epoch, batch_id)` in the extra). A bad spec
-or a bad parameter fails at once (`AirflowFailException`: retrying cannot
-help). Anything else is raised as is, so the task's normal retries apply;
-they are safe because every retry re-enters the commit protocol.
+can tell repeats by `(epoch, batch_id)` in the extra).
+
+Failures follow `spark_jobs.errors`' one policy, as the CLI's exit codes do:
+an error retrying cannot help (a bad spec or parameter, tables that do not
+belong together, a state changed outside the job) fails at once
+(`AirflowFailException`); anything else is raised as is, so the task's
+normal retries apply. They are safe because every retry re-enters the
+commit protocol.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException
 
 from microbatch_airflow.assets import batches_alias, state_asset
-from spark_jobs.errors import MicrobatchError, RewindError, SpecError, TransformError
-from spark_jobs.spec import PipelineSpec, load_spec
+from spark_jobs.core.spec import PipelineSpec, load_spec
+from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 
 if TYPE_CHECKING:
-    from spark_jobs.protocol import BatchOutcome
+    from spark_jobs.core.outcome import BatchOutcome
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -44,7 +48,7 @@ def master_from_connection(conn_id: str) -> str:
     """
     from airflow.sdk import BaseHook
 
-    from spark_jobs.spec import SPARK_MASTER
+    from spark_jobs.core.spec import SPARK_MASTER
 
     conn = BaseHook.get_connection(conn_id)
     master = (conn.extra_dejson or {}).get("master")
@@ -90,14 +94,16 @@ class MicroBatchOperator(BaseOperator):
         self.spark_conn_id = spark_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from spark_jobs import protocol
+        from spark_jobs.core.outcome import Outcome
+        from spark_jobs.core.protocol import RunOptions, run_batch
+        from spark_jobs.engine import compute_factory
 
         spec = self._spec()
         params = context.get("params") or {}
         dag_run = context["dag_run"]
         run_type = str(getattr(dag_run, "run_type", "manual")).lower().rsplit(".", 1)[-1]
         bounded = run_type in _INTERVAL_BOUND_RUN_TYPES
-        options = protocol.RunOptions(
+        options = RunOptions(
             run_id=context["run_id"],
             attempt=context["ti"].try_number,
             interval_start=context.get("data_interval_start") if bounded else None,
@@ -106,22 +112,21 @@ class MicroBatchOperator(BaseOperator):
             max_records=params.get("max_records"),
             dry_run=bool(params.get("dry_run", False)),
         )
-        compute_factory = self._compute_factory(spec)
+        conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
+        make_compute = compute_factory(spec, self.spark_master or (master_from_connection(conn_id) if conn_id else None))
         try:
             rewind_to = params.get("rewind_to_batch")
             if rewind_to is not None and not options.dry_run:
                 self._rewind_once(spec, int(rewind_to), options.run_id)
-            outcome = protocol.run_batch(spec, options, compute_factory=compute_factory)
-        except (SpecError, TransformError, RewindError) as exc:
-            raise AirflowFailException(str(exc)) from exc
+            outcome = run_batch(spec, options, make_compute)
         except MicrobatchError as exc:
-            if exc.retryable:
+            if is_retryable(exc):
                 raise
             raise AirflowFailException(str(exc)) from exc
 
-        summary = outcome.to_json()
+        summary = outcome.to_dict()
         self.log.info("%s: %s", outcome.status, outcome.message)
-        if outcome.status == protocol.COMMITTED_BATCH:
+        if outcome.status is Outcome.COMMITTED:
             self.log.info(
                 "batch %s (epoch %s): offsets %s -> %s, %s records, %s quarantined, %s keys updated, "
                 "state version %s, %.1f s",
@@ -163,16 +168,17 @@ class MicroBatchOperator(BaseOperator):
         batch done. Without this, downstream DAGs would not hear of that
         batch until the next one.
         """
-        from spark_jobs import protocol
-        from spark_jobs.ledger import COMMITTED
+        from spark_jobs.core.inspect import history
+        from spark_jobs.core.ledger import RowStatus
+        from spark_jobs.core.outcome import Outcome
 
         earlier = [
             row
-            for row in protocol.history(spec)
-            if row.status == COMMITTED
+            for row in history(spec)
+            if row.status is RowStatus.COMMITTED
             and row.run_id == run_id
             and not (
-                outcome.status == protocol.COMMITTED_BATCH and (row.epoch, row.batch_id) == (outcome.epoch, outcome.batch_id)
+                outcome.status is Outcome.COMMITTED and (row.epoch, row.batch_id) == (outcome.epoch, outcome.batch_id)
             )
         ]
         for row in earlier:
@@ -186,15 +192,6 @@ class MicroBatchOperator(BaseOperator):
             self._emit(context, spec, row)
         return [row.batch_id for row in earlier]
 
-    def _compute_factory(self, spec: PipelineSpec):  # noqa: ANN202
-        from spark_jobs.spark_compute import SparkCompute, resolve_master
-
-        conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
-        explicit = self.spark_master or (master_from_connection(conn_id) if conn_id else None)
-        master = resolve_master(explicit, spec)
-        self.log.info("Spark master: %s", master)
-        return lambda: SparkCompute(master=master)
-
     def _spec(self) -> PipelineSpec:
         try:
             return load_spec(self.spec_path)
@@ -203,17 +200,20 @@ class MicroBatchOperator(BaseOperator):
 
     def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> None:
         """Rewind, unless this Airflow run already did (a retry must not rewind twice)."""
-        from spark_jobs import protocol
+        from spark_jobs.core.inspect import history
+        from spark_jobs.core.ledger import RowStatus
+        from spark_jobs.core.pipeline import Pipeline
+        from spark_jobs.core.protocol import reconcile
+        from spark_jobs.core.rewind import rewind
         from spark_jobs.errors import StateBehindLedgerError, StateChangedOutsideError
-        from spark_jobs.ledger import REWOUND
 
         # Record a rewind a killed attempt made before it could write its ledger row.
         try:
-            protocol.reconcile(protocol.Pipeline(spec))
+            reconcile(Pipeline(spec))
         except (StateBehindLedgerError, StateChangedOutsideError):
             pass  # the rewind below is the way out
-        if any(row.status == REWOUND and row.run_id == run_id for row in protocol.history(spec)):
+        if any(row.status is RowStatus.REWOUND and row.run_id == run_id for row in history(spec)):
             self.log.info("this run already rewound the pipeline; not rewinding again")
             return
-        outcome = protocol.rewind(spec, to_batch, run_id=run_id)
+        outcome = rewind(spec, to_batch, run_id=run_id)
         self.log.info("%s", outcome.message)

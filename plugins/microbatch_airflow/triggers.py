@@ -15,10 +15,11 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 def files_waiting(spec_path: str) -> int:
     """How many source files wait for the pipeline in `spec_path`."""
-    from spark_jobs.protocol import status
-    from spark_jobs.spec import load_spec
+    from spark_jobs.core.inspect import status
+    from spark_jobs.core.spec import load_spec
 
-    return status(load_spec(spec_path)).files_waiting
+    lag = status(load_spec(spec_path)).lag
+    return lag.count if lag else 0
 
 
 class NewDataTrigger(BaseTrigger):

@@ -1,23 +1,22 @@
-"""Sources: where records come from, and how a batch's range is described.
+"""Sources: where records come from, and what a batch's range means.
 
-A source plans in plain Python (no JVM), so a run with nothing new ends
-without starting Spark. The compute engine reads exactly the planned range.
+`base.Source` is the protocol every source implements; `make_source` picks
+the implementation for a spec's `source:` block.
 """
 
 from __future__ import annotations
 
-from spark_jobs.sources.base import BatchRange
-from spark_jobs.sources.files import FilesSource
-from spark_jobs.sources.s3 import S3FilesSource
-from spark_jobs.spec import PipelineSpec
-from spark_jobs.storage import is_s3
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.sources.base import BatchRange, Caps, Lag, Source
+from spark_jobs.sources.files import FilesSource, LocalLister
+from spark_jobs.sources.s3 import S3Lister
+from spark_jobs.storage.s3 import is_s3
 
-__all__ = ["BatchRange", "FilesSource", "S3FilesSource", "make_source"]
+__all__ = ["BatchRange", "Caps", "Lag", "Source", "make_source"]
 
 
-def make_source(spec: PipelineSpec) -> FilesSource:
-    """The source object for a spec's `source:` block."""
-    if spec.source.type == "files":
-        kind = S3FilesSource if is_s3(spec.source_path) else FilesSource
-        return kind(spec.source_path, spec.source.format, csv_header=spec.source.csv.header)
-    raise ValueError(f"unknown source type {spec.source.type!r}")  # spec validation prevents this
+def make_source(spec: PipelineSpec) -> Source:
+    """The source for a spec's `source:` block."""
+    path = spec.source_path
+    lister = S3Lister(path) if is_s3(path) else LocalLister(path)
+    return FilesSource(lister, spec.source.format, csv_header=spec.source.csv.header)

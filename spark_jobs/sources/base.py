@@ -1,25 +1,104 @@
-"""What every source hands to the protocol: a batch's range."""
+"""The `Source` protocol: what the commit protocol needs from a source.
+
+A source answers four questions, all in plain Python (no JVM), so that a run
+with nothing new ends without starting Spark:
+
+* where a pipeline starts (`origin`);
+* which records come next, after the batches of the current lineage, within
+  a run's bound and caps (`plan`);
+* how much is waiting (`lag`), in the source's own terms;
+* what a stored range means (`decode`): the ledger and the state's commit
+  metadata keep offsets and manifests as JSON, and only the source turns
+  them back into its own typed values.
+
+Offsets are small JSON objects, such that batch N's start equals batch
+N-1's end. A manifest holds whatever the source needs to re-read a range
+deterministically (for files: which files, with size and mtime). The
+compute engine reads exactly a planned range; it dispatches on the
+manifest's type. Adding a source means implementing `Source` (and its
+`Offsets` and `Manifest`) in one new module here, and registering it in
+`spark_jobs.sources.make_source`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+__all__ = ["BatchRange", "Caps", "Lag", "Manifest", "Offsets", "Source"]
+
+
+class Offsets(Protocol):
+    """A position in the source, as the ledger records it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object stored in the ledger (`Source.decode` reads it back)."""
+
+
+class Manifest(Protocol):
+    """What exactly one batch covers, beyond its offsets."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object stored in the ledger (`Source.decode` reads it back)."""
+
+    def inputs(self) -> list[str]:
+        """What the batch reads, named for people (file names, partition ranges)."""
+
+    def describe(self) -> str:
+        """A short phrase for logs and outcomes, e.g. ``3 file(s)``."""
 
 
 @dataclass(frozen=True)
 class BatchRange:
-    """Exactly which source records one batch covers.
+    """Exactly which source records one batch covers."""
 
-    `start_offsets` / `end_offsets` are small JSON objects (one entry per
-    source partition) such that batch N's start equals batch N-1's end.
-    `manifest` holds whatever detail the source needs to re-read the range
-    deterministically (for files: the list of files).
-    """
+    start: Offsets
+    end: Offsets
+    manifest: Manifest
 
-    start_offsets: dict[str, Any]
-    end_offsets: dict[str, Any]
-    manifest: dict[str, Any] = field(default_factory=dict)
+    def describe(self) -> str:
+        return f"{self.manifest.describe()}, offsets {self.start.to_dict()} -> {self.end.to_dict()}"
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Limits on one batch: the spec's `batch:` block, or a run's overrides."""
+
+    max_files: int | None = None
+    max_records: int | None = None
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How much source data waits for the pipeline, in the source's own unit."""
+
+    count: int
+    unit: str  # plural noun, e.g. "files"
+
+    def describe(self) -> str:
+        return f"{self.count:,} {self.unit}"
+
+
+class Source(Protocol):
+    """Plans batches over one source (see the module docstring)."""
 
     @property
-    def uris(self) -> list[str]:
-        return [f["uri"] for f in self.manifest.get("files", [])]
+    def origin(self) -> Offsets:
+        """Offsets before the first batch."""
+
+    def plan(self, lineage: Sequence[BatchRange], *, until: datetime | None, caps: Caps) -> BatchRange | None:
+        """The next batch after `lineage` (the committed batches that make up
+        the current state, oldest first), or None if nothing waits.
+
+        `until` bounds the batch by arrival time (the end of a data
+        interval). Raises `SourceError` naming what cannot be read, before
+        anything is planned.
+        """
+
+    def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
+        """How much waits after `lineage` (what `plan` would take, uncapped)."""
+
+    def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
+        """A stored range (as the ledger keeps it) in this source's own types."""

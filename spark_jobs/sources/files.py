@@ -1,10 +1,10 @@
-"""A folder of files as a source, each file consumed exactly once.
+"""Files as a source, each file consumed exactly once: one planner over a lister.
 
 Like Spark's file stream source, the offset is a position in a log of
 consumed files, not a file name: ``{"files": n}`` means "the first n files of
-this pipeline's history", and each batch's `manifest` lists the files it
-took. The set of consumed files is the union of the manifests of the batches
-in the current lineage (see `LedgerView.lineage`). Consequences:
+this pipeline's history", and each batch's manifest lists the files it took.
+The set of consumed files is the union of the manifests of the batches in the
+current lineage. Consequences:
 
 * a file that lands late, or whose name sorts before files already consumed,
   is picked up by the next batch (it is not in the consumed set) and never
@@ -19,17 +19,36 @@ such a name and rename into place, which is atomic on local disks.
 
 A file's arrival time is its modification time; `plan(until=...)` takes only
 files that had arrived before `until` (the end of an Airflow data interval).
+
+Where the files live is the lister's business: `LocalLister` walks a folder,
+`spark_jobs.sources.s3.S3Lister` pages through an S3 prefix. Planning, caps,
+readability checks and record counts are shared here.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import IO, Any, Protocol
 
-from spark_jobs.errors import SourceError
-from spark_jobs.sources.base import BatchRange
+from spark_jobs.errors import SourceError, first_line
+from spark_jobs.sources.base import BatchRange, Caps, Lag
+
+__all__ = [
+    "HADOOP_GLOB_CHARS",
+    "FileOffsets",
+    "FilesManifest",
+    "FilesSource",
+    "Lister",
+    "LocalLister",
+    "SourceFile",
+    "count_records",
+    "is_ready",
+    "parquet_row_count",
+]
 
 #: Compared lower-cased. `._copying_` is what `hadoop fs -put` / `distcp`
 #: write before renaming into place (Spark's file index skips it too).
@@ -37,20 +56,8 @@ IN_PROGRESS_SUFFIXES = (
     ".tmp", ".temp", ".partial", ".part", ".inprogress", ".crc", ".swp", ".copying", "._copying_", "~"
 )
 
-
 #: Characters Spark's file readers treat as a glob pattern (escaped when read).
 HADOOP_GLOB_CHARS = "[]{}*?\\"
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    name: str  # path relative to the source folder, '/'-separated
-    uri: str
-    size: int
-    mtime_ms: int
-
-    def as_manifest(self) -> dict[str, object]:
-        return {"name": self.name, "uri": self.uri, "size": self.size, "mtime_ms": self.mtime_ms}
 
 
 def is_ready(name: str) -> bool:
@@ -58,78 +65,82 @@ def is_ready(name: str) -> bool:
     return not (name.startswith((".", "_")) or name.lower().endswith(IN_PROGRESS_SUFFIXES))
 
 
-def count_records(path: str, fmt: str, *, csv_header: bool) -> int:
-    """Records in one file, for the `max_records` cap (non-blank lines for text)."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
+@dataclass(frozen=True)
+class SourceFile:
+    """One listed file, as a manifest records it."""
 
-        try:
-            return pq.ParquetFile(path).metadata.num_rows
-        except Exception:  # unreadable: `check_readable` reports it by name before planning
-            return 1
-    lines = 0
-    with open(path, "rb") as handle:
-        for line in handle:
-            if line.strip():
-                lines += 1
-    return max(lines - (1 if fmt == "csv" and csv_header else 0), 0)
+    name: str  # path relative to the source folder, '/'-separated
+    uri: str
+    size: int
+    mtime_ms: int
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "uri": self.uri, "size": self.size, "mtime_ms": self.mtime_ms}
 
-def check_readable(root: str, file: SourceFile, fmt: str) -> None:
-    """Raise `SourceError` naming `file` if it cannot be opened (or, for
-    Parquet, its footer cannot be read).
-
-    Run on the files of a batch before its `planned` row is written: a file
-    found bad here is in no plan yet, so nothing is written or consumed and
-    the user may either replace it or move it away. (A file that breaks
-    after planning is reported by the read instead; see `spark_compute`.)
-    """
-    path = os.path.join(root, file.name)
-    if ":" in path and any(c in path for c in HADOOP_GLOB_CHARS):
-        # Spark globs such a path, and Hadoop's globber cannot rebuild a path
-        # holding ':' (it reads the text before it as a URI scheme).
-        raise SourceError(
-            f"source file {file.name} ({path}) cannot be read by Spark: its path holds both ':' and one "
-            f"of {HADOOP_GLOB_CHARS}. Nothing was planned or consumed. Rename it (or its folder) without "
-            "one of them, then run again."
-        )
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            pq.read_metadata(path)
-        else:
-            with open(path, "rb"):
-                pass
-    except Exception as exc:
-        what = "a readable Parquet file" if fmt == "parquet" else "readable"
-        raise SourceError(
-            f"source file {file.name} ({path}) is not {what}: {str(exc).strip().splitlines()[0][:300]}. "
-            "Nothing was planned or consumed. Replace it with a readable file under the same name, "
-            "or move it out of the source folder (or rename it to start with '_'), then run again."
-        ) from exc
+    @classmethod
+    def from_dict(cls, entry: dict[str, Any]) -> SourceFile:
+        return cls(entry["name"], entry["uri"], entry.get("size", 0), entry.get("mtime_ms", 0))
 
 
-class FilesSource:
-    """Lists a local folder (recursively) and plans batches of whole files."""
+@dataclass(frozen=True)
+class FileOffsets:
+    """How many files the pipeline's history has consumed."""
 
-    def __init__(self, root: str, fmt: str, *, csv_header: bool = True) -> None:
-        self.root = root
-        self.format = fmt
-        self.csv_header = csv_header
+    files: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": self.files}
+
+
+@dataclass(frozen=True)
+class FilesManifest:
+    """The files of one batch, in the order they were planned."""
+
+    files: tuple[SourceFile, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": [f.to_dict() for f in self.files]}
+
+    def inputs(self) -> list[str]:
+        return [f.name for f in self.files]
+
+    def describe(self) -> str:
+        return f"{len(self.files)} file(s)"
 
     @property
-    def origin(self) -> dict[str, int]:
-        """Offsets before the first batch."""
-        return {"files": 0}
+    def uris(self) -> list[str]:
+        return [f.uri for f in self.files]
 
-    def list_files(self, until: datetime | None = None) -> list[SourceFile]:
-        """Ready files, oldest first (by arrival time, then name)."""
+
+class Lister(Protocol):
+    """Where a files source's files live."""
+
+    #: The folder or prefix, as the spec resolves it.
+    root: str
+
+    def list(self, until: datetime | None) -> list[SourceFile]:
+        """Ready files that arrived before `until` (all of them if None)."""
+
+    def open(self, f: SourceFile) -> IO[bytes]:
+        """The file's bytes (for record counts and Parquet footers)."""
+
+    def check_readable(self, f: SourceFile, fmt: str) -> None:
+        """Raise `SourceError` naming `f` if the batch could not read it."""
+
+
+class LocalLister:
+    """Lists a local folder, recursively."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def list(self, until: datetime | None) -> list[SourceFile]:
         root = Path(self.root)
         if not root.is_dir():
             raise SourceError(
                 f"source folder {self.root} does not exist or is not a folder; create it "
-                "or fix source.path in the spec"
+                "or fix source.path in the spec",
+                path=self.root,
             )
         limit_ms = int(until.timestamp() * 1000) if until else None
         found: list[SourceFile] = []
@@ -148,62 +159,123 @@ class FilesSource:
                     continue
                 rel = os.path.relpath(full, root).replace(os.sep, "/")
                 found.append(SourceFile(rel, Path(full).as_uri(), st.st_size, mtime_ms))
+        return found
+
+    def open(self, f: SourceFile) -> IO[bytes]:
+        return open(os.path.join(self.root, f.name), "rb")
+
+    def check_readable(self, f: SourceFile, fmt: str) -> None:
+        path = os.path.join(self.root, f.name)
+        if ":" in path and any(c in path for c in HADOOP_GLOB_CHARS):
+            # Spark globs such a path, and Hadoop's globber cannot rebuild a path
+            # holding ':' (it reads the text before it as a URI scheme).
+            raise SourceError(
+                f"source file {f.name} ({path}) cannot be read by Spark: its path holds both ':' and one "
+                f"of {HADOOP_GLOB_CHARS}. Nothing was planned or consumed. Rename it (or its folder) without "
+                "one of them, then run again.",
+                path=path,
+            )
+        try:
+            with self.open(f) as handle:
+                if fmt == "parquet":
+                    parquet_row_count(handle)
+        except Exception as exc:
+            what = "a readable Parquet file" if fmt == "parquet" else "readable"
+            raise SourceError(
+                f"source file {f.name} ({path}) is not {what}: {first_line(exc)}. "
+                "Nothing was planned or consumed. Replace it with a readable file under the same name, "
+                "or move it out of the source folder (or rename it to start with '_'), then run again.",
+                path=path,
+            ) from exc
+
+
+def parquet_row_count(handle: IO[bytes]) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(handle).metadata.num_rows
+
+
+def count_records(handle: IO[bytes], fmt: str, *, csv_header: bool) -> int:
+    """Records in one file, for the `max_records` cap (non-blank lines for text)."""
+    if fmt == "parquet":
+        try:
+            return parquet_row_count(handle)
+        except Exception:  # unreadable: `check_readable` reports it by name before planning
+            return 1
+    lines = sum(1 for line in handle if line.strip())
+    return max(lines - (1 if fmt == "csv" and csv_header else 0), 0)
+
+
+class FilesSource:
+    """Plans batches of whole files from what a `Lister` finds."""
+
+    unit = "files"
+
+    def __init__(self, lister: Lister, fmt: str, *, csv_header: bool = True) -> None:
+        self.lister = lister
+        self.format = fmt
+        self.csv_header = csv_header
+
+    @property
+    def root(self) -> str:
+        return self.lister.root
+
+    @property
+    def origin(self) -> FileOffsets:
+        return FileOffsets(0)
+
+    def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
+        files = tuple(SourceFile.from_dict(entry) for entry in manifest.get("files", []))
+        return BatchRange(FileOffsets(start.get("files", 0)), FileOffsets(end.get("files", 0)), FilesManifest(files))
+
+    def list_files(self, until: datetime | None = None) -> list[SourceFile]:
+        """Ready files, oldest first (by arrival time, then name)."""
+        found = self.lister.list(until)
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
-    def check_readable(self, f: SourceFile) -> None:
-        """Refuse, by name, a file the batch could not read (see `check_readable`)."""
-        check_readable(self.root, f, self.format)
-
-    def count_records(self, f: SourceFile) -> int:
-        """Records in one listed file (for the `max_records` cap)."""
-        return count_records(os.path.join(self.root, f.name), self.format, csv_header=self.csv_header)
-
-    def pending(self, consumed: set[str], until: datetime | None = None) -> list[SourceFile]:
-        """Ready files not yet consumed."""
+    def pending(self, lineage: Sequence[BatchRange], until: datetime | None = None) -> list[SourceFile]:
+        """Ready files not yet consumed by `lineage`."""
+        consumed = _consumed(lineage)
         return [f for f in self.list_files(until) if f.name not in consumed]
 
-    def plan(
-        self,
-        consumed: set[str],
-        *,
-        until: datetime | None = None,
-        max_files: int | None = None,
-        max_records: int | None = None,
-    ) -> BatchRange | None:
+    def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
+        return Lag(len(self.pending(lineage, until)), self.unit)
+
+    def plan(self, lineage: Sequence[BatchRange], *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         """The next batch: pending files up to the caps, or None if none wait.
 
         `max_records` is a cap in whole files: files are taken while the total
         stays within it, and always at least one (a file is never split).
         """
-        pending = self.pending(consumed, until)
-        if max_files is not None:
-            pending = pending[:max_files]
-        if max_records is not None and pending:
+        consumed = _consumed(lineage)
+        pending = [f for f in self.list_files(until) if f.name not in consumed]
+        if caps.max_files is not None:
+            pending = pending[: caps.max_files]
+        if caps.max_records is not None and pending:
             taken, total = [], 0
             for f in pending:
-                n = self.count_records(f)
-                if taken and total + n > max_records:
+                with self.lister.open(f) as handle:
+                    n = count_records(handle, self.format, csv_header=self.csv_header)
+                if taken and total + n > caps.max_records:
                     break
                 taken.append(f)
                 total += n
             pending = taken
         if not pending:
             return None
+        # A file found bad here is in no plan yet: nothing is written or
+        # consumed, and the user may replace it or move it away. (A file that
+        # breaks after planning is reported by the read instead.)
         for f in pending:
-            self.check_readable(f)
+            self.lister.check_readable(f, self.format)
         start = len(consumed)
-        return BatchRange(
-            start_offsets={"files": start},
-            end_offsets={"files": start + len(pending)},
-            manifest={"files": [f.as_manifest() for f in pending]},
-        )
+        return BatchRange(FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)))
 
 
-def consumed_names(manifests: list[dict[str, object]]) -> set[str]:
-    """The consumed-file set from the manifests of a lineage's batches."""
+def _consumed(lineage: Sequence[BatchRange]) -> set[str]:
+    """The consumed-file set: every file in the lineage's manifests."""
     names: set[str] = set()
-    for manifest in manifests:
-        for entry in manifest.get("files", []):  # type: ignore[union-attr]
-            names.add(entry["name"])  # type: ignore[index]
+    for batch in lineage:
+        names.update(batch.manifest.inputs())
     return names

@@ -1,8 +1,8 @@
-"""An S3 prefix as a files source, listed with boto3.
+"""An S3 prefix as the lister of a files source, with boto3.
 
-Same offsets and manifests as the local files source (`sources.files`): the
-offset is a position in the log of consumed objects, and a file's identity is
-its key relative to the prefix. Differences that matter:
+The files source (`spark_jobs.sources.files`) plans over it exactly as over a
+local folder: the offset is a position in the log of consumed objects, and a
+file's identity is its key relative to the prefix. Differences that matter:
 
 * Arrival time is the object's ``LastModified`` (when the upload completed),
   so `plan(until=...)` bounds a batch by data interval as on a local disk.
@@ -21,30 +21,34 @@ from __future__ import annotations
 
 import io
 from datetime import datetime
+from typing import IO, Any
 
-from spark_jobs.errors import SourceError
-from spark_jobs.sources.files import FilesSource, SourceFile, is_ready
-from spark_jobs.storage import S3Location, s3_client
+from spark_jobs.errors import SourceError, first_line
+from spark_jobs.sources.files import SourceFile, parquet_row_count, is_ready
+from spark_jobs.storage.s3 import S3Location, s3_client
+
+__all__ = ["S3Lister"]
 
 
-class S3FilesSource(FilesSource):
-    """Lists ``s3://bucket/prefix`` recursively and plans batches of whole objects."""
+class S3Lister:
+    """Lists ``s3://bucket/prefix`` recursively."""
 
     #: Keys per listing request (S3's maximum).
     page_size = 1000
 
-    def __init__(self, root: str, fmt: str, *, csv_header: bool = True) -> None:
-        super().__init__(root.rstrip("/"), fmt, csv_header=csv_header)
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/")
         self.location = S3Location.parse(self.root)
-        self._client = None
+        self._client: Any = None
 
     @property
-    def client(self):  # noqa: ANN201 - a boto3 client
+    def client(self) -> Any:
+        """A boto3 S3 client, made on first use."""
         if self._client is None:
             self._client = s3_client()
         return self._client
 
-    def list_files(self, until: datetime | None = None) -> list[SourceFile]:
+    def list(self, until: datetime | None) -> list[SourceFile]:
         from botocore.exceptions import BotoCoreError, ClientError
 
         prefix = self.location.key + "/" if self.location.key else ""
@@ -66,37 +70,26 @@ class S3FilesSource(FilesSource):
         except (BotoCoreError, ClientError) as exc:
             raise SourceError(
                 f"cannot list source {self.root}: {exc}. Check the bucket name in source.path, "
-                "the endpoint (AWS_ENDPOINT_URL) and that the credentials may s3:ListBucket"
+                "the endpoint (AWS_ENDPOINT_URL) and that the credentials may s3:ListBucket",
+                path=self.root,
             ) from exc
-        found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
-    def _body(self, f: SourceFile) -> bytes:
-        return self.client.get_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)["Body"].read()
+    def open(self, f: SourceFile) -> IO[bytes]:
+        body = self.client.get_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)["Body"].read()
+        return io.BytesIO(body)
 
-    def check_readable(self, f: SourceFile) -> None:
+    def check_readable(self, f: SourceFile, fmt: str) -> None:
         """As for local files: a Parquet object must have a readable footer before it is planned."""
-        if self.format != "parquet":
+        if fmt != "parquet":
             return  # listed a moment ago, and S3 objects are never partially visible
-        import pyarrow.parquet as pq
-
         try:
-            pq.read_metadata(io.BytesIO(self._body(f)))
+            with self.open(f) as handle:
+                parquet_row_count(handle)
         except Exception as exc:
             raise SourceError(
-                f"source object {f.name} ({f.uri}) is not a readable Parquet file: "
-                f"{str(exc).strip().splitlines()[0][:300]}. Nothing was planned or consumed. Replace it "
-                "under the same key, or move it out of the prefix, then run again."
+                f"source object {f.name} ({f.uri}) is not a readable Parquet file: {first_line(exc)}. "
+                "Nothing was planned or consumed. Replace it under the same key, or move it out of "
+                "the prefix, then run again.",
+                path=f.uri,
             ) from exc
-
-    def count_records(self, f: SourceFile) -> int:
-        body = self._body(f)
-        if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                return pq.ParquetFile(io.BytesIO(body)).metadata.num_rows
-            except Exception:  # unreadable: count it as one; the read reports it by name
-                return 1
-        lines = sum(1 for line in body.splitlines() if line.strip())
-        return max(lines - (1 if self.format == "csv" and self.csv_header else 0), 0)

@@ -258,7 +258,7 @@ def test_delta_jars_match_delta_spark_and_pyspark():
 
 
 def test_the_docker_pipeline_spec_is_valid_and_names_a_defined_connection():
-    from spark_jobs.spec import load_spec
+    from spark_jobs.core.spec import load_spec
 
     spec = load_spec(DOCKER / "pipelines" / "clicks_per_user_s3.yaml")
     assert spec.source_path.startswith("s3://microbatch/") and spec.state_path.startswith("s3://microbatch/")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from spark_jobs.clickstream import write_wave
-from spark_jobs.ledger import COMMITTED, OffsetLedger
-from spark_jobs.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.core.ledger import OffsetLedger, RowStatus
+from spark_jobs.core.spec import load_spec
 from tests.conftest import assert_exact, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import LiveAirflow
 
@@ -53,7 +53,7 @@ def live(tmp_path_factory):
 def _committed(spec_file: Path) -> list:
     spec = load_spec(spec_file)
     rows = OffsetLedger(spec.ledger_path, spec.name).load().rows
-    return sorted((r for r in rows if r.status == COMMITTED), key=lambda r: (r.epoch, r.batch_id))
+    return sorted((r for r in rows if r.status == RowStatus.COMMITTED), key=lambda r: (r.epoch, r.batch_id))
 
 
 def test_trigger_with_params_commits_and_emits_an_asset_event(live):
@@ -65,7 +65,7 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     (run,) = live.wait_for_runs("clicks_per_user", 1)
     assert run["state"] == "success", live.logs()
     summary = live.xcom("clicks_per_user", run_id)
-    assert summary["status"] == "committed" and len(summary["files"]) == 2  # the param capped the batch
+    assert summary["status"] == "committed" and len(summary["inputs"]) == 2  # the param capped the batch
     assert_exact(spec_file, drained=False)
     downstream = live.wait_for_runs("clicks_per_user_downstream", 1)
     assert downstream[0]["state"] == "success" and downstream[0]["run_type"] == "asset_triggered"

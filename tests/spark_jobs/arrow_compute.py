@@ -1,6 +1,6 @@
 """A pure-Arrow `Compute` for the oracle pipeline: the protocol without a JVM.
 
-The protocol (`spark_jobs.protocol.run_batch`) takes its compute as a
+The protocol (`spark_jobs.core.protocol.run_batch`) takes its compute as a
 factory, so protocol properties can be explored at Delta speed (milliseconds
 a batch) instead of Spark speed (seconds). This compute supports exactly one
 pipeline shape: JSON-lines files with the oracle's source schema and
@@ -32,11 +32,11 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 
-from spark_jobs.clickstream import ORACLE_TRANSFORM
-from spark_jobs.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
+from spark_jobs.demo.clickstream import ORACLE_TRANSFORM
+from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
 from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
-from spark_jobs.spec import PipelineSpec
+from spark_jobs.core.spec import PipelineSpec
 
 #: Arrow types for the source schema types this compute can parse.
 ARROW_TYPES: dict[str, pa.DataType] = {
@@ -126,7 +126,7 @@ class ArrowCompute:
         valid: dict[str, list[Any]] = {f.name: [] for f in fields}
         bad: dict[str, list[Any]] = {name: [] for name in QUARANTINE_COLUMNS.names}
         records_in = 0
-        for uri in batch.uris:
+        for uri in batch.manifest.uris:
             text = _path_of(uri).read_text(encoding="utf-8")
             for number, raw in enumerate(re.split(r"\r?\n", text), start=1):
                 if not raw.strip():

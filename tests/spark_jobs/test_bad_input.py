@@ -19,13 +19,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spark_jobs.delta_io import open_table, read_all
+from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.errors import SourceError
-from spark_jobs.ledger import COMMITTED, PLANNED, OffsetLedger
-from spark_jobs.protocol import run_batch
+from spark_jobs.core.ledger import OffsetLedger, RowStatus
+from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.sources import make_source
-from spark_jobs.spark_compute import LONG_LINE_RAW_CHARS, SparkCompute
-from spark_jobs.spec import load_spec
+from spark_jobs.sources.base import Caps
+from spark_jobs.engine.spark_compute import LONG_LINE_RAW_CHARS, SparkCompute
+from spark_jobs.core.spec import load_spec
 from tests.conftest import oracle_spec_dict, write_spec
 
 SCHEMA = "event_id STRING, user_id STRING NOT NULL, amount DOUBLE, n BIGINT"
@@ -47,7 +48,7 @@ def _process(spark, spec, files: dict[str, bytes]):
     landing = Path(spec.source_path)
     for name, content in files.items():
         (landing / name).write_bytes(content)
-    batch = make_source(spec).plan(set())
+    batch = make_source(spec).plan([], until=None, caps=Caps())
     return SparkCompute(session=spark).process(spec, batch)
 
 
@@ -161,7 +162,7 @@ def test_parquet_nan_and_not_null_are_quarantined(tmp_path, spark):
     spec = _spec(tmp_path, format="parquet")
     table = pa.table({"event_id": ["a", "b", "c"], "user_id": ["u1", "u1", None], "amount": [1.0, float("nan"), 2.0]})
     pq.write_table(table, Path(spec.source_path) / "a.parquet")
-    batch = make_source(spec).plan(set())
+    batch = make_source(spec).plan([], until=None, caps=Caps())
     result = SparkCompute(session=spark).process(spec, batch)
     reasons = {row["line"]: row["reason"] for row in result.quarantine.to_pylist()}
     assert reasons == {2: "field amount: NaN is not a finite DOUBLE (NaN, Infinity and numbers beyond its range are refused)", 3: NOT_NULL}
@@ -185,15 +186,15 @@ def test_unreadable_parquet_fails_at_plan_time_and_writes_nothing(tmp_path, comp
     else:
         bad.write_bytes(b"" if damage == "empty" else b'{"this": "is json"}\n')
     with pytest.raises(SourceError) as info:
-        run_batch(spec, compute_factory=compute)
+        run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
     message = str(info.value)
     assert "source file bad.parquet" in message and "not a readable Parquet file" in message
     assert "move it out of the source folder" in message
     assert not (tmp_path / "lake").exists(), "nothing may be written before the file is readable"
     # Recovery: move it away; the next run consumes the rest.
     os.rename(bad, landing / "_bad.parquet")
-    outcome = run_batch(spec, compute_factory=compute)
-    assert outcome.status == "committed" and outcome.files == ["good.parquet"]
+    outcome = run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
+    assert outcome.status == "committed" and outcome.inputs == ("good.parquet",)
 
 
 class _BreaksAFileAfterPlanning:
@@ -220,19 +221,19 @@ def test_file_broken_after_planning_fails_by_name_and_replays_after_repair(tmp_p
     good = pa.table({"event_id": ["a", "b"], "user_id": ["u1", "u2"], "amount": [1.0, 2.0]})
     pq.write_table(good, landing / "a.parquet")
     with pytest.raises(SourceError) as info:
-        run_batch(spec, compute_factory=lambda: _BreaksAFileAfterPlanning(compute(), lambda: _truncated_parquet(landing / "a.parquet")))
+        run_batch(spec, RunOptions(run_id="test"), compute_factory=lambda: _BreaksAFileAfterPlanning(compute(), lambda: _truncated_parquet(landing / "a.parquet")))
     message = str(info.value)
     assert "cannot read source file a.parquet" in message and "replace it with a readable file under the same name" in message
     rows = OffsetLedger(spec.ledger_path, spec.name).load().rows
-    assert [r.status for r in rows] == [PLANNED], "planned, never committed"
+    assert [r.status for r in rows] == [RowStatus.PLANNED], "planned, never committed"
     assert open_table(spec.state_path) is None
     # Removing the file does not help: the planned batch replays its files.
     (landing / "a.parquet").unlink()
     with pytest.raises(SourceError, match="cannot read source file a.parquet"):
-        run_batch(spec, compute_factory=compute)
+        run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
     # A readable file under the same name does.
     pq.write_table(good, landing / "a.parquet")
-    outcome = run_batch(spec, compute_factory=compute)
+    outcome = run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
     assert (outcome.status, outcome.batch_id, outcome.records_in) == ("committed", 1, 2)
 
 
@@ -254,7 +255,7 @@ def test_end_to_end_through_the_protocol(tmp_path, compute):
     }
     for name, content in files.items():
         (landing / name).write_bytes(content)
-    outcome = run_batch(spec, compute_factory=compute)
+    outcome = run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
     assert (outcome.status, outcome.records_in, outcome.records_quarantined) == ("committed", 9, 6)
     table = read_all(open_table(spec.quarantine_path)).to_pylist()
     got = sorted((r["file"].rsplit("/", 1)[1], r["line"], r["reason"]) for r in table)
@@ -273,6 +274,6 @@ def test_end_to_end_through_the_protocol(tmp_path, compute):
     # Totals are exact for the valid records: u1 = a1; u2 = a2 + b6.
     state = {r["user_id"]: (r["events"], r["amount"]) for r in read_all(open_table(spec.state_path)).to_pylist()}
     assert state == {"u1": (1, 2.0), "u2": (2, 3.5)}
-    [committed] = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == COMMITTED]
+    [committed] = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == RowStatus.COMMITTED]
     assert (committed.records_in, committed.records_quarantined) == (9, 6)
     assert sorted(f["name"] for f in committed.manifest["files"]) == sorted(files), "empty files are consumed too"

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from spark_jobs.clickstream import write_wave
+from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, run_cli, start_cli
 
 

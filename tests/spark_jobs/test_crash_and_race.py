@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from spark_jobs.clickstream import write_wave
-from spark_jobs.faults import MARKER, POINTS
-from spark_jobs.protocol import history, run_batch
-from spark_jobs.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.core.faults import MARKER, POINTS
+from spark_jobs.core.inspect import history
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.spec import load_spec
 from tests.conftest import assert_exact, run_cli, start_cli
 
 SEEDS = (3, 7, 11)
@@ -44,7 +45,7 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, se
     files = 1 + seed % 3
     # Batch 1 lands normally (in-process: only the crash and the recovery need new processes).
     write_wave(landing, 0, files=files, records_per_file=150, users=30, seed=seed, bad_every=37)
-    assert run_batch(load_spec(spec_path), compute_factory=compute).status == "committed"
+    assert run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
     write_wave(landing, 1, files=files, records_per_file=150, users=30, seed=seed, bad_every=41)
     crashed = run_cli("run", str(spec_path), env={"MICROBATCH_FAULT_POINT": point})
     assert f"{MARKER} {point}" in crashed.stderr, crashed.stderr[-2000:]
@@ -55,7 +56,7 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, se
     recovered = run_cli("run", str(spec_path), "--json")
     assert recovered.returncode == 0, recovered.stderr[-2000:]
     assert json.loads(recovered.stdout)["status"] == "committed"  # redoes or completes the batch
-    while run_batch(load_spec(spec_path), compute_factory=compute).status != "no_new_data":
+    while run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status != "no_new_data":
         pass
     lineage = assert_exact(spec_path)
     assert 2 <= len(lineage) <= 3

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from spark_jobs.clickstream import write_wave
-from spark_jobs.ledger import COMMITTED, OffsetLedger
-from spark_jobs.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.core.ledger import OffsetLedger, RowStatus
+from spark_jobs.core.spec import load_spec
 from tests.conftest import ROOT, assert_exact
 
 
@@ -33,7 +33,7 @@ def test_dag_test_runs_a_batch_and_the_ledger_advances(spec_path, spark, airflow
     assert run.state == "success"
     spec = load_spec(spec_path)
     rows = OffsetLedger(spec.ledger_path, spec.name).load().rows
-    committed = [r for r in rows if r.status == COMMITTED]
+    committed = [r for r in rows if r.status == RowStatus.COMMITTED]
     assert len(committed) == 1 and committed[0].run_id == run.run_id and committed[0].records_in == 200
     assert_exact(spec_path)
     # Nothing new: still a success, and the ledger does not move.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from microbatch_airflow.triggers import NewDataTrigger
-from spark_jobs.clickstream import write_wave
+from spark_jobs.demo.clickstream import write_wave
 
 
 def test_serializes_to_an_importable_path(spec_path):

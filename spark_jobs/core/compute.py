@@ -1,0 +1,98 @@
+"""The compute step of a batch, kept behind a small interface.
+
+The protocol (`spark_jobs.core.protocol`) only needs two things from compute:
+check that the transform fits the spec before anything is written, and turn
+a planned range into (state updates, quarantined records). Spark implements
+it (`spark_jobs.engine.spark_compute`); keeping it an interface lets the protocol be
+exercised without a JVM, and keeps Spark out of runs that have nothing to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from spark_jobs.errors import TransformError
+from spark_jobs.sources.base import BatchRange
+from spark_jobs.core.spec import PipelineSpec
+
+#: Columns of the quarantine rows compute returns (the table adds bookkeeping).
+QUARANTINE_COLUMNS = pa.schema(
+    [("file", pa.string()), ("line", pa.int64()), ("raw", pa.string()), ("reason", pa.string())]
+)
+
+
+@dataclass
+class ComputeResult:
+    """Output of one batch's compute step."""
+
+    #: One row per key: the key columns and the merge columns.
+    updates: pa.Table
+    #: Records that failed parsing or validation (QUARANTINE_COLUMNS).
+    quarantine: pa.Table
+    #: Records read from the range (valid + quarantined).
+    records_in: int
+
+
+class Compute(Protocol):
+    def check(self, spec: PipelineSpec) -> None:
+        """Raise `TransformError` if the transform cannot produce the state's columns."""
+
+    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+        """Read exactly `batch`, quarantine bad records, run the transform."""
+
+    def close(self) -> None:
+        """Release engine resources."""
+
+
+def check_result_columns(spec: PipelineSpec, columns: list[str]) -> None:
+    """The transform must return exactly the key and merge columns."""
+    wanted = list(spec.state.keys) + spec.value_columns
+    missing = [c for c in wanted if c not in columns]
+    extra = [c for c in columns if c not in wanted]
+    problems = []
+    if missing:
+        problems.append(
+            f"lacks column(s) {', '.join(missing)} (named in state.keys / state.merge; "
+            "column names are case-sensitive)"
+        )
+    if extra:
+        problems.append(
+            f"returns column(s) {', '.join(extra)} that have no merge rule: add them under "
+            "state.merge or drop them from the SELECT"
+        )
+    if problems:
+        raise TransformError(f"pipeline {spec.name}: the transform result " + "; ".join(problems))
+
+
+def validate_updates(spec: PipelineSpec, updates: pa.Table) -> pa.Table:
+    """Check keys are non-null and unique; make every column nullable.
+
+    Nullability is dropped so that the state table's schema does not depend
+    on what Spark could prove about one batch (count(*) is non-null, sum is
+    not); the merge needs batch and table schemas to agree.
+    """
+    check_result_columns(spec, updates.column_names)
+    keys = list(spec.state.keys)
+    for key in keys:
+        nulls = updates.column(key).null_count
+        if nulls:
+            raise TransformError(
+                f"pipeline {spec.name}: the transform returned {nulls} row(s) with a null "
+                f"key {key!r}; filter them out or coalesce the key in the transform"
+            )
+    if updates.num_rows:
+        counts = updates.group_by(keys).aggregate([([], "count_all")])
+        dupes = counts.filter(pc.greater(counts.column("count_all"), 1))
+        if dupes.num_rows:
+            example = {k: dupes.column(k)[0].as_py() for k in keys}
+            raise TransformError(
+                f"pipeline {spec.name}: the transform returned {dupes.num_rows} key(s) more "
+                f"than once (e.g. {example}); it must return one row per key: GROUP BY "
+                f"{', '.join(keys)}"
+            )
+    schema = pa.schema([f.with_nullable(True) for f in updates.schema])
+    return updates.select(keys + spec.value_columns).cast(pa.schema([schema.field(c) for c in keys + spec.value_columns]))

@@ -1,0 +1,82 @@
+"""Where a pipeline stands, and its history: read-only views of the tables.
+
+Nothing here writes. `status` reports a pending repair (a state commit the
+ledger has not recorded yet) or a mismatch instead of making or raising it,
+so it can be run at any time, next to running batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
+from spark_jobs.core.pipeline import Pipeline
+from spark_jobs.core.protocol import lagging_commit
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.errors import MicrobatchError
+from spark_jobs.sources import Lag
+
+__all__ = ["PipelineStatus", "history", "status"]
+
+
+@dataclass(frozen=True)
+class PipelineStatus:
+    pipeline: str
+    epoch: int
+    last_batch: int
+    end_offsets: dict[str, Any]
+    state_version: int | None
+    committed_at: datetime | None
+    #: What waits in the source, in its own terms (None if the source could not be read).
+    lag: Lag | None
+    note: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pipeline": self.pipeline,
+            "epoch": self.epoch,
+            "last_batch": self.last_batch,
+            "end_offsets": self.end_offsets,
+            "state_version": self.state_version,
+            "committed_at": self.committed_at.isoformat() if self.committed_at else None,
+            "lag": {"count": self.lag.count, "unit": self.lag.unit} if self.lag else None,
+            "note": self.note,
+        }
+
+
+def status(spec: PipelineSpec) -> PipelineStatus:
+    """Where the pipeline stands. Read-only: a pending repair is reported, not made."""
+    p = Pipeline(spec)
+    view = p.ledger.load()
+    head = view.head
+    table = p.state.open()
+    state_at = p.state.position(table)
+    try:
+        lagging = lagging_commit(p, view, table, state_at)
+        note = f"the state is at {state_at}; the next run will record it in the ledger" if lagging else None
+    except MicrobatchError as exc:
+        note = str(exc)
+    lag: Lag | None
+    try:
+        lag = p.source.lag(p.lineage(view))
+    except MicrobatchError as exc:
+        lag, note = None, str(exc)
+    return PipelineStatus(
+        pipeline=spec.name,
+        epoch=view.position.epoch,
+        last_batch=view.position.batch_id,
+        end_offsets=head.end_offsets if head else p.source.origin.to_dict(),
+        state_version=head.state_version if head else None,
+        committed_at=head.committed_at if head else None,
+        lag=lag,
+        note=note,
+    )
+
+
+def history(spec: PipelineSpec) -> list[LedgerRow]:
+    """All ledger rows, oldest first."""
+    rows = Pipeline(spec).ledger.load().rows
+    order = {RowStatus.PLANNED: 0, RowStatus.COMMITTED: 1, RowStatus.REWOUND: 2}
+    return sorted(rows, key=lambda r: (r.planned_at or r.committed_at or utcnow(), r.epoch, r.batch_id, order[r.status]))

@@ -1,0 +1,283 @@
+"""The offset ledger: an append-only Delta table, one row per event.
+
+Statuses: ``planned`` (a batch's range, written ahead of processing it),
+``committed`` (the state commit that made it durable, with metrics) and
+``rewound`` (a new epoch starting from an earlier batch's offsets).
+
+The ledger is the queryable history of the pipeline. It is *not* the commit
+point: the state table's commit is (see `spark_jobs.core.protocol`); a missing
+``committed`` row is repaired from the state commit's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from spark_jobs.core.commits import CommitKind, StateCommit
+from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table, read_all
+from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
+from spark_jobs.errors import NewerFormatError
+
+__all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
+
+log = logging.getLogger("microbatch")
+
+#: The row format this code writes, and the newest it reads.
+FORMAT_VERSION = 1
+#: Compact the ledger once it has this many data files (two per batch), so
+#: that reading it, which every run does, stays fast after thousands of batches.
+COMPACT_AT_FILES = 64
+
+
+
+class RowStatus(StrEnum):
+    PLANNED = "planned"  # a batch's range, written ahead of processing it
+    COMMITTED = "committed"  # the state commit that made the batch durable
+    REWOUND = "rewound"  # a new epoch starting from an earlier batch's offsets
+
+
+SCHEMA = pa.schema(
+    [
+        ("pipeline", pa.string()),
+        ("epoch", pa.int64()),
+        ("batch_id", pa.int64()),
+        ("status", pa.string()),
+        ("start_offsets", pa.string()),
+        ("end_offsets", pa.string()),
+        ("manifest", pa.string()),
+        ("state_version", pa.int64()),
+        ("run_id", pa.string()),
+        ("attempt", pa.int64()),
+        ("records_in", pa.int64()),
+        ("records_quarantined", pa.int64()),
+        ("keys_updated", pa.int64()),
+        ("interval_start", pa.timestamp("us", tz="UTC")),
+        ("interval_end", pa.timestamp("us", tz="UTC")),
+        ("planned_at", pa.timestamp("us", tz="UTC")),
+        ("committed_at", pa.timestamp("us", tz="UTC")),
+        ("duration_ms", pa.int64()),
+        ("format_version", pa.int64()),
+    ]
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class LedgerRow:
+    """One ledger event. Offsets and manifest are JSON objects (dicts here)."""
+
+    pipeline: str
+    epoch: int
+    batch_id: int
+    status: RowStatus
+    start_offsets: dict[str, Any]
+    end_offsets: dict[str, Any]
+    #: Source-specific detail of the range (for files: which files).
+    manifest: dict[str, Any] = field(default_factory=dict)
+    state_version: int | None = None
+    run_id: str | None = None
+    attempt: int | None = None
+    records_in: int | None = None
+    records_quarantined: int | None = None
+    keys_updated: int | None = None
+    interval_start: datetime | None = None
+    interval_end: datetime | None = None
+    planned_at: datetime | None = None
+    committed_at: datetime | None = None
+    duration_ms: int | None = None
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def position(self) -> Position:
+        return Position(self.epoch, self.batch_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (timestamps as ISO strings)."""
+        out = asdict(self)
+        out["status"] = str(self.status)
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], *, path: str) -> LedgerRow:
+        """A row from one table record (offsets and manifest as JSON text)."""
+        version = record.get("format_version") or 1
+        if version > FORMAT_VERSION:
+            raise NewerFormatError(f"the offset ledger {path}", version, FORMAT_VERSION, pipeline=record.get("pipeline"), path=path)
+        values = {k: record.get(k) for k in SCHEMA.names}
+        for key in ("start_offsets", "end_offsets", "manifest"):
+            values[key] = json.loads(values[key]) if values[key] else {}
+        values["status"] = RowStatus(values["status"])
+        return cls(**values)
+
+    @classmethod
+    def from_commit(cls, commit: StateCommit) -> LedgerRow:
+        """The `committed` or `rewound` row a state commit stands for (reconcile's projection)."""
+        m = commit.metadata
+        rewind = m.kind is CommitKind.REWIND
+        return cls(
+            pipeline=m.pipeline,
+            epoch=m.position.epoch,
+            batch_id=m.position.batch_id,
+            status=RowStatus.REWOUND if rewind else RowStatus.COMMITTED,
+            start_offsets=m.start_offsets,
+            end_offsets=m.end_offsets,
+            manifest=m.manifest,
+            state_version=commit.version,
+            run_id=m.run_id,
+            attempt=m.attempt,
+            records_in=None if rewind else m.records_in,
+            records_quarantined=None if rewind else m.records_quarantined,
+            keys_updated=None if rewind else commit.keys_updated,
+            interval_start=m.interval_start,
+            interval_end=m.interval_end,
+            planned_at=m.planned_at,
+            committed_at=commit.timestamp,
+            duration_ms=m.duration_ms,
+        )
+
+
+def _to_arrow(rows: list[LedgerRow]) -> pa.Table:
+    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for row in rows:
+        for name in SCHEMA.names:
+            value = getattr(row, name)
+            if name in ("start_offsets", "end_offsets", "manifest"):
+                value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+            elif name == "status":
+                value = str(value)
+            columns[name].append(value)
+    return pa.table(columns, schema=SCHEMA)
+
+
+def scoped(app_id: str, pipeline: str) -> str:
+    """A ledger or quarantine fence belongs to one pipeline: two pipelines
+    sharing a checkpoint folder must not fence each other out."""
+    return f"{app_id}/{pipeline}"
+
+
+@dataclass
+class LedgerView:
+    """A snapshot of the ledger, with the derived facts the protocol needs."""
+
+    table: DeltaTable | None
+    rows: list[LedgerRow]
+    pipeline: str = ""
+
+    @property
+    def head(self) -> LedgerRow | None:
+        """The latest `committed` or `rewound` row: where the pipeline stands."""
+        done = [r for r in self.rows if r.status in (RowStatus.COMMITTED, RowStatus.REWOUND)]
+        return max(done, key=lambda r: r.position) if done else None
+
+    @property
+    def position(self) -> Position:
+        head = self.head
+        return head.position if head else ORIGIN
+
+    def planned(self, position: Position) -> LedgerRow | None:
+        for row in self.rows:
+            if row.status is RowStatus.PLANNED and row.position == position:
+                return row
+        return None
+
+    def lineage(self) -> list[LedgerRow]:
+        """The committed batches that make up the current state, in order.
+
+        Epoch e's history is its own committed rows after its rewind point
+        K_e, preceded by epoch e-1's lineage up to K_e (and so on back).
+        """
+        rewinds = {r.epoch: r.batch_id for r in self.rows if r.status is RowStatus.REWOUND}
+        committed: dict[int, dict[int, LedgerRow]] = {}
+        for row in self.rows:
+            if row.status is RowStatus.COMMITTED:
+                committed.setdefault(row.epoch, {})[row.batch_id] = row
+        out: list[LedgerRow] = []
+        limit = self.position.batch_id
+        for epoch in range(self.position.epoch, -1, -1):
+            floor = rewinds.get(epoch, 0)
+            for batch_id, row in committed.get(epoch, {}).items():
+                if floor < batch_id <= limit:
+                    out.append(row)
+            # A rewind to before an earlier rewind point cuts older epochs
+            # at the lower of the two.
+            limit = min(limit, floor)
+        out.sort(key=lambda r: r.batch_id)
+        return out
+
+    def committed_row(self, batch_id: int) -> LedgerRow | None:
+        for row in self.lineage():
+            if row.batch_id == batch_id:
+                return row
+        return None
+
+
+class OffsetLedger:
+    """Reads and appends ledger rows at ``<checkpoint>/offsets``."""
+
+    def __init__(self, path: str, pipeline: str) -> None:
+        self.path = path
+        self.pipeline = pipeline
+
+    def load(self) -> LedgerView:
+        table = open_table(self.path)
+        if table is None:
+            return LedgerView(None, [], self.pipeline)
+        # Filtered here, not in SQL: the pipeline name never becomes query text.
+        records = [r for r in read_all(table).to_pylist() if r["pipeline"] == self.pipeline]
+        return LedgerView(table, [LedgerRow.from_record(r, path=self.path) for r in records], self.pipeline)
+
+    def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:
+        """Append `row`, fenced by `app_id` at the row's position.
+
+        Returns False without writing if the fence in `view`'s snapshot is
+        already at or past the row's position (someone appended it), or if a
+        concurrent append with the same fence won the race. True if ours
+        landed.
+        """
+        table = view.table
+        if table is None:
+            # First event of a new pipeline: create the (empty) table, then
+            # check the fence on the snapshot we will commit from.
+            table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} offset ledger")
+        fence = scoped(app_id, self.pipeline)
+        if transaction_position(table, fence) >= row.position:
+            return False
+        props = commit_properties(fence, row.position, {"microbatch.event": str(row.status)})
+        try:
+            write_deltalake(table, _to_arrow([row]), mode="append", commit_properties=props)
+        except Exception as exc:
+            if is_commit_conflict(exc):
+                return False
+            raise
+        return True
+
+    def compact(self) -> bool:
+        """Merge the ledger's small files into one when there are many.
+
+        Best effort: compaction carries no fence and conflicts with nothing
+        the protocol relies on; if it loses a race it is simply tried again
+        after a later batch. Returns True if it compacted.
+        """
+        try:
+            table = open_table(self.path)
+            if table is None or len(table.file_uris()) < COMPACT_AT_FILES:
+                return False
+            table.optimize.compact()
+        except Exception as exc:  # noqa: BLE001 - it runs after the batch committed: never fail the run
+            log.warning("offset ledger not compacted this time (%s); a later run tries again", exc)
+            return False
+        return True

@@ -1,0 +1,529 @@
+"""The commit protocol: one exactly-once micro-batch, told top to bottom.
+
+Delta commits are atomic per table and there is no multi-table transaction,
+so one table's commit must be *the* commit point. It is the state table's:
+its commit carries the batch's position on the state fence (see
+`spark_jobs.core.fencing`) and, in its commit metadata, everything the ledger row
+needs (offsets, manifest, metrics). The ledger's ``committed`` row is a
+projection of that commit, repaired by the next run if a crash falls between
+the two. A run of batch N (position ``(epoch, N)``):
+
+1. **Reconcile.** Read the ledger's head H and the state fence S. If S == H
+   the tables agree (unless the state's history shows a change made outside
+   the job since H's commit: stop). If S is one event ahead, a run committed
+   the state and died before its ledger row: append that row from the state
+   commit's metadata, fenced on the ledger's commit fence (so a racing run
+   does not append it twice). If S is further ahead or behind, the tables do
+   not belong together (a lost checkpoint, a replaced state): stop.
+
+2. **Plan** N = H.batch_id + 1. If a ``planned`` row for N exists (an earlier
+   attempt died), reuse its range: a replay reads exactly the same records.
+   Otherwise ask the source for the records after H's lineage, bounded by ``until``
+   (the end of the data interval) and the caps. Nothing new: return without
+   starting Spark. Else check the transform against the source schema (before
+   any write, so a bad spec writes nothing) and append the ``planned`` row on
+   the ledger's plan fence. If another run planned N first, use its plan.
+
+3. **Read and quarantine.** Compute reads exactly the planned range, splits
+   off bad records and runs the transform. The result must fit the state
+   table's types (the first batch creates the table, empty) before anything
+   of N is written. Bad records are appended to the quarantine table on its
+   own fence, so a replay of N does not add them twice.
+
+4. **Commit the state** (the commit point). On a fresh snapshot, the state
+   fence must still read H: if it reads N or beyond, another run committed
+   this batch (or rewound the pipeline) and this run is a no-op. Otherwise
+   MERGE the updates, carrying fence position N and the batch's metadata. If
+   the commit fails because a commit with the state fence landed after our
+   snapshot, the winner did the work: no-op, never a retry of N. (The
+   "winner" can be this very commit, reported as failed by the store after it
+   landed; its ``commit_token`` says so, and the run carries on to step 5.)
+
+5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
+   from the state commit we just made.
+
+Every crash point is covered: before 4 nothing visible happened but a plan
+(reused on replay) and at most one quarantine append (fenced); after 4 the
+batch is durable and the next run's step 1 completes it. The boundaries
+between the steps are named fault points (`spark_jobs.core.faults`) for crash
+tests, and where a SIGTERM stops the run (`spark_jobs.core.shutdown`) up to step
+4; from the state commit on the run finishes (step 5 is milliseconds away)
+and reports its batch committed.
+
+Each step is one function below, in this order: `reconcile`, `plan`,
+`read_and_quarantine`, `commit_state`, `project`; `run_batch` runs them.
+A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
+status and history (`spark_jobs.core.inspect`) only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from spark_jobs.core import shutdown
+from spark_jobs.core.commits import CommitKind, CommitMetadata, StateCommit
+from spark_jobs.core.compute import Compute
+from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
+from spark_jobs.core.faults import fault_point, watch_for_new_files
+from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position
+from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
+from spark_jobs.core.outcome import BatchOutcome, Outcome
+from spark_jobs.core.pipeline import Pipeline
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.errors import (
+    ConcurrentRunError,
+    StateBehindLedgerError,
+    StateChangedOutsideError,
+    StateLedgerMismatchError,
+)
+from spark_jobs.sources import BatchRange, Caps
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+__all__ = ["RunOptions", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
+
+log = logging.getLogger("microbatch")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the orchestrator (CLI or Airflow) passes to one run."""
+
+    #: Who runs this batch: recorded in the ledger (an Airflow run id, or the CLI's own).
+    run_id: str
+    attempt: int = 1
+    #: Data interval of the run. `interval_end` bounds the batch: only source
+    #: data that had arrived before it is read.
+    interval_start: datetime | None = None
+    interval_end: datetime | None = None
+    #: Override the spec's caps for this run.
+    max_files: int | None = None
+    max_records: int | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Step 2's result: batch N's range, recorded in the ledger."""
+
+    position: Position  # N
+    head: Position  # H, where the ledger stood
+    batch: BatchRange
+    row: LedgerRow  # the `planned` row (ours, or an earlier attempt's)
+    view: LedgerView  # the ledger as step 2 last read it
+
+
+@dataclass(frozen=True)
+class Processed:
+    """Step 3's result: the batch's state updates, fitted to the state table."""
+
+    updates: pa.Table
+    records_in: int
+    records_quarantined: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Step 4's result: the state commit that made the batch durable."""
+
+    state_version: int
+    keys_updated: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """A step found the run has nothing (more) to do: how it ends, and why."""
+
+    status: Outcome
+    message: str
+    position: Position
+    batch: BatchRange | None = None
+
+
+def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable[[], Compute]) -> BatchOutcome:
+    """Run one micro-batch of `spec`: steps 1-5 of the module docstring.
+
+    `compute_factory` is called only when a batch has work, so a run with
+    nothing new never starts an engine.
+    """
+    started = time.monotonic()
+    p = Pipeline(spec)
+    engine = _Engine(compute_factory)
+    try:
+        view = reconcile(p)
+        _boundary("after_reconcile", spec)
+        plan_ = plan(p, view, options, engine)
+        if isinstance(plan_, Done):
+            return _outcome(spec, options, started, plan_)
+        _boundary("after_plan", spec)
+        processed = read_and_quarantine(p, plan_, engine.get())
+        committed = commit_state(p, plan_, processed, options, started)
+        if isinstance(committed, Done):
+            return _outcome(spec, options, started, committed)
+        log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
+        project(p)
+    finally:
+        engine.close()
+    done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
+    return _outcome(spec, options, started, done, processed, committed)
+
+
+# -- 1. Reconcile ----------------------------------------------------------------------
+
+
+def reconcile(p: Pipeline) -> LedgerView:
+    """Step 1 (and 5): make the ledger's head agree with the state fence."""
+    for _ in range(3):
+        view = p.ledger.load()
+        table = p.state.open()
+        state_at = p.state.position(table)
+        try:
+            commit = lagging_commit(p, view, table, state_at)
+        except StateLedgerMismatchError:
+            if p.ledger.load().position != view.position:
+                continue  # our view of the ledger was stale (events landed since): look again
+            raise
+        if commit is None:
+            return view
+        row = LedgerRow.from_commit(commit)
+        with storage_errors(
+            f"pipeline {p.spec.name}: could not record {row.status} {state_at} in the offset ledger",
+            p.ledger.path,
+            note=(
+                f"{state_at} itself is durable in the state table (the commit point); the next run "
+                "records this ledger row from it. It is safe to re-run once the storage is healthy "
+                "again (space freed, disk fixed)."
+            ),
+        ):
+            appended = p.ledger.append(view, row, COMMIT_FENCE)
+        if appended:
+            log.info("ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
+    view = p.ledger.load()
+    if p.state.position(p.state.open()) != view.position:
+        raise ConcurrentRunError(
+            f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again", pipeline=p.spec.name
+        )
+    return view
+
+
+def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> StateCommit | None:
+    """The state commit the ledger lags behind, None if the two agree.
+
+    Raises `StateLedgerMismatchError` (or its subclasses) when they do not
+    belong together; reads only, so `status` can say what a run would find.
+    """
+    if state_at == view.position:
+        check_unchanged(p, view, table)
+        return None
+    if state_at < view.position:
+        raise StateBehindLedgerError(p.spec.name, view.position, state_at, missing=table is None)
+    commit = p.state.find_commit(table, state_at) if table is not None else None
+    if commit is None:
+        raise StateLedgerMismatchError(
+            f"pipeline {p.spec.name}: the state table is at {state_at} but its commit is not "
+            f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
+            "automatically. Rewind to a batch in the ledger with `microbatch rewind`.",
+            pipeline=p.spec.name,
+            path=p.state.path,
+            position=state_at,
+        )
+    problem = _not_following(p, view.position, state_at, commit)
+    if problem is not None:
+        raise StateLedgerMismatchError(problem, pipeline=p.spec.name, path=p.state.path, position=state_at)
+    if commit.metadata.kind is CommitKind.BATCH:
+        # A change made outside the job before the lagging batch would be
+        # hidden by projecting it; one made after it is found once the row is
+        # recorded. (A rewind replaces whatever was there with a version the
+        # ledger knows: it is the repair.)
+        check_unchanged(p, view, table, before_version=commit.version)
+    return commit
+
+
+def _not_following(p: Pipeline, head: Position, state_at: Position, commit: StateCommit) -> str | None:
+    """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
+
+    A run commits the state only from the ledger's head, and a rewind only
+    one epoch up, so the ledger can lag the state by one event at most. A
+    state further ahead, or one committed by another pipeline, means the
+    ledger is not this state's (the checkpoint was deleted or replaced,
+    the pipeline renamed, or the state table shared): recording just the
+    latest commit would make the next runs re-read everything before it.
+    """
+    m = commit.metadata
+    if m.kind is CommitKind.REWIND:
+        follows = state_at.epoch == head.epoch + 1 and state_at.batch_id <= head.batch_id
+    else:
+        follows = state_at == head.next()
+    if m.pipeline == p.spec.name and follows:
+        return None
+    return (
+        f"pipeline {p.spec.name}: the state table {p.state.path} is at {state_at} (committed by pipeline "
+        f"{m.pipeline!r}), which does not follow {head} in the offset ledger {p.ledger.path}. The "
+        "ledger is not this state's: its checkpoint was deleted or replaced, the pipeline was renamed, "
+        "or another pipeline writes the same state table. Nothing was written. Point `checkpoint` back "
+        "at the folder that belongs to this state, or give the pipeline a new state path and a new "
+        "checkpoint to start over."
+    )
+
+
+def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None) -> None:
+    """Refuse a state whose data changed outside the job since the ledger's head.
+
+    A Delta RESTORE (or DELETE, ...) of the state does not move the fence
+    (RESTORE leaves `txn` alone), so the positions still agree; only the
+    history shows it.
+    """
+    head = view.head
+    if table is None or head is None or head.state_version is None:
+        return
+    changes = p.state.outside_changes(table, head.state_version, before_version)
+    if changes:
+        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, view.position)
+
+
+# -- 2. Plan ---------------------------------------------------------------------------
+
+
+def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) -> Plan | Done:
+    """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
+    spec = p.spec
+    head = view.position
+    n = head.next()
+    row = view.planned(n)
+    if row is not None:
+        batch = p.batch(row)
+        log.info("replaying the planned range of %s", n)
+    else:
+        caps = Caps(options.max_files or spec.batch.max_files, options.max_records or spec.batch.max_records)
+        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=caps)
+        if planned is None:
+            return Done(Outcome.NO_NEW_DATA, _nothing_new(options, head), head)
+        batch = planned
+    if options.dry_run:
+        return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
+    if row is None:
+        engine.get().check(spec)  # a transform that cannot fit the state fails before any write
+        row = LedgerRow(
+            pipeline=spec.name,
+            epoch=n.epoch,
+            batch_id=n.batch_id,
+            status=RowStatus.PLANNED,
+            start_offsets=batch.start.to_dict(),
+            end_offsets=batch.end.to_dict(),
+            manifest=batch.manifest.to_dict(),
+            run_id=options.run_id,
+            attempt=options.attempt,
+            interval_start=options.interval_start,
+            interval_end=options.interval_end,
+            planned_at=utcnow(),
+        )
+        with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
+            appended = p.ledger.append(view, row, PLAN_FENCE)
+        if not appended:
+            # Another run planned N first (or the pipeline moved on): use its plan.
+            view = p.ledger.load()
+            theirs = view.planned(n)
+            if theirs is None:
+                if view.position >= n:
+                    return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, view.position), n, batch)
+                raise ConcurrentRunError(
+                    f"pipeline {spec.name}: could not plan {n}: the ledger moved; run again", pipeline=spec.name, position=n
+                )
+            row, batch = theirs, p.batch(theirs)
+    log.info("planned %s: %s", n, batch.describe())
+    return Plan(n, head, batch, row, view)
+
+
+# -- 3. Read and quarantine ------------------------------------------------------------
+
+
+def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute) -> Processed:
+    """Step 3: compute reads exactly the planned range; bad records go to the quarantine, once."""
+    spec, n = p.spec, plan_.position
+    result = compute.process(spec, plan_.batch)
+    _boundary("after_read", spec)
+    with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
+        table = p.state.open() or p.state.create(result.updates)
+    # A batch that cannot fit the state fails before the quarantine write:
+    # that write is fenced per batch, so after a fix to the spec the replay
+    # would not quarantine again what the fixed spec rejects.
+    updates = p.state.align(table, result.updates)
+    quarantined = result.quarantine.num_rows
+    if quarantined:
+        watch_for_new_files("mid_quarantine_write", p.quarantine.path)
+        with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", p.quarantine.path):
+            p.quarantine.write(result.quarantine, n)
+        log.info("quarantined %d of %d records", quarantined, result.records_in)
+    _boundary("after_quarantine", spec)
+    return Processed(updates, result.records_in, quarantined)
+
+
+# -- 4. Commit the state ---------------------------------------------------------------
+
+
+def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float) -> Committed | Done:
+    """Step 4, the commit point: MERGE the updates with fence position N, from a checked snapshot."""
+    spec, n, head = p.spec, plan_.position, plan_.head
+    # A new state table was created empty in step 3, so that even batch 1
+    # commits from a checked snapshot.
+    table = p.state.open()
+    if table is None:
+        raise ConcurrentRunError(
+            f"pipeline {spec.name}: the state table {p.state.path} disappeared while this run "
+            f"prepared {n}; nothing was committed",
+            pipeline=spec.name,
+            path=p.state.path,
+            position=n,
+        )
+    current = p.state.position(table)
+    if current >= n:
+        reconcile(p)
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
+    if current != head:
+        raise StateBehindLedgerError(spec.name, head, current)
+    # Merging onto a change made outside the job since step 1 would hide it for good.
+    check_unchanged(p, plan_.view, table)
+    metadata = CommitMetadata(
+        kind=CommitKind.BATCH,
+        pipeline=spec.name,
+        position=n,
+        start_offsets=plan_.row.start_offsets,
+        end_offsets=plan_.row.end_offsets,
+        manifest=plan_.row.manifest,
+        run_id=options.run_id,
+        attempt=options.attempt,
+        records_in=processed.records_in,
+        records_quarantined=processed.records_quarantined,
+        interval_start=options.interval_start,
+        interval_end=options.interval_end,
+        planned_at=plan_.row.planned_at,
+        duration_ms=int((time.monotonic() - started) * 1000),
+        commit_token=uuid.uuid4().hex,
+    )
+    watch_for_new_files("mid_state_merge", p.state.path)
+    try:
+        with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
+            version, keys_updated = p.state.commit_batch(table, processed.updates, metadata)
+    except Exception as exc:
+        if not is_commit_conflict(exc):
+            raise
+        return _after_conflict(p, plan_, metadata, exc)
+    # No stop here on SIGTERM: the ledger row is a few milliseconds away.
+    fault_point("after_state_commit")
+    return Committed(version, keys_updated)
+
+
+def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exception) -> Committed | Done:
+    """A commit with the state fence landed after our snapshot: whose was it?"""
+    n = plan_.position
+    table = p.state.open()
+    now = p.state.position(table)
+    landed = p.state.find_commit(table, n) if now >= n else None
+    if landed is not None and landed.metadata.commit_token == metadata.commit_token:
+        # Our own commit landed but the store answered with an error: S3 can
+        # time out after the write, and the retried conditional put then finds
+        # our log entry and reports a conflict.
+        log.warning("the commit of %s landed although the store reported a failure", n)
+        fault_point("after_state_commit")
+        return Committed(landed.version, landed.keys_updated)
+    if now >= n:
+        reconcile(p)
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, now), n, plan_.batch)
+    raise ConcurrentRunError(
+        f"pipeline {p.spec.name}: the state table changed while committing {n} ({exc}); nothing was committed, run again",
+        pipeline=p.spec.name,
+        path=p.state.path,
+        position=n,
+    ) from exc
+
+
+# -- 5. Project into the ledger --------------------------------------------------------
+
+
+def project(p: Pipeline) -> None:
+    """Step 5: step 1 again, which records the `committed` row from the state commit just made."""
+    reconcile(p)
+    # A fault point but no SIGTERM stop: the batch is committed, and a run
+    # that committed must say so.
+    fault_point("after_ledger_commit")
+    if p.ledger.compact():
+        log.info("compacted the offset ledger")
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+class _Engine:
+    """The compute engine, started on first use: a run with nothing to do never starts Spark."""
+
+    def __init__(self, factory: Callable[[], Compute]) -> None:
+        self._factory = factory
+        self._compute: Compute | None = None
+
+    def get(self) -> Compute:
+        if self._compute is None:
+            self._compute = self._factory()
+        return self._compute
+
+    def close(self) -> None:
+        if self._compute is not None:
+            self._compute.close()
+
+
+def _boundary(point: str, spec: PipelineSpec) -> None:
+    """A protocol boundary: a named fault point, and where a SIGTERM stops the run."""
+    fault_point(point)
+    shutdown.check(point, spec.name)
+
+
+def _moved_past(n: Position, current: Position) -> str:
+    """Why a run of `n` is a no-op, given the position the pipeline moved to."""
+    if current.epoch > n.epoch:
+        return f"the pipeline was rewound (now at {current}) while this run prepared {n}; nothing to do"
+    return f"another run already committed {n} (the pipeline is at {current}); nothing to do"
+
+
+def _nothing_new(options: RunOptions, head: Position) -> str:
+    if options.interval_end is not None:
+        return (
+            f"no new data arrived before {options.interval_end.isoformat()}: this interval is "
+            f"already covered (pipeline at {head})"
+        )
+    return f"no new data (pipeline at {head})"
+
+
+def _outcome(
+    spec: PipelineSpec,
+    options: RunOptions,
+    started: float,
+    done: Done,
+    processed: Processed | None = None,
+    committed: Committed | None = None,
+) -> BatchOutcome:
+    """The one place a run's outcome is built."""
+    batch = done.batch
+    return BatchOutcome(
+        status=done.status,
+        pipeline=spec.name,
+        message=done.message,
+        run_id=options.run_id,
+        epoch=done.position.epoch,
+        batch_id=done.position.batch_id,
+        start_offsets=batch.start.to_dict() if batch else None,
+        end_offsets=batch.end.to_dict() if batch else None,
+        inputs=tuple(batch.manifest.inputs()) if batch else (),
+        records_in=processed.records_in if processed else None,
+        records_quarantined=processed.records_quarantined if processed else None,
+        keys_updated=committed.keys_updated if committed else None,
+        state_version=committed.state_version if committed else None,
+        duration_ms=int((time.monotonic() - started) * 1000),
+    )

@@ -1,0 +1,79 @@
+"""The quarantine table: records that failed parsing or validation.
+
+One append per batch, fenced so that a replay of the same batch (a retry, or
+a second run racing the first) does not write its records twice. Rows carry
+the epoch and batch id: after a rewind, the records quarantined by the
+abandoned batches stay for audit, and the live ones are those whose
+(epoch, batch_id) is in the ledger's lineage.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from deltalake import write_deltalake
+
+from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
+from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
+from spark_jobs.core.ledger import scoped, utcnow
+from spark_jobs.errors import ConcurrentRunError
+
+__all__ = ["SCHEMA", "Quarantine"]
+
+SCHEMA = pa.schema(
+    [
+        ("pipeline", pa.string()),
+        ("epoch", pa.int64()),
+        ("batch_id", pa.int64()),
+        ("file", pa.string()),
+        ("line", pa.int64()),
+        ("raw", pa.string()),
+        ("reason", pa.string()),
+        ("quarantined_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+class Quarantine:
+    def __init__(self, path: str, pipeline: str) -> None:
+        self.path = path
+        self.pipeline = pipeline
+        self.fence = scoped(QUARANTINE_FENCE, pipeline)
+
+    def write(self, records: pa.Table, position: Position) -> bool:
+        """Append one batch's quarantined records, once. True if we wrote them."""
+        for _ in range(3):
+            table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} quarantine")
+            if transaction_position(table, self.fence) >= position:
+                return False  # an earlier attempt at this batch wrote them
+            n = records.num_rows
+            rows = pa.table(
+                {
+                    "pipeline": pa.array([self.pipeline] * n, pa.string()),
+                    "epoch": pa.array([position.epoch] * n, pa.int64()),
+                    "batch_id": pa.array([position.batch_id] * n, pa.int64()),
+                    "file": records.column("file"),
+                    "line": records.column("line"),
+                    "raw": records.column("raw"),
+                    "reason": records.column("reason"),
+                    "quarantined_at": pa.array([utcnow()] * n, pa.timestamp("us", tz="UTC")),
+                },
+                schema=SCHEMA,
+            )
+            props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
+            try:
+                write_deltalake(table, rows, mode="append", commit_properties=props)
+                return True
+            except Exception as exc:
+                if not is_commit_conflict(exc):
+                    raise
+                # Someone else committed with the quarantine fence since our
+                # snapshot: look again (it was probably the same batch).
+        # Fail closed: committing the state without its quarantined records
+        # would lose them.
+        raise ConcurrentRunError(
+            f"pipeline {self.pipeline}: could not write the quarantine for {position} "
+            "(the table kept changing); nothing was committed, run again",
+            pipeline=self.pipeline,
+            path=self.path,
+            position=position,
+        )

@@ -1,0 +1,121 @@
+"""Rewind: go back to batch K, in a new epoch.
+
+Restore the state to K's version in one commit that moves the state fence to
+``(epoch + 1, K)``, then project a ``rewound`` row (as step 5 of
+`spark_jobs.core.protocol` projects a batch). Delta's RESTORE does not roll
+``txn`` versions back (delta-io/delta#1813), hence the new epoch: positions
+stay increasing and fencing keeps working. The next batch is K+1 in the new
+epoch; it plans afresh from K's offsets, so it re-reads the files K+1.. read
+before (those still there) and whatever landed since, and its batch
+boundaries may differ from the old epoch's.
+
+Rewind is also the way out when the state table is behind the ledger, or was
+changed outside the job: it then starts from the ledger alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+from spark_jobs.core.commits import CommitKind, CommitMetadata
+from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
+from spark_jobs.core.fencing import Position
+from spark_jobs.core.outcome import BatchOutcome, Outcome
+from spark_jobs.core.pipeline import Pipeline
+from spark_jobs.core.protocol import reconcile
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.errors import (
+    ConcurrentRunError,
+    RewindError,
+    StateBehindLedgerError,
+    StateChangedOutsideError,
+    StorageError,
+)
+
+__all__ = ["rewind"]
+
+
+def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
+    """Restore the state to batch `to_batch` and continue from its offsets.
+
+    `run_id` is recorded in the ledger's ``rewound`` row (the CLI's or the
+    Airflow run's id), so an orchestrator can tell whether it already rewound.
+    """
+    started = time.monotonic()
+    p = Pipeline(spec)
+    try:
+        view = reconcile(p)
+        recovering = False
+    except (StateBehindLedgerError, StateChangedOutsideError):
+        view = p.ledger.load()
+        recovering = True
+    head = view.position
+
+    def refuse(message: str) -> RewindError:
+        return RewindError(f"pipeline {spec.name}: {message}", pipeline=spec.name, path=p.state.path, position=head)
+
+    if to_batch < 0 or to_batch > head.batch_id:
+        raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
+    if to_batch == head.batch_id and not recovering:
+        raise refuse(f"already at batch {to_batch}; nothing to rewind")
+    if to_batch == 0:
+        version, end_offsets = None, p.source.origin.to_dict()
+    else:
+        target = view.committed_row(to_batch)
+        if target is None or target.state_version is None:
+            raise refuse(f"batch {to_batch} is not in the ledger's lineage")
+        version, end_offsets = target.state_version, target.end_offsets
+    table = p.state.open()
+    if table is None:
+        raise refuse(
+            f"there is no state table at {p.state.path} to rewind. If it was moved or deleted on "
+            "purpose to start over, give the pipeline a new checkpoint as well."
+        )
+    # The restore commits from this snapshot: its fence must be where the
+    # ledger says (recovering: not ahead of it, or ahead by the one batch
+    # the ledger may lag by), else a run or another rewind moved the
+    # pipeline since we looked.
+    current = p.state.position(table)
+    if (current != head) if not recovering else not (current <= head or current == head.next()):
+        raise ConcurrentRunError(
+            f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again",
+            pipeline=spec.name,
+            position=current,
+        )
+    new = Position(head.epoch + 1, to_batch)
+    metadata = CommitMetadata(
+        kind=CommitKind.REWIND,
+        pipeline=spec.name,
+        position=new,
+        start_offsets=view.head.end_offsets if view.head else {},
+        end_offsets=end_offsets,
+        run_id=run_id,
+        rewound_from=str(head),
+        restored_version=version,
+    )
+    try:
+        with storage_errors(f"pipeline {spec.name}: could not rewind the state table to batch {to_batch}", p.state.path):
+            state_version = p.state.restore(table, version, metadata)
+    except StorageError:
+        raise
+    except Exception as exc:
+        if is_commit_conflict(exc):
+            raise ConcurrentRunError(
+                f"pipeline {spec.name}: a batch committed while rewinding; run the rewind again", pipeline=spec.name
+            ) from exc
+        raise refuse(
+            f"could not restore {p.state.path} to version {version}: {exc}. "
+            f"If old files were vacuumed, batch {to_batch} cannot be restored."
+        ) from exc
+    reconcile(p)
+    return BatchOutcome(
+        status=Outcome.REWOUND,
+        pipeline=spec.name,
+        message=f"rewound from {head} to batch {to_batch}: epoch {new.epoch} continues from {end_offsets}",
+        run_id=run_id,
+        epoch=new.epoch,
+        batch_id=to_batch,
+        end_offsets=end_offsets,
+        state_version=state_version,
+        duration_ms=int((time.monotonic() - started) * 1000),
+    )

@@ -1,0 +1,514 @@
+"""Pipeline specs: YAML in, a validated `PipelineSpec` out, or a `SpecError`.
+
+Validation happens entirely in Python, before any table is opened or Spark is
+started, so a bad spec can never leave half a batch behind. Each problem is
+reported with the field path, the YAML line it sits on, and what to write
+instead.
+
+Identifiers (key and value columns, source schema fields) are restricted to
+plain SQL identifiers because they are spliced into Spark SQL and into
+delta-rs merge predicates; they are quoted there as well, but refusing odd
+names up front keeps error messages readable and injection impossible.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from spark_jobs.errors import SpecError
+from spark_jobs.storage.roots import check_location, parse_roots, roots_from_env
+
+__all__ = [
+    "IDENTIFIER",
+    "PIPELINE_NAME",
+    "SPARK_MASTER",
+    "FilesSourceSpec",
+    "PipelineSpec",
+    "SchemaField",
+    "load_spec",
+    "parse_schema",
+    "parse_spec",
+]
+
+# ASCII only (a Cyrillic "а" that looks like "a" is refused), and always used
+# with `fullmatch`: `re.match` with `$` would accept a trailing newline.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+PIPELINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+#: Default for `source.max_line_bytes`: longer lines are quarantined unparsed.
+DEFAULT_MAX_LINE_BYTES = 1024 * 1024
+MERGE_RULES = ("sum", "min", "max", "first", "last")
+#: Columns the job adds to tables it owns; users may not define them.
+RESERVED_COLUMNS = frozenset({"_batch_id"})
+
+# Spark SQL atomic types accepted in `source.schema`, mapped to their canonical
+# spelling. Nested types are refused: records are parsed field by field so each
+# bad value gets its own quarantine reason, which needs atomic fields.
+_ATOMIC_TYPES = {
+    "STRING": "STRING",
+    "VARCHAR": "STRING",
+    "BOOLEAN": "BOOLEAN",
+    "TINYINT": "TINYINT",
+    "BYTE": "TINYINT",
+    "SMALLINT": "SMALLINT",
+    "SHORT": "SMALLINT",
+    "INT": "INT",
+    "INTEGER": "INT",
+    "BIGINT": "BIGINT",
+    "LONG": "BIGINT",
+    "FLOAT": "FLOAT",
+    "REAL": "FLOAT",
+    "DOUBLE": "DOUBLE",
+    "DATE": "DATE",
+    "TIMESTAMP": "TIMESTAMP",
+    "TIMESTAMP_LTZ": "TIMESTAMP",
+    "TIMESTAMP_NTZ": "TIMESTAMP_NTZ",
+}
+_DECIMAL = re.compile(r"DECIMAL\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)", re.IGNORECASE)
+_NOT_NULL = re.compile(r"(.*?)\s+NOT\s+NULL", re.IGNORECASE | re.DOTALL)
+
+
+@dataclass(frozen=True)
+class SchemaField:
+    """One column of the source schema."""
+
+    name: str
+    type: str  # canonical Spark SQL type, e.g. "DOUBLE" or "DECIMAL(10,2)"
+    #: False for `NOT NULL` columns: records missing the field are quarantined.
+    nullable: bool = True
+
+
+def parse_schema(ddl: str) -> list[SchemaField]:
+    """Parse a Spark DDL column list (``"a STRING, b DOUBLE NOT NULL"``) without a JVM.
+
+    Only ``name TYPE [NOT NULL]`` is accepted, TYPE from a fixed list: every
+    piece ends up in Spark SQL, so anything else is refused rather than passed on.
+    """
+    fields: list[SchemaField] = []
+    seen: set[str] = set()
+    # Split on commas outside parentheses (DECIMAL(10,2) has one inside).
+    parts, depth, current = [], 0, ""
+    for ch in ddl:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    for raw in parts:
+        item = raw.strip()
+        if not item:
+            raise ValueError(f"empty column in {ddl!r}; write 'name TYPE, name TYPE'")
+        bits = item.split(None, 1)
+        if len(bits) != 2:
+            raise ValueError(f"column {item!r} has no type; write e.g. '{bits[0]} STRING'")
+        name, type_text = bits[0], bits[1].strip()
+        nullable = True
+        if m := _NOT_NULL.fullmatch(type_text):
+            type_text, nullable = m.group(1).strip(), False
+        if not IDENTIFIER.fullmatch(name):
+            raise ValueError(
+                f"column name {name!r} is not a plain identifier (letters, digits, _; "
+                "not starting with a digit)"
+            )
+        if name.lower() in seen:
+            raise ValueError(f"column {name!r} appears twice")
+        seen.add(name.lower())
+        upper = type_text.upper()
+        if upper in _ATOMIC_TYPES:
+            canonical = _ATOMIC_TYPES[upper]
+        elif m := _DECIMAL.fullmatch(type_text):
+            precision, scale = int(m.group(1)), int(m.group(2))
+            if not (1 <= precision <= 38 and 0 <= scale <= precision):
+                raise ValueError(f"column {name!r}: DECIMAL({precision},{scale}) is out of range")
+            canonical = f"DECIMAL({precision},{scale})"
+        else:
+            raise ValueError(
+                f"column {name!r} has type {type_text!r}; use one of "
+                f"{', '.join(sorted(set(_ATOMIC_TYPES.values())))} or DECIMAL(p,s) "
+                "(read nested data as STRING and use from_json in the transform); "
+                "the only constraint allowed after the type is NOT NULL"
+            )
+        fields.append(SchemaField(name, canonical, nullable))
+    return fields
+
+
+def _check_identifier(value: str, what: str) -> str:
+    if not IDENTIFIER.fullmatch(value):
+        raise ValueError(
+            f"{what} {value!r} is not a plain identifier: use letters, digits and _, "
+            "not starting with a digit (rename it with AS in the transform)"
+        )
+    if value in RESERVED_COLUMNS:
+        raise ValueError(f"{what} {value!r} is reserved for the job's own bookkeeping")
+    return value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class CsvOptions(_Model):
+    header: bool = True
+    delimiter: str = Field(default=",", min_length=1, max_length=1)
+
+    @field_validator("delimiter")
+    @classmethod
+    def _delimiter_usable(cls, value: str) -> str:
+        # A quote, escape, line break or control character as the separator
+        # would make records ambiguous (and the line split meaningless).
+        if value in ('"', "\\") or (not value.isprintable() and value != "\t"):
+            raise ValueError(
+                f"{value!r} cannot separate CSV columns; use a printable character other "
+                "than a quote or backslash (or a tab)"
+            )
+        return value
+
+
+class FilesSourceSpec(_Model):
+    """A folder of files; each file is consumed exactly once."""
+
+    type: Literal["files"]
+    path: str = Field(min_length=1)
+    format: Literal["json", "csv", "parquet"]
+    schema_: str = Field(alias="schema", min_length=1)
+    csv: CsvOptions = CsvOptions()
+    #: Lines longer than this (in UTF-8 bytes) are quarantined without being parsed.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_parses(cls, value: str) -> str:
+        parse_schema(value)
+        return value
+
+    @property
+    def fields(self) -> list[SchemaField]:
+        return parse_schema(self.schema_)
+
+
+class StateSpec(_Model):
+    path: str = Field(min_length=1)
+    keys: list[str] = Field(min_length=1)
+    merge: dict[str, Literal["sum", "min", "max", "first", "last"]] = Field(min_length=1)
+
+    @field_validator("keys")
+    @classmethod
+    def _keys_are_identifiers(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            _check_identifier(key, "key")
+        if len({k.lower() for k in keys}) != len(keys):
+            raise ValueError("a key column is listed twice")
+        return keys
+
+    @field_validator("merge", mode="before")
+    @classmethod
+    def _merge_rules_known(cls, merge: Any) -> Any:
+        if isinstance(merge, dict):
+            for column, rule in merge.items():
+                _check_identifier(str(column), "merge column")
+                if rule not in MERGE_RULES:
+                    raise ValueError(
+                        f"column {column!r} has merge rule {rule!r}; use one of "
+                        f"{', '.join(MERGE_RULES)}"
+                    )
+        return merge
+
+    @model_validator(mode="after")
+    def _keys_not_merged(self) -> StateSpec:
+        clash = {k.lower() for k in self.keys} & {c.lower() for c in self.merge}
+        if clash:
+            raise ValueError(
+                f"{sorted(clash)} listed both as key and under merge; keys are matched, "
+                "not merged: remove them from state.merge"
+            )
+        return self
+
+
+class BatchLimits(_Model):
+    max_files: int | None = Field(default=None, ge=1)
+    max_records: int | None = Field(default=None, ge=1)
+
+
+CRON_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@annually", "@midnight")
+
+
+class WaitForData(_Model):
+    """Put a deferrable sensor before the batch task (Airflow only)."""
+
+    poll_seconds: float = Field(default=30, gt=0)
+    timeout_seconds: float = Field(default=3600, gt=0)
+    soft_fail: bool = True
+
+
+SPARK_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]{0,3})\])?|spark://[A-Za-z0-9.\-]+:[0-9]{1,5}|sc://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/;[A-Za-z0-9_=;.\-]*)?")
+
+
+class EngineSpec(_Model):
+    """Where Spark runs: `local[*]` in the job's process, a standalone
+    cluster (`spark://host:port`, the job's process is the driver) or a
+    Spark Connect server (`sc://host:port`, the job is a thin client).
+
+    A `--master` on the command line, the operator's `spark_master` or
+    `spark_conn_id`, and `spark-submit --master` take precedence over this;
+    with none of them, ``MICROBATCH_SPARK_MASTER`` and then `local[*]` apply.
+    """
+
+    master: str | None = None
+    #: In Airflow: the connection to take the master from instead (e.g. a
+    #: `spark://` or `sc://` connection defined by the deployment).
+    airflow_conn_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,250}$")
+
+    @field_validator("master")
+    @classmethod
+    def _master_known(cls, value: str | None) -> str | None:
+        if value is not None and not SPARK_MASTER.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a Spark master this job can use; write local[*], "
+                "spark://host:port (standalone cluster) or sc://host:port (Spark Connect)"
+            )
+        return value
+
+
+class PipelineSpec(_Model):
+    name: str
+    description: str = ""
+    source: FilesSourceSpec
+    transform: str = Field(min_length=1)
+    state: StateSpec
+    checkpoint: str = Field(min_length=1)
+    batch: BatchLimits = BatchLimits()
+    engine: EngineSpec = EngineSpec()
+    # Scheduling, read by the Airflow DAG factory; the job itself ignores them.
+    schedule: str | None = None
+    catchup: bool = False
+    start_date: datetime = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    tags: list[str] = Field(default_factory=list)
+    wait_for_data: WaitForData | None = None
+
+    #: Folder of the spec file; relative paths resolve against it.
+    base_dir: Path = Field(default=Path("."), exclude=True)
+    #: Where the spec was loaded from (for messages).
+    spec_path: str = Field(default="<memory>", exclude=True)
+
+    @field_validator("name")
+    @classmethod
+    def _name_safe(cls, name: str) -> str:
+        if not PIPELINE_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a valid pipeline name: use lowercase letters, digits "
+                "and _, starting with a letter, at most 64 characters (e.g. clicks_per_user)"
+            )
+        return name
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_is_cron(cls, schedule: str | None) -> str | None:
+        if schedule is None or schedule in CRON_PRESETS:
+            return schedule
+        if len(schedule.split()) != 5:
+            raise ValueError(
+                f"{schedule!r} is not a cron expression; write five fields (e.g. '0 * * * *') "
+                f"or a preset ({', '.join(CRON_PRESETS)})"
+            )
+        try:
+            from croniter import croniter
+        except ImportError:  # validated again by Airflow when it parses the DAG
+            return schedule
+        if not croniter.is_valid(schedule):
+            raise ValueError(f"{schedule!r} is not a valid cron expression")
+        return schedule
+
+    @field_validator("start_date")
+    @classmethod
+    def _start_date_aware(cls, value: datetime) -> datetime:
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+    @field_validator("transform")
+    @classmethod
+    def _transform_reads_batch(cls, sql: str) -> str:
+        if not re.search(r"\bbatch\b", sql, re.IGNORECASE):
+            raise ValueError("the transform must read the new records from the view `batch`")
+        return sql
+
+    # -- resolved locations -------------------------------------------------
+
+    def resolve(self, location: str) -> str:
+        """Resolve a path from the spec against the spec file's folder."""
+        if "://" in location:
+            return location
+        path = Path(location).expanduser()
+        if not path.is_absolute():
+            path = self.base_dir / path
+        return str(path.resolve())
+
+    @property
+    def source_path(self) -> str:
+        return self.resolve(self.source.path)
+
+    @property
+    def state_path(self) -> str:
+        return self.resolve(self.state.path)
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.resolve(self.checkpoint)
+
+    @property
+    def ledger_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/offsets"
+
+    @property
+    def quarantine_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/quarantine"
+
+    @property
+    def value_columns(self) -> list[str]:
+        return list(self.state.merge)
+
+
+# -- loading ----------------------------------------------------------------
+
+
+def _line_index(text: str) -> dict[tuple[str, ...], int]:
+    """Map each YAML mapping path to its 1-based line, for error messages."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                child = path + (str(key_node.value),)
+                lines[child] = key_node.start_mark.line + 1
+                walk(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (str(i),))
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _at(lines: dict[tuple[str, ...], int], loc: tuple[str, ...], problem: str) -> str:
+    """A problem as reported: "line N, field `a.b`: ...", with the line of the
+    field or, if the field is missing, of its nearest parent."""
+    line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), None)
+    return f"{f'line {line}, ' if line else ''}field `{'.'.join(loc) or '(top level)'}`: {problem}"
+
+
+def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
+    loc = tuple("schema" if p == "schema_" else str(p) for p in error["loc"])
+    field = ".".join(loc)
+    message = error["msg"].removeprefix("Value error, ")
+    kind = error["type"]
+    if kind == "missing":
+        message = "is required"
+    elif kind == "extra_forbidden":
+        message = "is not a known field (check the spelling; see docs/spec.md)"
+    elif kind == "literal_error" and field == "source.format":
+        message = f"{error.get('input')!r} is not a format; use json, csv or parquet"
+    elif kind == "literal_error" and field == "source.type":
+        message = f"{error.get('input')!r} is not a source type; use files"
+    return _at(lines, loc, message)
+
+
+def parse_spec(
+    text: str, *, base_dir: Path, spec_path: str, storage_roots: list[str] | None = None
+) -> PipelineSpec:
+    """Validate spec text. Raises `SpecError` listing every problem found.
+
+    `storage_roots`: where the spec's locations may be (see
+    `spark_jobs.storage.roots`); None reads ``MICROBATCH_STORAGE_ROOTS``.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError(spec_path, [f"{where}not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
+    if not isinstance(data, dict):
+        raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
+    try:
+        spec = PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
+    except ValidationError as exc:
+        lines = _line_index(text)
+        raise SpecError(spec_path, [_describe(e, lines) for e in exc.errors()]) from None
+    _check_locations(spec, text, roots_from_env() if storage_roots is None else storage_roots)
+    return spec
+
+
+def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) -> None:
+    """Refuse locations outside the storage roots (or climbing out of the spec's folder)."""
+    try:
+        roots = parse_roots(storage_roots)
+    except ValueError as exc:
+        raise SpecError(spec.spec_path, [f"storage roots: {exc}"]) from None
+    lines = _line_index(text)
+    problems = []
+    for loc, raw in ((("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)):
+        problem = check_location(raw, spec.resolve(raw), roots)
+        if problem:
+            problems.append(_at(lines, loc, problem))
+    problems.extend(_overlaps(spec, lines))
+    if problems:
+        raise SpecError(spec.spec_path, problems)
+
+
+def _inside(location: str, folder: str) -> bool:
+    """Whether `location` is `folder` or under it (same spelling: both resolved)."""
+    location, folder = location.rstrip("/"), folder.rstrip("/")
+    return location == folder or location.startswith(folder + "/")
+
+
+def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str]:
+    """Locations that would read or clobber each other's files.
+
+    The source lists every file under its folder, so a state or checkpoint
+    inside it would be fed back in as input (or the source would read a
+    table's Parquet parts if it sat inside one). A checkpoint inside the
+    state table's folder would be deleted by a VACUUM of the state, which
+    removes files its log does not know; and the state cannot be one of the
+    checkpoint's own tables.
+    """
+    source, state, checkpoint = spec.source_path, spec.state_path, spec.checkpoint_path
+    found: list[str] = []
+
+    def problem(loc: tuple[str, ...], text: str) -> None:
+        found.append(_at(lines, loc, text))
+
+    for loc, other in ((("state", "path"), state), (("checkpoint",), checkpoint)):
+        if _inside(other, source) or _inside(source, other):
+            problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables")
+    if _inside(checkpoint, state):
+        problem(("checkpoint",), f"{checkpoint} is inside the state table's folder {state}; put it beside it")
+    for table in (spec.ledger_path, spec.quarantine_path):
+        if _inside(state, table) or _inside(table, state):
+            problem(("state", "path"), f"{state} overlaps the checkpoint's table {table}; put the state elsewhere")
+    return found
+
+
+def load_spec(path: str | Path, *, storage_roots: list[str] | None = None) -> PipelineSpec:
+    """Load and validate a spec file; relative paths resolve against its folder."""
+    spec_file = Path(path)
+    try:
+        text = spec_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(str(path), ["file not found; pass the path to a pipeline YAML"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), [f"cannot read the file: {exc}"]) from None
+    return parse_spec(text, base_dir=spec_file.resolve().parent, spec_path=str(path), storage_roots=storage_roots)

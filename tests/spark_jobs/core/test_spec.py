@@ -1,0 +1,275 @@
+"""Spec validation: each kind of mistake gets its own message, and nothing is written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spark_jobs.errors import SpecError
+from spark_jobs.core.spec import load_spec, parse_schema
+from tests.conftest import ROOT, oracle_spec_dict, run_cli, write_spec
+
+ISSUE_SPEC = ROOT / "dags" / "pipelines" / "clicks_per_user.yaml"
+
+
+def _error_for(tmp_path: Path, spec: dict | str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(spec if isinstance(spec, str) else yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return str(info.value)
+
+
+def test_the_issue_spec_loads_as_written():
+    spec = load_spec(ISSUE_SPEC)
+    assert spec.name == "clicks_per_user"
+    assert spec.state.keys == ["user_id"]
+    assert spec.state.merge == {"events": "sum", "amount": "sum", "last_seen": "max"}
+    assert spec.batch.max_files == 100
+    assert [f.name for f in spec.source.fields] == ["event_id", "user_id", "amount", "ts"]
+    # Relative paths resolve against the spec file's folder, not the cwd.
+    assert spec.source_path == str((ISSUE_SPEC.parent / "landing" / "clicks").resolve())
+    assert spec.ledger_path.endswith("lakehouse/_checkpoints/clicks_per_user/offsets")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda s: s.pop("name"), "field `name`: is required"),
+        (lambda s: s.update(name="Clicks-Per-User"), "not a valid pipeline name"),
+        (lambda s: s["source"].update(format="xml"), "'xml' is not a format; use json, csv or parquet"),
+        (lambda s: s["source"].update(type="kafka"), "'kafka' is not a source type"),
+        (lambda s: s["source"].update(schema="event_id STRING, amount MONEY"), "has type 'MONEY'"),
+        (lambda s: s["source"].update(schema="event_id, amount DOUBLE"), "has no type"),
+        (lambda s: s["source"].update(schema="a STRING, a INT"), "appears twice"),
+        (lambda s: s["source"].update(schema="tags ARRAY<STRING>"), "read nested data as STRING"),
+        (lambda s: s["state"]["merge"].update(events="avg"), "merge rule 'avg'; use one of sum, min, max, first, last"),
+        (lambda s: s["state"].update(keys=[]), "field `state.keys`"),
+        (lambda s: s["state"].update(keys=["user id; DROP TABLE x"]), "is not a plain identifier"),
+        (lambda s: s["state"]["merge"].update({"x = 1 OR true": "sum"}), "is not a plain identifier"),
+        (lambda s: s["state"]["merge"].update(user_id="last"), "listed both as key and under merge"),
+        (lambda s: s["state"]["merge"].update(_batch_id="last"), "reserved"),
+        (lambda s: s.update(transform="SELECT 1"), "must read the new records from the view `batch`"),
+        (lambda s: s["batch"].update(max_files=0), "field `batch.max_files`"),
+        (lambda s: s.update(checkpont="x"), "field `checkpont`: is not a known field"),
+        (lambda s: s["state"].update(path="landing/state"), "field `state.path`: "),
+        (lambda s: s.update(checkpoint="landing/_ckpt"), "overlaps source.path"),
+        (lambda s: s["source"].update(path="lake"), "keep the source folder apart from the tables"),
+        (lambda s: s.update(checkpoint="lake/state/_ckpt"), "is inside the state table's folder"),
+        (lambda s: s["state"].update(path="lake/_checkpoints/clicks/offsets"), "overlaps the checkpoint's table"),
+    ],
+)
+def test_each_mistake_has_its_own_message(tmp_path, change, expected):
+    spec = oracle_spec_dict()
+    change(spec)
+    message = _error_for(tmp_path, spec)
+    assert expected in message
+    assert "bad.yaml" in message
+
+
+def test_error_names_the_yaml_line(tmp_path):
+    text = ISSUE_SPEC.read_text().replace("merge: {events: sum", "merge: {events: average")
+    message = _error_for(tmp_path, text)
+    line = next(i for i, l in enumerate(text.splitlines(), 1) if "merge:" in l)
+    assert f"line {line}, field `state.merge`" in message
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    message = _error_for(tmp_path, "name: x\nsource: [unclosed\n")
+    assert "not valid YAML" in message and "line 3" in message
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    spec = oracle_spec_dict()
+    spec["source"]["format"] = "xml"
+    spec["state"]["merge"]["events"] = "avg"
+    message = _error_for(tmp_path, spec)
+    assert "source.format" in message and "state.merge" in message
+
+
+def test_missing_file():
+    with pytest.raises(SpecError, match="file not found"):
+        load_spec("/nonexistent/spec.yaml")
+
+
+def test_schema_parser_handles_decimals():
+    fields = parse_schema("id STRING, price DECIMAL(10, 2), n bigint")
+    assert [(f.name, f.type) for f in fields] == [("id", "STRING"), ("price", "DECIMAL(10,2)"), ("n", "BIGINT")]
+
+
+def test_bad_spec_fails_on_the_cli_before_any_write(tmp_path):
+    spec = oracle_spec_dict()
+    spec["state"]["merge"]["events"] = "avg"
+    path = write_spec(tmp_path, spec)
+    (tmp_path / "landing" / "a.json").write_text('{"event_id":"1","user_id":"u","amount":1}\n')
+    result = run_cli("run", str(path))
+    assert result.returncode == 2
+    assert "merge rule 'avg'" in result.stderr
+    assert not (tmp_path / "lake").exists()
+
+
+def test_transform_not_matching_state_fails_before_any_write(tmp_path, compute):
+    from spark_jobs.errors import TransformError
+    from spark_jobs.core.protocol import RunOptions, run_batch
+
+    spec = oracle_spec_dict(transform="SELECT user_id, count(*) AS n FROM batch GROUP BY user_id")
+    path = write_spec(tmp_path, spec)
+    (tmp_path / "landing" / "a.json").write_text('{"event_id":"1","user_id":"u","amount":1}\n')
+    with pytest.raises(TransformError) as info:
+        run_batch(load_spec(path), RunOptions(run_id="test"), compute_factory=compute)
+    assert "lacks column(s) events, amount, idhash, last_seen" in str(info.value)
+    assert "returns column(s) n that have no merge rule" in str(info.value)
+    assert not (tmp_path / "lake").exists()
+
+
+# -- hardening: identifiers, names, options ------------------------------------------
+
+ATTACKS = ["user_id) OR 1=1 --", "a`; DROP TABLE t", "x' OR '1'='1", "user_id\n", "usеr_id", 'a" = "a']
+
+
+FIELDS_UNDER_ATTACK = [
+    ("state.keys", lambda s, a: s["state"].update(keys=[a]), "is not a plain identifier"),
+    ("state.merge", lambda s, a: s["state"]["merge"].update({a: "sum"}), "is not a plain identifier"),
+    ("source.schema", lambda s, a: s["source"].update(schema=f"{a} STRING, amount DOUBLE"), "is not a plain identifier"),
+    ("name", lambda s, a: s.update(name=a), "is not a valid pipeline name"),
+]
+
+
+@pytest.mark.parametrize(
+    ("attack", "where", "change", "expected"),
+    [
+        (attack, *field)
+        for attack in ATTACKS
+        for field in FIELDS_UNDER_ATTACK
+        # In DDL a newline is whitespace between name and type, not part of the name.
+        if not (field[0] == "source.schema" and attack == "user_id\n")
+    ],
+)
+def test_injection_attempts_fail_at_validation(tmp_path, attack, where, change, expected):
+    spec = oracle_spec_dict()
+    change(spec, attack)
+    message = _error_for(tmp_path, spec)
+    assert f"field `{where}`" in message and expected in message
+
+
+@pytest.mark.parametrize(
+    ("schema", "expected"),
+    [
+        ("event_id STRING) ; DROP TABLE t; --", "has type"),
+        ("event_id STRING NOT NULL DEFAULT 'x'", "has type"),
+        ("event_id STRING COMMENT 'x' OR 1=1", "has type"),
+        ("event_id DECIMAL(10,2)) OR (1", "has type"),
+    ],
+)
+def test_schema_ddl_accepts_only_name_type_not_null(tmp_path, schema, expected):
+    message = _error_for(tmp_path, oracle_spec_dict(source={**oracle_spec_dict()["source"], "schema": schema}))
+    assert "field `source.schema`" in message and expected in message
+
+
+def test_not_null_in_the_schema():
+    fields = parse_schema("user_id STRING NOT NULL, amount double not null, n INT")
+    assert [(f.name, f.type, f.nullable) for f in fields] == [
+        ("user_id", "STRING", False),
+        ("amount", "DOUBLE", False),
+        ("n", "INT", True),
+    ]
+
+
+@pytest.mark.parametrize("delimiter", ['"', "\\", "\n", "\r", "\x00"])
+def test_csv_delimiters_that_break_records_are_refused(tmp_path, delimiter):
+    source = {**oracle_spec_dict()["source"], "format": "csv", "csv": {"header": True, "delimiter": delimiter}}
+    message = _error_for(tmp_path, oracle_spec_dict(source=source))
+    assert "field `source.csv.delimiter`" in message and "cannot separate CSV columns" in message
+
+
+def test_quoting_helpers_refuse_what_validation_would_refuse():
+    from spark_jobs.core.sql_text import datafusion_identifier, pipeline_literal, spark_identifier
+
+    assert spark_identifier("user_id") == "`user_id`"
+    assert datafusion_identifier("user_id") == '"user_id"'
+    assert pipeline_literal("clicks") == "'clicks'"
+    for bad in ATTACKS:
+        for quote in (spark_identifier, datafusion_identifier, pipeline_literal):
+            with pytest.raises(ValueError):
+                quote(bad)
+
+
+# -- storage roots ----------------------------------------------------------------------
+
+
+def _spec_file(tmp_path: Path, **changes) -> Path:
+    spec = oracle_spec_dict()
+    for key, value in changes.items():
+        if key == "source_path":
+            spec["source"]["path"] = value
+        elif key == "state_path":
+            spec["state"]["path"] = value
+        else:
+            spec[key] = value
+    path = tmp_path / "specs" / "p.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+def test_without_roots_relative_paths_cannot_climb_out(tmp_path, monkeypatch):
+    monkeypatch.delenv("MICROBATCH_STORAGE_ROOTS", raising=False)
+    path = _spec_file(tmp_path, state_path="lake/../../elsewhere/state", checkpoint="x/../../../etc")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert f"line {_line_of(path, 'elsewhere')}, field `state.path`: 'lake/../../elsewhere/state' climbs out" in message
+    assert f"line {_line_of(path, 'checkpoint:')}, field `checkpoint`" in message
+    # Absolute paths stay allowed when no roots are configured.
+    assert load_spec(_spec_file(tmp_path, state_path=str(tmp_path / "abs" / "state"))).state_path == str(tmp_path / "abs" / "state")
+
+
+def test_roots_confine_every_location(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    (root / "landing").mkdir(parents=True)
+    monkeypatch.setenv("MICROBATCH_STORAGE_ROOTS", f"{root}{os.pathsep}s3://bucket/team")
+    inside = _spec_file(
+        tmp_path, source_path=str(root / "landing"), state_path="s3://bucket/team/state", checkpoint=str(root / "ckpt")
+    )
+    assert load_spec(inside).checkpoint_path == str(root / "ckpt")
+    cases = {
+        "source.path": dict(source_path=str(root / ".." / "outside")),
+        "state.path": dict(state_path="s3://bucket/teammate/state"),
+        "checkpoint": dict(checkpoint="s3://other-bucket/team/ckpt"),
+    }
+    for field, change in cases.items():
+        base = dict(source_path=str(root / "landing"), state_path=str(root / "state"), checkpoint=str(root / "ckpt"))
+        with pytest.raises(SpecError) as info:
+            load_spec(_spec_file(tmp_path, **{**base, **change}))
+        assert f"field `{field}`" in str(info.value) and "outside the allowed storage roots" in str(info.value)
+
+
+def test_roots_follow_symlinks_and_refuse_dotdot_in_uris(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    (tmp_path / "secret").mkdir()
+    (root / "link").symlink_to(tmp_path / "secret")
+    path = _spec_file(tmp_path, source_path=str(root), state_path=str(root / "link" / "state"), checkpoint=str(root / "c"))
+    with pytest.raises(SpecError, match=r"field `state.path`: .* resolves to .*secret/state, outside"):
+        load_spec(path, storage_roots=[str(root)])
+    path = _spec_file(tmp_path, source_path=str(root), state_path="s3://bucket/team/../other/state", checkpoint=str(root / "c"))
+    with pytest.raises(SpecError, match=r"field `state.path`: .*'\.\.' or '\.' segment"):
+        load_spec(path, storage_roots=[str(root), "s3://bucket/team"])
+
+
+def test_escaping_path_fails_on_the_cli_and_writes_nothing(tmp_path):
+    root = tmp_path / "allowed"
+    root.mkdir()
+    path = _spec_file(tmp_path, source_path=str(root), state_path=str(tmp_path / "lake" / "state"), checkpoint=str(root / "ckpt"))
+    (root / "a.json").write_text('{"event_id":"1","user_id":"u","amount":1}\n')
+    result = run_cli("run", str(path), "--storage-root", str(root), "--storage-root", "s3://bucket/x")
+    assert result.returncode == 2
+    assert "field `state.path`" in result.stderr and "outside the allowed storage roots" in result.stderr
+    assert not (tmp_path / "lake").exists() and not (root / "ckpt").exists()

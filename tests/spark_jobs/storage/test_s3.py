@@ -1,0 +1,275 @@
+"""The whole protocol on S3: source, ledger, state and quarantine in a bucket.
+
+The S3 API is moto's server on loopback (real HTTP, real conditional puts);
+only AWS itself is replaced. Source files are generated locally (the oracle
+reads them there) and uploaded under the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import urllib.request
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.faults import MARKER
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.sources.base import Caps
+from spark_jobs.sources.files import FilesSource
+from spark_jobs.sources.s3 import S3Lister
+from spark_jobs.core.spec import load_spec
+from spark_jobs.storage.s3 import S3Location, delta_storage_options, s3_client
+from tests.conftest import (
+    ROOT,
+    TEST_AWS_SECRET,
+    assert_exact,
+    oracle_spec_dict,
+    run_cli,
+    start_cli,
+    upload_folder,
+)
+
+
+def _s3_spec(tmp_path, bucket: str, **overrides):
+    base = oracle_spec_dict()
+    spec = oracle_spec_dict(
+        **{
+            "source": {**base["source"], "path": f"s3://{bucket}/landing/clicks"},
+            "state": {**base["state"], "path": f"s3://{bucket}/lake/state"},
+            "checkpoint": f"s3://{bucket}/lake/_checkpoints/clicks",
+            **overrides,
+        }
+    )
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _land(mirror, bucket: str, wave: int, **kwargs) -> None:
+    write_wave(mirror, wave, **kwargs)
+    upload_folder(mirror, f"s3://{bucket}/landing/clicks")
+
+
+def test_listing_pages_skips_unfinished_names_and_bounds_by_last_modified(bucket):
+    client = s3_client()
+    for key in ["landing/a.json", "landing/sub/b.json", "landing/_tmp/c.json", "landing/.d.json", "landing/e.json.tmp", "landing/dir/"]:
+        client.put_object(Bucket=bucket, Key=key, Body=b"{}\n")
+    lister = S3Lister(f"s3://{bucket}/landing")
+    lister.page_size = 2  # force several pages
+    source = FilesSource(lister, "json")
+    names = [f.name for f in source.list_files()]
+    assert sorted(names) == ["a.json", "sub/b.json"]
+    assert all(f.uri.startswith(f"s3://{bucket}/landing/") for f in source.list_files())
+
+    past = datetime.now(timezone.utc) - timedelta(hours=1)
+    assert source.list_files(until=past) == []
+    batch = source.plan([], caps=Caps(max_files=1))
+    assert batch is not None and batch.end.to_dict() == {"files": 1}
+    assert source.plan([source.plan([])]) is None
+
+
+def test_storage_options_come_from_the_boto3_chain_with_conditional_put(s3_endpoint):
+    options = delta_storage_options("s3://any/table")
+    assert options["AWS_ENDPOINT_URL"] == s3_endpoint
+    assert options["conditional_put"] == "etag"
+    assert options["AWS_S3_ALLOW_UNSAFE_RENAME"] == "false"  # whatever the environment says
+    assert delta_storage_options("/local/table") is None
+
+
+def test_batches_on_s3_are_exact_and_bad_records_are_quarantined(tmp_path, bucket, compute):
+    mirror = tmp_path / "mirror"
+    spec_file = _s3_spec(tmp_path, bucket)
+    _land(mirror, bucket, 0, files=3, records_per_file=300, users=50, bad_every=40)
+    first = run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute)
+    assert first.status == "committed" and first.records_quarantined == 21
+    _land(mirror, bucket, 1, files=2, records_per_file=300, users=50)
+    assert run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+    assert run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute).status == "no_new_data"
+    assert_exact(spec_file, mirror=mirror)
+
+    spec = load_spec(spec_file)
+    quarantined = read_all(open_table(spec.quarantine_path))
+    assert quarantined.num_rows == 21
+    assert all(uri.startswith(f"s3://{bucket}/landing/clicks/") for uri in quarantined.column("file").to_pylist())
+    keys = [o["Key"] for o in s3_client().list_objects_v2(Bucket=bucket, Prefix="lake/")["Contents"]]
+    assert any(k.startswith("lake/state/_delta_log/") for k in keys)
+    assert any(k.startswith("lake/_checkpoints/clicks/offsets/_delta_log/") for k in keys)
+
+
+def test_parquet_objects_are_read_on_executors(tmp_path, bucket, compute):
+    import pyarrow.parquet as pq
+
+    spec_file = _s3_spec(
+        tmp_path,
+        bucket,
+        source={"type": "files", "path": f"s3://{bucket}/landing/clicks", "format": "parquet",
+                "schema": "event_id STRING, user_id STRING, amount DOUBLE, ts TIMESTAMP"},
+    )
+    rows = pa.table({
+        "event_id": ["e1", "e2", "e3"],
+        "user_id": ["u1", "u1", None],
+        "amount": [1.5, 2.5, 3.0],
+        "ts": pa.array([datetime(2026, 1, 1, tzinfo=timezone.utc)] * 3, pa.timestamp("us", tz="UTC")),
+    })
+    local = tmp_path / "p.parquet"
+    pq.write_table(rows, local)
+    s3_client().put_object(Bucket=bucket, Key="landing/clicks/p.parquet", Body=local.read_bytes())
+    outcome = run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute)
+    assert (outcome.status, outcome.records_in, outcome.records_quarantined) == ("committed", 3, 1)
+    state = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_file).state_path)).to_pylist()}
+    assert state["u1"]["events"] == 2 and state["u1"]["amount"] == 4.0
+    assert state["u1"]["last_seen"] == datetime(2026, 1, 1, tzinfo=timezone.utc)
+    reasons = read_all(open_table(load_spec(spec_file).quarantine_path)).column("reason").to_pylist()
+    assert reasons == ["key user_id is missing or null"]
+
+
+def test_concurrent_cli_runs_and_a_kill_before_the_ledger_row_end_exact_on_s3(tmp_path, bucket):
+    mirror = tmp_path / "mirror"
+    spec_file = _s3_spec(tmp_path, bucket)
+    _land(mirror, bucket, 0, files=4, records_per_file=200, users=40, bad_every=60)
+
+    # Three runs at once over a backlog of two batches.
+    procs = [start_cli("run", str(spec_file), "--max-files", "2", "--json") for _ in range(3)]
+    outputs, statuses = [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append(out + err)
+        statuses.append(json.loads(out)["status"])
+    assert "committed" in statuses and set(statuses) <= {"committed", "already_committed", "no_new_data"}, statuses
+
+    # A kill between the state commit and its ledger row, then recovery.
+    _land(mirror, bucket, 1, files=2, records_per_file=200, users=40)
+    crashed = run_cli("run", str(spec_file), env={"MICROBATCH_FAULT_POINT": "after_state_commit"})
+    assert f"{MARKER} after_state_commit" in crashed.stderr and crashed.returncode == -9
+    for _ in range(4):
+        result = run_cli("run", str(spec_file), "--json")
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(result.stdout + result.stderr)
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    lineage = assert_exact(spec_file, mirror=mirror)
+    assert len(lineage) >= 2
+
+    # The credentials never reach output, the ledger or commit metadata.
+    history = run_cli("history", str(spec_file), "--json")
+    spec = load_spec(spec_file)
+    metadata = json.dumps(open_table(spec.state_path).history(), default=str)
+    for text in [*outputs, crashed.stdout, crashed.stderr, history.stdout, metadata]:
+        assert TEST_AWS_SECRET not in text
+
+
+def _append_fenced(uri: str, barrier, results) -> None:
+    from deltalake import CommitProperties, Transaction, write_deltalake
+
+    from spark_jobs.core.delta_io import is_commit_conflict
+
+    table = open_table(uri)
+    barrier.wait()
+    try:
+        write_deltalake(
+            table,
+            pa.table({"n": [1]}),
+            mode="append",
+            commit_properties=CommitProperties(app_transactions=[Transaction("race", 1)]),
+        )
+        results.put("committed")
+    except Exception as exc:
+        results.put("conflict" if is_commit_conflict(exc) else repr(exc))
+
+
+def test_six_writers_racing_for_one_version_on_s3_exactly_one_wins(bucket):
+    """Conditional put on the log entry is what makes this safe on S3."""
+    from deltalake import DeltaTable
+
+    uri = f"s3://{bucket}/race"
+    DeltaTable.create(uri, pa.schema([("n", pa.int64())]), storage_options=delta_storage_options(uri))
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(6), ctx.Queue()
+    procs = [ctx.Process(target=_append_fenced, args=(uri, barrier, results)) for _ in range(6)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    outcomes = sorted(results.get(timeout=5) for _ in procs)
+    assert outcomes == ["committed"] + ["conflict"] * 5, outcomes
+    table = open_table(uri)
+    assert table.version() == 1 and read_all(table).num_rows == 1
+    log = s3_client().list_objects_v2(Bucket=bucket, Prefix="race/_delta_log/")["Contents"]
+    assert sorted(S3Location(bucket, o["Key"]).key.rsplit("/", 1)[1] for o in log if o["Key"].endswith(".json")) == [
+        "00000000000000000000.json",
+        "00000000000000000001.json",
+    ]
+
+
+def test_racing_creators_on_s3_make_one_create_commit(bucket):
+    """Three runs at once on an empty bucket all create the ledger: a CREATE
+    that lost the race must fail, not land as version 1 (it did, and a run
+    then failed to plan in CI)."""
+    from tests.spark_jobs.core.test_fencing import racing_creators_make_one_create_commit
+
+    racing_creators_make_one_create_commit(f"s3://{bucket}/created")
+
+
+@pytest.fixture
+def faulty_s3(s3_endpoint):
+    """`tests.s3_fault_proxy` in front of moto: 5% of requests throttled (503),
+    30% of Delta log PUTs, and every one of the state table's, applied and then
+    answered 500 (the ambiguous failure: the commit landed, the writer is told
+    it did not)."""
+    proxy = subprocess.Popen(
+        [
+            sys.executable, "-m", "tests.s3_fault_proxy", s3_endpoint,
+            "--seed", "5", "--unavailable", "0.05", "--ambiguous", "0.3",
+            "--ambiguous-always", "/lake/state/_delta_log/",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    line = proxy.stdout.readline()
+    assert line.startswith("PORT "), f"fault proxy did not start: {line!r}"
+    yield f"http://127.0.0.1:{int(line.split()[1])}"
+    proxy.stdin.close()
+    proxy.wait(30)
+
+
+def test_throttling_and_ambiguous_commits_on_s3_end_exact(tmp_path, bucket, faulty_s3):
+    mirror = tmp_path / "mirror"
+    spec_file = _s3_spec(tmp_path, bucket)
+    through_proxy = {"AWS_ENDPOINT_URL": faulty_s3}  # driver, delta-rs and executors alike
+
+    # Two runs at once, then lone runs: every run ends 0, and a lone run must
+    # report its batch as committed even when every state commit it makes is
+    # answered with an error (its commit token identifies the landed commit).
+    _land(mirror, bucket, 0, files=2, records_per_file=150, users=30, bad_every=50)
+    procs = [start_cli("run", str(spec_file), "--max-files", "1", "--json", env=through_proxy) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    for wave in (1, 2):
+        _land(mirror, bucket, wave, files=2, records_per_file=150, users=30, bad_every=50)
+        result = run_cli("run", str(spec_file), "--json", env=through_proxy)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout)["status"] == "committed", result.stdout
+    drain = run_cli("run", str(spec_file), "--json", env=through_proxy)
+    assert drain.returncode == 0, drain.stderr[-2000:]
+    assert json.loads(drain.stdout)["status"] in {"committed", "no_new_data"}
+
+    assert_exact(spec_file, mirror=mirror)  # read straight from moto, not through the proxy
+    faults = json.loads(urllib.request.urlopen(f"{faulty_s3}/__faults__", timeout=30).read())
+    state_faults = [p for p in faults["ambiguous_paths"] if "/lake/state/_delta_log/" in p]
+    print(
+        f"S3 faults: {faults['requests']} requests, {faults['unavailable']} throttled, {faults['ambiguous']} of "
+        f"{faults['log_puts']} log-entry PUTs ambiguous ({len(state_faults)} on the state table)"
+    )
+    assert len(state_faults) >= 3 and faults["unavailable"] >= 1, faults

@@ -163,10 +163,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(st.to_dict(), indent=2))
         else:
+            shown = st.to_dict()
             _table(
                 f"pipeline {st.pipeline}",
                 ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting"],
-                [[st.epoch, st.last_batch, _compact(st.end_offsets), st.state_version, _time(st.committed_at), st.lag.describe() if st.lag else "?"]],
+                [
+                    [
+                        shown["epoch"],
+                        shown["last_batch"],
+                        _compact(st.end_offsets),
+                        shown["state_version"],
+                        _time(shown["committed_at"]),
+                        st.lag.describe() if st.lag else "?",
+                    ]
+                ],
             )
             if st.note:
                 print(f"note: {st.note}")

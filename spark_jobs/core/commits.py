@@ -16,7 +16,7 @@ them into a source's own types.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 from spark_jobs.core.fencing import Position
 from spark_jobs.errors import NewerFormatError
 
-__all__ = ["FORMAT_VERSION", "METADATA_KEY", "CommitKind", "CommitMetadata", "StateCommit"]
+__all__ = ["FORMAT_VERSION", "METADATA_KEY", "BatchRecord", "CommitKind", "CommitMetadata", "StateCommit"]
 
 #: The metadata format this code writes, and the newest it reads.
 FORMAT_VERSION = 1
@@ -37,22 +37,34 @@ class CommitKind(StrEnum):
     REWIND = "rewind"  # the state restored to an earlier batch, in a new epoch
 
 
-@dataclass(frozen=True)
-class CommitMetadata:
-    kind: CommitKind
+@dataclass(frozen=True, kw_only=True)
+class BatchRecord:
+    """What a batch event records in the state's commit metadata and in the
+    ledger row alike: its range, who ran it, its data interval, its counts."""
+
     pipeline: str
-    position: Position
     start_offsets: dict[str, Any]
     end_offsets: dict[str, Any]
-    run_id: str
+    #: Source-specific detail of the range (for files: which files).
     manifest: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
     attempt: int | None = None
-    records_in: int | None = None
-    records_quarantined: int | None = None
     interval_start: datetime | None = None
     interval_end: datetime | None = None
     planned_at: datetime | None = None
+    records_in: int | None = None
+    records_quarantined: int | None = None
     duration_ms: int | None = None
+
+    def record(self) -> dict[str, Any]:
+        """These fields alone, to carry them from one record to the other."""
+        return {f.name: getattr(self, f.name) for f in fields(BatchRecord)}
+
+
+@dataclass(frozen=True)
+class CommitMetadata(BatchRecord):
+    kind: CommitKind
+    position: Position
     #: Tells a batch commit from any other at the same position (a store can
     #: report a failure for a commit that landed; see step 4).
     commit_token: str | None = None
@@ -105,7 +117,7 @@ class CommitMetadata:
             position=Position(int(data["epoch"]), int(data["batch_id"])),
             start_offsets=data.get("start_offsets") or {},
             end_offsets=data.get("end_offsets") or {},
-            run_id=data.get("run_id") or "",
+            run_id=data.get("run_id"),
             manifest=data.get("manifest") or {},
             attempt=data.get("attempt"),
             records_in=data.get("records_in"),

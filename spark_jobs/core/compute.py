@@ -19,6 +19,8 @@ from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.core.spec import PipelineSpec
 
+__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "check_result_columns", "validate_updates"]
+
 #: Columns of the quarantine rows compute returns (the table adds bookkeeping).
 QUARANTINE_COLUMNS = pa.schema(
     [("file", pa.string()), ("line", pa.int64()), ("raw", pa.string()), ("reason", pa.string())]

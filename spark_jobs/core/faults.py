@@ -31,6 +31,18 @@ import threading
 import time
 from collections.abc import Callable
 
+__all__ = [
+    "ACTION_ENV",
+    "ARM_FILE_ENV",
+    "CONDITIONAL_POINTS",
+    "ENV",
+    "MARKER",
+    "POINTS",
+    "fault_point",
+    "set_hook",
+    "watch_for_new_files",
+]
+
 ENV = "MICROBATCH_FAULT_POINT"
 ARM_FILE_ENV = "MICROBATCH_FAULT_ARM_FILE"
 #: ``kill`` (default): SIGKILL at the point. ``stop``: SIGSTOP at the point,

@@ -26,6 +26,17 @@ from dataclasses import dataclass
 
 from deltalake import CommitProperties, DeltaTable, Transaction
 
+__all__ = [
+    "COMMIT_FENCE",
+    "ORIGIN",
+    "PLAN_FENCE",
+    "QUARANTINE_FENCE",
+    "STATE_FENCE",
+    "Position",
+    "commit_properties",
+    "transaction_position",
+]
+
 # App ids of the fences. Each table's fence orders one kind of event.
 STATE_FENCE = "microbatch.state"  # state table: batch commits and rewinds
 PLAN_FENCE = "microbatch.plan"  # ledger: `planned` rows

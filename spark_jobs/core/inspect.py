@@ -8,9 +8,9 @@ so it can be run at any time, next to running batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
+from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import lagging_commit
@@ -24,23 +24,27 @@ __all__ = ["PipelineStatus", "history", "status"]
 @dataclass(frozen=True)
 class PipelineStatus:
     pipeline: str
-    epoch: int
-    last_batch: int
+    #: The ledger's head: the last committed batch or rewind (None before the first).
+    head: LedgerRow | None
+    #: Where the next batch starts.
     end_offsets: dict[str, Any]
-    state_version: int | None
-    committed_at: datetime | None
     #: What waits in the source, in its own terms (None if the source could not be read).
     lag: Lag | None
     note: str | None
 
+    @property
+    def position(self) -> Position:
+        return self.head.position if self.head else ORIGIN
+
     def to_dict(self) -> dict[str, Any]:
+        committed_at = self.head.committed_at if self.head else None
         return {
             "pipeline": self.pipeline,
-            "epoch": self.epoch,
-            "last_batch": self.last_batch,
+            "epoch": self.position.epoch,
+            "last_batch": self.position.batch_id,
             "end_offsets": self.end_offsets,
-            "state_version": self.state_version,
-            "committed_at": self.committed_at.isoformat() if self.committed_at else None,
+            "state_version": self.head.state_version if self.head else None,
+            "committed_at": committed_at.isoformat() if committed_at else None,
             "lag": {"count": self.lag.count, "unit": self.lag.unit} if self.lag else None,
             "note": self.note,
         }
@@ -65,11 +69,8 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         lag, note = None, str(exc)
     return PipelineStatus(
         pipeline=spec.name,
-        epoch=view.position.epoch,
-        last_batch=view.position.batch_id,
+        head=head,
         end_offsets=head.end_offsets if head else p.source.origin.to_dict(),
-        state_version=head.state_version if head else None,
-        committed_at=head.committed_at if head else None,
         lag=lag,
         note=note,
     )

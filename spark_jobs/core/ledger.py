@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Any
@@ -21,12 +21,12 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.core.commits import CommitKind, StateCommit
+from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table, read_all
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.errors import NewerFormatError
 
-__all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
+__all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
 
 log = logging.getLogger("microbatch")
 
@@ -44,11 +44,12 @@ class RowStatus(StrEnum):
     REWOUND = "rewound"  # a new epoch starting from an earlier batch's offsets
 
 
+#: The columns that place a row in a pipeline's history (the ledger's and the quarantine's).
+POSITION_COLUMNS = [("pipeline", pa.string()), ("epoch", pa.int64()), ("batch_id", pa.int64())]
+
 SCHEMA = pa.schema(
     [
-        ("pipeline", pa.string()),
-        ("epoch", pa.int64()),
-        ("batch_id", pa.int64()),
+        *POSITION_COLUMNS,
         ("status", pa.string()),
         ("start_offsets", pa.string()),
         ("end_offsets", pa.string()),
@@ -73,29 +74,16 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-@dataclass
-class LedgerRow:
+@dataclass(frozen=True)
+class LedgerRow(BatchRecord):
     """One ledger event. Offsets and manifest are JSON objects (dicts here)."""
 
-    pipeline: str
     epoch: int
     batch_id: int
     status: RowStatus
-    start_offsets: dict[str, Any]
-    end_offsets: dict[str, Any]
-    #: Source-specific detail of the range (for files: which files).
-    manifest: dict[str, Any] = field(default_factory=dict)
     state_version: int | None = None
-    run_id: str | None = None
-    attempt: int | None = None
-    records_in: int | None = None
-    records_quarantined: int | None = None
     keys_updated: int | None = None
-    interval_start: datetime | None = None
-    interval_end: datetime | None = None
-    planned_at: datetime | None = None
     committed_at: datetime | None = None
-    duration_ms: int | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -129,24 +117,13 @@ class LedgerRow:
         m = commit.metadata
         rewind = m.kind is CommitKind.REWIND
         return cls(
-            pipeline=m.pipeline,
             epoch=m.position.epoch,
             batch_id=m.position.batch_id,
             status=RowStatus.REWOUND if rewind else RowStatus.COMMITTED,
-            start_offsets=m.start_offsets,
-            end_offsets=m.end_offsets,
-            manifest=m.manifest,
             state_version=commit.version,
-            run_id=m.run_id,
-            attempt=m.attempt,
-            records_in=None if rewind else m.records_in,
-            records_quarantined=None if rewind else m.records_quarantined,
             keys_updated=None if rewind else commit.keys_updated,
-            interval_start=m.interval_start,
-            interval_end=m.interval_end,
-            planned_at=m.planned_at,
             committed_at=commit.timestamp,
-            duration_ms=m.duration_ms,
+            **m.record(),
         )
 
 

@@ -14,16 +14,14 @@ from deltalake import write_deltalake
 
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
-from spark_jobs.core.ledger import scoped, utcnow
+from spark_jobs.core.ledger import POSITION_COLUMNS, scoped, utcnow
 from spark_jobs.errors import ConcurrentRunError
 
 __all__ = ["SCHEMA", "Quarantine"]
 
 SCHEMA = pa.schema(
     [
-        ("pipeline", pa.string()),
-        ("epoch", pa.int64()),
-        ("batch_id", pa.int64()),
+        *POSITION_COLUMNS,
         ("file", pa.string()),
         ("line", pa.int64()),
         ("raw", pa.string()),

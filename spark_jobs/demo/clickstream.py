@@ -21,6 +21,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+__all__ = [
+    "BAD_LINES",
+    "HASH_SQL",
+    "ORACLE_MERGE",
+    "ORACLE_TRANSFORM",
+    "Totals",
+    "differences",
+    "fold",
+    "record_hash",
+    "state_totals",
+    "write_wave",
+]
+
 #: Spark SQL for the per-record hash; must agree with `record_hash`.
 HASH_SQL = "CAST(conv(substr(sha2(event_id, 256), 1, 10), 16, 10) AS BIGINT)"
 

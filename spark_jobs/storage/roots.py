@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+__all__ = ["ENV", "Root", "check_location", "is_uri", "parse_roots", "roots_from_env", "split_uri"]
+
 ENV = "MICROBATCH_STORAGE_ROOTS"
 
 

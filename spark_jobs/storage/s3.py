@@ -37,6 +37,8 @@ from typing import Any
 
 from spark_jobs.errors import SourceError
 
+__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "is_s3", "region", "reset", "s3_client"]
+
 S3_SCHEME = "s3://"
 
 

@@ -26,7 +26,7 @@ def _plan(ledger_path: str, barrier, results) -> None:
     ledger = OffsetLedger(ledger_path, "clicks")
     view = ledger.load()
     barrier.wait()
-    row = LedgerRow("clicks", 0, 1, RowStatus.PLANNED, {"files": 0}, {"files": 1})
+    row = LedgerRow(0, 1, RowStatus.PLANNED, pipeline="clicks", start_offsets={"files": 0}, end_offsets={"files": 1})
     results.put(ledger.append(view, row, "microbatch.plan"))
 
 
@@ -119,7 +119,7 @@ def test_ledger_compaction_keeps_rows_and_fences(tmp_path):
 
     ledger = OffsetLedger(str(tmp_path / "offsets"), "clicks")
     for batch in range(1, COMPACT_AT_FILES + 2):
-        row = LedgerRow("clicks", 0, batch, RowStatus.PLANNED, {"files": batch - 1}, {"files": batch})
+        row = LedgerRow(0, batch, RowStatus.PLANNED, pipeline="clicks", start_offsets={"files": batch - 1}, end_offsets={"files": batch})
         assert ledger.append(ledger.load(), row, PLAN_FENCE)
     table = open_table(ledger.path)
     assert len(table.file_uris()) > COMPACT_AT_FILES
@@ -130,6 +130,6 @@ def test_ledger_compaction_keeps_rows_and_fences(tmp_path):
     assert sorted(r.batch_id for r in view.rows) == list(range(1, COMPACT_AT_FILES + 2))
     assert transaction_position(view.table, scoped(PLAN_FENCE, "clicks")) == Position(0, COMPACT_AT_FILES + 1)
     # The fence still refuses a replayed append after compaction.
-    again = LedgerRow("clicks", 0, 5, RowStatus.PLANNED, {"files": 4}, {"files": 5})
+    again = LedgerRow(0, 5, RowStatus.PLANNED, pipeline="clicks", start_offsets={"files": 4}, end_offsets={"files": 5})
     assert not ledger.append(view, again, PLAN_FENCE)
     assert not ledger.compact()  # nothing left to compact

@@ -186,13 +186,12 @@ def test_csv_delimiters_that_break_records_are_refused(tmp_path, delimiter):
 
 
 def test_quoting_helpers_refuse_what_validation_would_refuse():
-    from spark_jobs.core.sql_text import datafusion_identifier, pipeline_literal, spark_identifier
+    from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
 
     assert spark_identifier("user_id") == "`user_id`"
     assert datafusion_identifier("user_id") == '"user_id"'
-    assert pipeline_literal("clicks") == "'clicks'"
     for bad in ATTACKS:
-        for quote in (spark_identifier, datafusion_identifier, pipeline_literal):
+        for quote in (spark_identifier, datafusion_identifier):
             with pytest.raises(ValueError):
                 quote(bad)
 

@@ -30,10 +30,13 @@ __all__ = [
     "EXIT_TERMINAL",
     "ComputeError",
     "ConcurrentRunError",
+    "MergeOverflowError",
     "MicrobatchError",
     "NewerFormatError",
     "RewindError",
+    "SourceChangedError",
     "SourceError",
+    "SpecChangedError",
     "SpecError",
     "StateBehindLedgerError",
     "StateChangedOutsideError",
@@ -104,6 +107,23 @@ class SpecError(Terminal, MicrobatchError):
 
 class TransformError(Terminal, MicrobatchError):
     """The transform SQL failed or returned a result that cannot be merged."""
+
+
+class SpecChangedError(Terminal, MicrobatchError):
+    """The spec changed in a way the pipeline's history cannot carry on from
+    (keys, a merge rule, the source's identity, a state column): continuing
+    would mix two meanings in one state. Raised before anything is written."""
+
+
+class MergeOverflowError(Terminal, MicrobatchError):
+    """Merging a batch would overflow a state column (a wrapped integer, a
+    decimal past its precision, or an infinity from finite values). Nothing
+    is committed; the message names the key, column, values and remedy."""
+
+
+class SourceChangedError(Terminal, MicrobatchError):
+    """A planned input changed between the plan and its replay (a file was
+    rewritten or removed), so the replay cannot read what was planned."""
 
 
 class NewerFormatError(Terminal, MicrobatchError):

@@ -189,7 +189,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         shown = rows[-args.limit :] if args.limit else rows
         _table(
             f"offset ledger of {spec.name} ({len(rows)} rows)",
-            ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "run id", "at"],
+            ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "spec", "run id", "at"],
             [
                 [
                     r.epoch,
@@ -201,6 +201,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                     r.records_quarantined,
                     r.keys_updated,
                     r.state_version,
+                    r.spec_fingerprint,
                     r.run_id,
                     _time(r.committed_at or r.planned_at),
                 ]

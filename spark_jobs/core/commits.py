@@ -26,8 +26,9 @@ from spark_jobs.errors import NewerFormatError
 
 __all__ = ["FORMAT_VERSION", "METADATA_KEY", "BatchRecord", "CommitKind", "CommitMetadata", "StateCommit"]
 
-#: The metadata format this code writes, and the newest it reads.
-FORMAT_VERSION = 1
+#: The metadata format this code writes, and the newest it reads (2: pipeline
+#: id and spec identity; version 1 commits have neither and are read as such).
+FORMAT_VERSION = 2
 #: Key of the commit info entry that makes a state commit self-describing.
 METADATA_KEY = "microbatch"
 
@@ -47,6 +48,11 @@ class BatchRecord:
     end_offsets: dict[str, Any]
     #: Source-specific detail of the range (for files: which files).
     manifest: dict[str, Any] = field(default_factory=dict)
+    #: The pipeline's id (`spark_jobs.core.identity`); None in records older than ids.
+    pipeline_id: str | None = None
+    #: The spec that made this batch: its `SpecIdentity` as a dict, and its fingerprint.
+    spec: dict[str, Any] | None = None
+    spec_fingerprint: str | None = None
     run_id: str | None = None
     attempt: int | None = None
     interval_start: datetime | None = None
@@ -84,6 +90,9 @@ class CommitMetadata(BatchRecord):
             "start_offsets": self.start_offsets,
             "end_offsets": self.end_offsets,
             "run_id": self.run_id,
+            "pipeline_id": self.pipeline_id,
+            "spec": self.spec,
+            "spec_fingerprint": self.spec_fingerprint,
         }
         if self.kind is CommitKind.BATCH:
             out.update(
@@ -119,6 +128,9 @@ class CommitMetadata(BatchRecord):
             end_offsets=data.get("end_offsets") or {},
             run_id=data.get("run_id"),
             manifest=data.get("manifest") or {},
+            pipeline_id=data.get("pipeline_id"),
+            spec=data.get("spec"),
+            spec_fingerprint=data.get("spec_fingerprint"),
             attempt=data.get("attempt"),
             records_in=data.get("records_in"),
             records_quarantined=data.get("records_quarantined"),

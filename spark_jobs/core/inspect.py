@@ -13,7 +13,7 @@ from typing import Any
 from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
 from spark_jobs.core.pipeline import Pipeline
-from spark_jobs.core.protocol import lagging_commit
+from spark_jobs.core.protocol import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
@@ -57,16 +57,23 @@ def status(spec: PipelineSpec) -> PipelineStatus:
     head = view.head
     table = p.state.open()
     state_at = p.state.position(table)
+    problems: list[str] = []
     try:
-        lagging = lagging_commit(p, view, table, state_at)
-        note = f"the state is at {state_at}; the next run will record it in the ledger" if lagging else None
+        if lagging_commit(p, view, table, state_at):
+            problems.append(f"the state is at {state_at}; the next run will record it in the ledger")
     except MicrobatchError as exc:
-        note = str(exc)
+        problems.append(str(exc))
+    try:
+        check_spec(p, view)
+    except MicrobatchError as exc:
+        problems.append(str(exc))
     lag: Lag | None
     try:
         lag = p.source.lag(p.lineage(view))
     except MicrobatchError as exc:
-        lag, note = None, str(exc)
+        lag = None
+        problems.append(str(exc))
+    note = "\n".join(problems) or None
     return PipelineStatus(
         pipeline=spec.name,
         head=head,

@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table, read_all
@@ -30,8 +30,14 @@ __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow"
 
 log = logging.getLogger("microbatch")
 
-#: The row format this code writes, and the newest it reads.
-FORMAT_VERSION = 1
+#: The row format this code writes, and the newest it reads (2 added
+#: `pipeline_id`, `spec` and `spec_fingerprint`; older tables gain the columns
+#: on their next write, and their old rows read as None).
+FORMAT_VERSION = 2
+#: Columns added after format 1, added to older ledgers before a write.
+_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint")
+#: Columns holding JSON objects.
+_JSON_COLUMNS = ("start_offsets", "end_offsets", "manifest", "spec")
 #: Compact the ledger once it has this many data files (two per batch), so
 #: that reading it, which every run does, stays fast after thousands of batches.
 COMPACT_AT_FILES = 64
@@ -54,6 +60,9 @@ SCHEMA = pa.schema(
         ("start_offsets", pa.string()),
         ("end_offsets", pa.string()),
         ("manifest", pa.string()),
+        ("pipeline_id", pa.string()),
+        ("spec", pa.string()),
+        ("spec_fingerprint", pa.string()),
         ("state_version", pa.int64()),
         ("run_id", pa.string()),
         ("attempt", pa.int64()),
@@ -106,8 +115,8 @@ class LedgerRow(BatchRecord):
         if version > FORMAT_VERSION:
             raise NewerFormatError(f"the offset ledger {path}", version, FORMAT_VERSION, pipeline=record.get("pipeline"), path=path)
         values = {k: record.get(k) for k in SCHEMA.names}
-        for key in ("start_offsets", "end_offsets", "manifest"):
-            values[key] = json.loads(values[key]) if values[key] else {}
+        for key in _JSON_COLUMNS:
+            values[key] = json.loads(values[key]) if values[key] else ({} if key != "spec" else None)
         values["status"] = RowStatus(values["status"])
         return cls(**values)
 
@@ -132,12 +141,28 @@ def _to_arrow(rows: list[LedgerRow]) -> pa.Table:
     for row in rows:
         for name in SCHEMA.names:
             value = getattr(row, name)
-            if name in ("start_offsets", "end_offsets", "manifest"):
-                value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+            if name in _JSON_COLUMNS:
+                value = None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
             elif name == "status":
                 value = str(value)
             columns[name].append(value)
     return pa.table(columns, schema=SCHEMA)
+
+
+def _upgrade(table: DeltaTable) -> list[str]:
+    """Add the columns of newer formats to a ledger an older microbatch
+    created; returns the table's column order, which appended rows follow.
+
+    The added columns are null in old rows. The ALTER moves `table` to the
+    new version, so the fence is then checked on the snapshot the append
+    commits from, as always.
+    """
+    names = pa.schema(table.schema().to_arrow()).names
+    missing = [c for c in _ADDED_COLUMNS if c not in names]
+    if missing:
+        table.alter.add_columns([Field(c, "string", nullable=True) for c in missing])
+        names = pa.schema(table.schema().to_arrow()).names
+    return names
 
 
 def scoped(app_id: str, pipeline: str) -> str:
@@ -164,6 +189,11 @@ class LedgerView:
     def position(self) -> Position:
         head = self.head
         return head.position if head else ORIGIN
+
+    @property
+    def pipeline_id(self) -> str | None:
+        """The id the pipeline's first plan minted (None: no rows yet, or all older than ids)."""
+        return next((r.pipeline_id for r in self.rows if r.pipeline_id), None)
 
     def planned(self, position: Position) -> LedgerRow | None:
         for row in self.rows:
@@ -230,12 +260,13 @@ class OffsetLedger:
             # First event of a new pipeline: create the (empty) table, then
             # check the fence on the snapshot we will commit from.
             table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} offset ledger")
+        columns = _upgrade(table)
         fence = scoped(app_id, self.pipeline)
         if transaction_position(table, fence) >= row.position:
             return False
         props = commit_properties(fence, row.position, {"microbatch.event": str(row.status)})
         try:
-            write_deltalake(table, _to_arrow([row]), mode="append", commit_properties=props)
+            write_deltalake(table, _to_arrow([row]).select(columns), mode="append", commit_properties=props)
         except Exception as exc:
             if is_commit_conflict(exc):
                 return False

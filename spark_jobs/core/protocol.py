@@ -16,8 +16,10 @@ the two. A run of batch N (position ``(epoch, N)``):
    does not append it twice). If S is further ahead or behind, the tables do
    not belong together (a lost checkpoint, a replaced state): stop.
 
-2. **Plan** N = H.batch_id + 1. If a ``planned`` row for N exists (an earlier
-   attempt died), reuse its range: a replay reads exactly the same records.
+2. **Plan** N = H.batch_id + 1. First, the spec must still mean what it
+   meant for H (`spark_jobs.core.identity`): an incompatible change stops
+   the run here. If a ``planned`` row for N exists (an earlier attempt died),
+   reuse its range: a replay reads exactly the same records.
    Otherwise ask the source for the records after H's lineage, bounded by ``until``
    (the end of the data interval) and the caps. Nothing new: return without
    starting Spark. Else check the transform against the source schema (before
@@ -74,12 +76,14 @@ from spark_jobs.core.compute import Compute
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position
+from spark_jobs.core.identity import SpecIdentity, changes, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.errors import (
     ConcurrentRunError,
+    SpecChangedError,
     StateBehindLedgerError,
     StateChangedOutsideError,
     StateLedgerMismatchError,
@@ -89,7 +93,7 @@ from spark_jobs.sources import BatchRange, Caps
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["RunOptions", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
+__all__ = ["RunOptions", "check_spec", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
 
 log = logging.getLogger("microbatch")
 
@@ -120,6 +124,7 @@ class Plan:
     batch: BatchRange
     row: LedgerRow  # the `planned` row (ours, or an earlier attempt's)
     view: LedgerView  # the ledger as step 2 last read it
+    identity: SpecIdentity  # the spec this run computes the batch under
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
             path=p.state.path,
             position=state_at,
         )
-    problem = _not_following(p, view.position, state_at, commit)
+    problem = _not_following(p, view, state_at, commit)
     if problem is not None:
         raise StateLedgerMismatchError(problem, pipeline=p.spec.name, path=p.state.path, position=state_at)
     if commit.metadata.kind is CommitKind.BATCH:
@@ -248,7 +253,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
     return commit
 
 
-def _not_following(p: Pipeline, head: Position, state_at: Position, commit: StateCommit) -> str | None:
+def _not_following(p: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
     """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
 
     A run commits the state only from the ledger's head, and a rewind only
@@ -256,23 +261,36 @@ def _not_following(p: Pipeline, head: Position, state_at: Position, commit: Stat
     state further ahead, or one committed by another pipeline, means the
     ledger is not this state's (the checkpoint was deleted or replaced,
     the pipeline renamed, or the state table shared): recording just the
-    latest commit would make the next runs re-read everything before it.
+    latest commit would make the next runs re-read everything before it. A
+    batch commit must also match a ``planned`` row of this ledger with the
+    same pipeline id: names alone cannot tell two pipelines apart.
     """
+    head = view.position
     m = commit.metadata
     if m.kind is CommitKind.REWIND:
         follows = state_at.epoch == head.epoch + 1 and state_at.batch_id <= head.batch_id
+        ours = _same_id(m.pipeline_id, view.pipeline_id)
     else:
+        # A run commits only what it planned first, in this ledger, under this id.
         follows = state_at == head.next()
-    if m.pipeline == p.spec.name and follows:
+        planned = view.planned(state_at)
+        ours = planned is not None and _same_id(m.pipeline_id, planned.pipeline_id)
+    if m.pipeline == p.spec.name and follows and ours:
         return None
     return (
         f"pipeline {p.spec.name}: the state table {p.state.path} is at {state_at} (committed by pipeline "
-        f"{m.pipeline!r}), which does not follow {head} in the offset ledger {p.ledger.path}. The "
+        f"{m.pipeline!r}, id {m.pipeline_id or 'unknown'}), which does not follow {head} in the offset "
+        f"ledger {p.ledger.path} (pipeline id {view.pipeline_id or 'not minted yet'}). The "
         "ledger is not this state's: its checkpoint was deleted or replaced, the pipeline was renamed, "
         "or another pipeline writes the same state table. Nothing was written. Point `checkpoint` back "
         "at the folder that belongs to this state, or give the pipeline a new state path and a new "
         "checkpoint to start over."
     )
+
+
+def _same_id(a: str | None, b: str | None) -> bool:
+    """Ids match, or one side predates ids (format 1) and only the name can tell."""
+    return a is None or b is None or a == b
 
 
 def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None) -> None:
@@ -296,6 +314,7 @@ def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, bef
 def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) -> Plan | Done:
     """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
     spec = p.spec
+    identity = check_spec(p, view)
     head = view.position
     n = head.next()
     row = view.planned(n)
@@ -320,6 +339,9 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
             start_offsets=batch.start.to_dict(),
             end_offsets=batch.end.to_dict(),
             manifest=batch.manifest.to_dict(),
+            pipeline_id=view.pipeline_id or new_pipeline_id(),
+            spec=identity.to_dict(),
+            spec_fingerprint=identity.fingerprint,
             run_id=options.run_id,
             attempt=options.attempt,
             interval_start=options.interval_start,
@@ -340,7 +362,36 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
                 )
             row, batch = theirs, p.batch(theirs)
     log.info("planned %s: %s", n, batch.describe())
-    return Plan(n, head, batch, row, view)
+    return Plan(n, head, batch, row, view, identity)
+
+
+def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
+    """The spec's identity, if the lineage can carry on under it; else `SpecChangedError`.
+
+    Compared with the spec that made the ledger's head (the last committed
+    batch or rewind). Compatible changes are logged and recorded by the next
+    row; see `spark_jobs.core.identity`.
+    """
+    identity = SpecIdentity.of(p.spec)
+    head = view.head
+    if head is None or head.spec is None or head.spec_fingerprint == identity.fingerprint:
+        return identity
+    refused, allowed = changes(SpecIdentity.from_dict(head.spec), identity)
+    if refused:
+        listed = "\n".join(f"  - {c}" for c in refused)
+        raise SpecChangedError(
+            f"pipeline {p.spec.name}: the spec changed since {head.position} (spec {head.spec_fingerprint}, now "
+            f"{identity.fingerprint}) in ways the state cannot carry on from:\n{listed}\n"
+            "Nothing was written. Either revert the spec; or recompute from the start under the new spec "
+            f"with `microbatch rewind {p.spec.spec_path} --to-batch 0` (a new epoch; the source files must "
+            "still be there); or give the pipeline a new state path and a new checkpoint.",
+            pipeline=p.spec.name,
+            path=p.spec.spec_path,
+            position=head.position,
+        )
+    for change in allowed:
+        log.info("spec change since %s, recorded with the next batch: %s", head.position, change)
+    return identity
 
 
 # -- 3. Read and quarantine ------------------------------------------------------------
@@ -399,6 +450,9 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
         start_offsets=plan_.row.start_offsets,
         end_offsets=plan_.row.end_offsets,
         manifest=plan_.row.manifest,
+        pipeline_id=plan_.row.pipeline_id,
+        spec=plan_.identity.to_dict(),
+        spec_fingerprint=plan_.identity.fingerprint,
         run_id=options.run_id,
         attempt=options.attempt,
         records_in=processed.records_in,

@@ -20,6 +20,7 @@ import time
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.fencing import Position
+from spark_jobs.core.identity import SpecIdentity, changes
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -58,12 +59,22 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
     if to_batch == head.batch_id and not recovering:
         raise refuse(f"already at batch {to_batch}; nothing to rewind")
+    identity = SpecIdentity.of(spec)
     if to_batch == 0:
         version, end_offsets = None, p.source.origin.to_dict()
     else:
         target = view.committed_row(to_batch)
         if target is None or target.state_version is None:
             raise refuse(f"batch {to_batch} is not in the ledger's lineage")
+        if target.spec is not None:
+            # Batches after K would be recomputed under this spec on top of a
+            # state folded under another meaning.
+            refused, _ = changes(SpecIdentity.from_dict(target.spec), identity)
+            if refused:
+                raise refuse(
+                    f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
+                    "rewind to batch 0 to recompute everything under this spec, or revert the spec"
+                )
         version, end_offsets = target.state_version, target.end_offsets
     table = p.state.open()
     if table is None:
@@ -89,6 +100,9 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         position=new,
         start_offsets=view.head.end_offsets if view.head else {},
         end_offsets=end_offsets,
+        pipeline_id=view.pipeline_id,
+        spec=identity.to_dict(),
+        spec_fingerprint=identity.fingerprint,
         run_id=run_id,
         rewound_from=str(head),
         restored_version=version,

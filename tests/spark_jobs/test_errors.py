@@ -12,6 +12,7 @@ from deltalake import write_deltalake
 
 from spark_jobs import errors
 from spark_jobs.cli import main
+from spark_jobs.core import commits, ledger
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties
@@ -78,8 +79,9 @@ def test_a_ledger_row_from_a_newer_format_is_refused(spec_path):
     spec = load_spec(spec_path)
     table = open_table(spec.ledger_path)
     record = read_all(table).to_pylist()[-1]
-    write_deltalake(table, pa.Table.from_pylist([{**record, "format_version": 2}], read_all(table).schema), mode="append")
-    with pytest.raises(NewerFormatError, match="offset ledger .* format version 2 by a newer microbatch"):
+    newer = {**record, "format_version": ledger.FORMAT_VERSION + 1}
+    write_deltalake(table, pa.Table.from_pylist([newer], read_all(table).schema), mode="append")
+    with pytest.raises(NewerFormatError, match="offset ledger .* format version .* by a newer microbatch"):
         OffsetLedger(spec.ledger_path, spec.name).load()
 
 
@@ -88,11 +90,11 @@ def test_a_state_commit_from_a_newer_format_is_refused(spec_path):
     _one_batch(spec_path)
     spec = load_spec(spec_path)
     table = open_table(spec.state_path)
-    metadata = {"format_version": 2, "txn": Position(0, 2).encode(), "kind": "batch", "pipeline": spec.name,
+    metadata = {"format_version": commits.FORMAT_VERSION + 1, "txn": Position(0, 2).encode(), "kind": "batch", "pipeline": spec.name,
                 "epoch": 0, "batch_id": 2, "start_offsets": {"files": 1}, "end_offsets": {"files": 2}}
     empty = pa.schema(table.schema().to_arrow()).empty_table()
     props = commit_properties(STATE_FENCE, Position(0, 2), {METADATA_KEY: json.dumps(metadata)})
     write_deltalake(table, empty, mode="append", commit_properties=props)
-    with pytest.raises(NewerFormatError, match="state commit .* format version 2"):
+    with pytest.raises(NewerFormatError, match="state commit .* by a newer microbatch"):
         run_batch(spec, RunOptions(run_id="test"), ArrowCompute)
     assert "newer microbatch" in (status(spec).note or "")

@@ -67,6 +67,14 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         check_spec(p, view)
     except MicrobatchError as exc:
         problems.append(str(exc))
+    pending = view.planned(view.position.next())
+    if pending is not None:
+        # An earlier run planned the next batch and did not commit it: the
+        # next run replays exactly that range, if it still can.
+        try:
+            p.source.verify(p.batch(pending))
+        except MicrobatchError as exc:
+            problems.append(f"{pending.position} is planned but cannot be replayed: {exc}")
     lag: Lag | None
     try:
         lag = p.source.lag(p.lineage(view))

@@ -75,7 +75,7 @@ from spark_jobs.core.commits import CommitKind, CommitMetadata, StateCommit
 from spark_jobs.core.compute import Compute
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
-from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position
+from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position, state_agrees
 from spark_jobs.core.identity import SpecIdentity, changes, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
@@ -213,7 +213,7 @@ def reconcile(p: Pipeline) -> LedgerView:
         if appended:
             log.info("ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
     view = p.ledger.load()
-    if p.state.position(p.state.open()) != view.position:
+    if not state_agrees(p.state.position(p.state.open()), view.position):
         raise ConcurrentRunError(
             f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again", pipeline=p.spec.name
         )
@@ -226,7 +226,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
     Raises `StateLedgerMismatchError` (or its subclasses) when they do not
     belong together; reads only, so `status` can say what a run would find.
     """
-    if state_at == view.position:
+    if state_agrees(state_at, view.position):
         check_unchanged(p, view, table)
         return None
     if state_at < view.position:
@@ -320,6 +320,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
     row = view.planned(n)
     if row is not None:
         batch = p.batch(row)
+        p.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:
         caps = Caps(options.max_files or spec.batch.max_files, options.max_records or spec.batch.max_records)
@@ -439,7 +440,7 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
     if current >= n:
         reconcile(p)
         return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
-    if current != head:
+    if not state_agrees(current, head):
         raise StateBehindLedgerError(spec.name, head, current)
     # Merging onto a change made outside the job since step 1 would hide it for good.
     check_unchanged(p, plan_.view, table)

@@ -10,16 +10,24 @@ before (those still there) and whatever landed since, and its batch
 boundaries may differ from the old epoch's.
 
 Rewind is also the way out when the state table is behind the ledger, or was
-changed outside the job: it then starts from the ledger alone.
+changed outside the job: it then starts from the ledger alone. And it is the
+way out of a stuck batch (a planned batch that cannot be replayed, its file
+gone or rewritten): a rewind to the last committed batch K moves the
+pipeline to a new epoch at K, where that plan no longer applies. Before the
+first commit there may be no state table at all: a missing state is the
+empty state at batch 0 of any epoch, so the rewind to 0 is then recorded in
+the ledger alone.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.core.fencing import Position
+from spark_jobs.core.fencing import COMMIT_FENCE, Position, state_agrees
+from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.identity import SpecIdentity, changes
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
@@ -57,8 +65,9 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
 
     if to_batch < 0 or to_batch > head.batch_id:
         raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
-    if to_batch == head.batch_id and not recovering:
-        raise refuse(f"already at batch {to_batch}; nothing to rewind")
+    stuck = view.planned(head.next()) is not None
+    if to_batch == head.batch_id and not (recovering or stuck):
+        raise refuse(f"already at batch {to_batch}, with no pending plan; nothing to rewind")
     identity = SpecIdentity.of(spec)
     if to_batch == 0:
         version, end_offsets = None, p.source.origin.to_dict()
@@ -77,6 +86,9 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
                 )
         version, end_offsets = target.state_version, target.end_offsets
     table = p.state.open()
+    new = Position(head.epoch + 1, to_batch)
+    if table is None and head.batch_id == 0:
+        return _rewind_ledger_only(p, view, new, identity, run_id, started)
     if table is None:
         raise refuse(
             f"there is no state table at {p.state.path} to rewind. If it was moved or deleted on "
@@ -87,13 +99,12 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     # the ledger may lag by), else a run or another rewind moved the
     # pipeline since we looked.
     current = p.state.position(table)
-    if (current != head) if not recovering else not (current <= head or current == head.next()):
+    if not state_agrees(current, head) if not recovering else not (current <= head or current == head.next()):
         raise ConcurrentRunError(
             f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again",
             pipeline=spec.name,
             position=current,
         )
-    new = Position(head.epoch + 1, to_batch)
     metadata = CommitMetadata(
         kind=CommitKind.REWIND,
         pipeline=spec.name,
@@ -122,13 +133,46 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
             f"If old files were vacuumed, batch {to_batch} cannot be restored."
         ) from exc
     reconcile(p)
+    return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
+
+
+def _rewind_ledger_only(
+    p: Pipeline, view: LedgerView, new: Position, identity: SpecIdentity, run_id: str, started: float
+) -> BatchOutcome:
+    """A rewind to 0 before any state commit: only a plan was made, so the
+    ledger alone records the new epoch (the missing state is its empty state)."""
+    origin = p.source.origin.to_dict()
+    row = LedgerRow(
+        epoch=new.epoch,
+        batch_id=0,
+        status=RowStatus.REWOUND,
+        pipeline=p.spec.name,
+        start_offsets=origin,
+        end_offsets=origin,
+        pipeline_id=view.pipeline_id,
+        spec=identity.to_dict(),
+        spec_fingerprint=identity.fingerprint,
+        run_id=run_id,
+        committed_at=utcnow(),
+    )
+    with storage_errors(f"pipeline {p.spec.name}: could not record the rewind in the offset ledger", p.ledger.path):
+        if not p.ledger.append(view, row, COMMIT_FENCE):
+            raise ConcurrentRunError(
+                f"pipeline {p.spec.name}: the ledger moved while rewinding; run the rewind again", pipeline=p.spec.name
+            )
+    return _rewound(p.spec, view.position, new, origin, None, run_id, started)
+
+
+def _rewound(
+    spec: PipelineSpec, head: Position, new: Position, end_offsets: dict[str, Any], state_version: int | None, run_id: str, started: float
+) -> BatchOutcome:
     return BatchOutcome(
         status=Outcome.REWOUND,
         pipeline=spec.name,
-        message=f"rewound from {head} to batch {to_batch}: epoch {new.epoch} continues from {end_offsets}",
+        message=f"rewound from {head} to batch {new.batch_id}: epoch {new.epoch} continues from {end_offsets}",
         run_id=run_id,
         epoch=new.epoch,
-        batch_id=to_batch,
+        batch_id=new.batch_id,
         end_offsets=end_offsets,
         state_version=state_version,
         duration_ms=int((time.monotonic() - started) * 1000),

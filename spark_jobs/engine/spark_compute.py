@@ -419,9 +419,11 @@ def _explain(spec: PipelineSpec, manifest: FilesManifest, exc: Exception) -> Exc
             return SourceError(
                 f"pipeline {spec.name}: cannot read source file {entry.name} ({entry.uri}): "
                 f"{first_line(exc)}. Nothing was consumed and nothing committed. "
-                "The batch is already planned and replays exactly its planned files, so moving "
-                "the file away will not skip it: replace it with a readable file under the same "
-                "name (an empty file, or a Parquet file with no rows, drops its records) and run again.",
+                "The batch is already planned and a replay reads exactly its planned files, as they "
+                "were when planned, so neither moving nor replacing the file gets past it: give up "
+                "this batch with `microbatch rewind SPEC --to-batch K` (K, the last committed batch, "
+                "as `microbatch status` shows it), then fix or move the file; the next run plans "
+                "afresh from the files that are there.",
                 pipeline=spec.name,
                 path=entry.uri,
             )

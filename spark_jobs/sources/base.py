@@ -7,6 +7,8 @@ with nothing new ends without starting Spark:
 * which records come next, after the batches of the current lineage, within
   a run's bound and caps (`plan`);
 * how much is waiting (`lag`), in the source's own terms;
+* whether a planned range can still be read as planned (`verify`), before a
+  replay reads it;
 * what a stored range means (`decode`): the ledger and the state's commit
   metadata keep offsets and manifests as JSON, and only the source turns
   them back into its own typed values.
@@ -76,9 +78,13 @@ class Lag:
 
     count: int
     unit: str  # plural noun, e.g. "files"
+    #: Of `count`, how much is dated in the future (a clock or copy gone
+    #: wrong): a run bounded by a data interval does not take it until then.
+    future: int = 0
 
     def describe(self) -> str:
-        return f"{self.count:,} {self.unit}"
+        text = f"{self.count:,} {self.unit}"
+        return f"{text} ({self.future:,} dated in the future)" if self.future else text
 
 
 class Source(Protocol):
@@ -99,6 +105,10 @@ class Source(Protocol):
 
     def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
         """How much waits after `lineage` (what `plan` would take, uncapped)."""
+
+    def verify(self, batch: BatchRange) -> None:
+        """Raise `SourceChangedError` if `batch` (planned earlier) can no longer
+        be read as planned: a replay must read exactly what was planned."""
 
     def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
         """A stored range (as the ledger keeps it) in this source's own types."""

@@ -27,14 +27,16 @@ readability checks and record counts are shared here.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, cast
 
-from spark_jobs.errors import SourceError, first_line
+from spark_jobs.errors import SourceChangedError, SourceError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "is_ready",
     "parquet_row_count",
 ]
+
+log = logging.getLogger("microbatch")
 
 #: Compared lower-cased. `._copying_` is what `hadoop fs -put` / `distcp`
 #: write before renaming into place (Spark's file index skips it too).
@@ -124,6 +128,9 @@ class Lister(Protocol):
     def open(self, f: SourceFile) -> IO[bytes]:
         """The file's bytes (for record counts and Parquet footers)."""
 
+    def stat(self, f: SourceFile) -> SourceFile | None:
+        """The file as it is now (size, mtime), or None if it is gone."""
+
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """Raise `SourceError` naming `f` if the batch could not read it."""
 
@@ -163,6 +170,13 @@ class LocalLister:
 
     def open(self, f: SourceFile) -> IO[bytes]:
         return open(os.path.join(self.root, f.name), "rb")
+
+    def stat(self, f: SourceFile) -> SourceFile | None:
+        try:
+            st = os.stat(os.path.join(self.root, f.name))
+        except FileNotFoundError:
+            return None
+        return SourceFile(f.name, f.uri, st.st_size, st.st_mtime_ns // 1_000_000)
 
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         path = os.path.join(self.root, f.name)
@@ -240,7 +254,30 @@ class FilesSource:
         return [f for f in self.list_files(until) if f.name not in consumed]
 
     def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
-        return Lag(len(self.pending(lineage, until)), self.unit)
+        pending = self.pending(lineage, until)
+        now_ms = int(time.time() * 1000)
+        return Lag(len(pending), self.unit, future=sum(1 for f in pending if f.mtime_ms > now_ms))
+
+    def verify(self, batch: BatchRange) -> None:
+        """Each planned file must still be there with the size and mtime it was planned with."""
+        manifest = cast(FilesManifest, batch.manifest)  # this source decodes only its own
+        for planned in manifest.files:
+            now = self.lister.stat(planned)
+            if now is not None and (now.size, now.mtime_ms) == (planned.size, planned.mtime_ms):
+                continue
+            found = "is gone" if now is None else (
+                f"was rewritten (planned: {planned.size:,} bytes, modified {_when(planned.mtime_ms)}; "
+                f"now: {now.size:,} bytes, modified {_when(now.mtime_ms)})"
+            )
+            raise SourceChangedError(
+                f"source file {planned.name} ({planned.uri}) {found} since this batch was planned. A replay "
+                "must read exactly what was planned, or a record could land in neither the state nor the "
+                "quarantine; nothing was read or written. Put the planned file back under the same name "
+                "and run again; or, to give up this batch, rewind to the last committed batch "
+                "(`microbatch rewind SPEC --to-batch K`, K as `status` shows it): the next run plans "
+                "afresh from the files that are there.",
+                path=planned.uri,
+            )
 
     def plan(self, lineage: Sequence[BatchRange], *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         """The next batch: pending files up to the caps, or None if none wait.
@@ -249,7 +286,20 @@ class FilesSource:
         stays within it, and always at least one (a file is never split).
         """
         consumed = _consumed(lineage)
-        pending = [f for f in self.list_files(until) if f.name not in consumed]
+        pending = [f for f in self.list_files() if f.name not in consumed]
+        if until is not None:
+            limit_ms = int(until.timestamp() * 1000)
+            later = [f for f in pending if f.mtime_ms >= limit_ms]
+            future = sum(1 for f in later if f.mtime_ms > time.time() * 1000)
+            if future:
+                log.warning(
+                    "%d file(s) waiting are dated in the future (after %s): a run bounded by its data "
+                    "interval takes them only once an interval ends after their date; check the "
+                    "writer's clock, or run without an interval (a manual run) to take them now",
+                    future,
+                    until.isoformat(),
+                )
+            pending = [f for f in pending if f.mtime_ms < limit_ms]
         if caps.max_files is not None:
             pending = pending[: caps.max_files]
         if caps.max_records is not None and pending:
@@ -271,6 +321,10 @@ class FilesSource:
             self.lister.check_readable(f, self.format)
         start = len(consumed)
         return BatchRange(FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)))
+
+
+def _when(mtime_ms: int) -> str:
+    return datetime.fromtimestamp(mtime_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _consumed(lineage: Sequence[BatchRange]) -> set[str]:

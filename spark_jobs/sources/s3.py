@@ -79,6 +79,17 @@ class S3Lister:
         body = self.client.get_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)["Body"].read()
         return io.BytesIO(body)
 
+    def stat(self, f: SourceFile) -> SourceFile | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise SourceError(f"cannot read source object {f.uri}: {exc}", path=f.uri) from exc
+        return SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000))
+
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """As for local files: a Parquet object must have a readable footer before it is planned."""
         if fmt != "parquet":

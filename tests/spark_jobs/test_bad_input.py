@@ -20,9 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from spark_jobs.core.delta_io import open_table, read_all
-from spark_jobs.errors import SourceError
+from spark_jobs.errors import SourceChangedError, SourceError
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.rewind import rewind
 from spark_jobs.sources import make_source
 from spark_jobs.sources.base import Caps
 from spark_jobs.engine.spark_compute import LONG_LINE_RAW_CHARS, SparkCompute
@@ -223,18 +224,22 @@ def test_file_broken_after_planning_fails_by_name_and_replays_after_repair(tmp_p
     with pytest.raises(SourceError) as info:
         run_batch(spec, RunOptions(run_id="test"), compute_factory=lambda: _BreaksAFileAfterPlanning(compute(), lambda: _truncated_parquet(landing / "a.parquet")))
     message = str(info.value)
-    assert "cannot read source file a.parquet" in message and "replace it with a readable file under the same name" in message
+    assert "cannot read source file a.parquet" in message and "microbatch rewind SPEC --to-batch K" in message
     rows = OffsetLedger(spec.ledger_path, spec.name).load().rows
     assert [r.status for r in rows] == [RowStatus.PLANNED], "planned, never committed"
     assert open_table(spec.state_path) is None
-    # Removing the file does not help: the planned batch replays its files.
+    # Neither removing nor replacing the file gets past the plan: a replay
+    # reads exactly what was planned, and refuses by name what changed.
     (landing / "a.parquet").unlink()
-    with pytest.raises(SourceError, match="cannot read source file a.parquet"):
+    with pytest.raises(SourceChangedError, match="a.parquet .* is gone"):
         run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
-    # A readable file under the same name does.
     pq.write_table(good, landing / "a.parquet")
+    with pytest.raises(SourceChangedError, match="a.parquet .* was rewritten"):
+        run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
+    # Giving up the plan does: the next run plans afresh from what is there.
+    rewind(spec, 0, run_id="test-rewind")
     outcome = run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
-    assert (outcome.status, outcome.batch_id, outcome.records_in) == ("committed", 1, 2)
+    assert (outcome.status, outcome.epoch, outcome.batch_id, outcome.records_in) == ("committed", 1, 1, 2)
 
 
 def test_end_to_end_through_the_protocol(tmp_path, compute):

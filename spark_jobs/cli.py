@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--json", action="store_true")
     history.add_argument("--limit", type=_positive, help="only the last N rows (human output)")
 
+    maintain = sub.add_parser(
+        "maintain", help="compact and VACUUM the state, ledger and quarantine; write checkpoints", parents=[common]
+    )
+    maintain.add_argument("spec")
+    maintain.add_argument(
+        "--keep-batches", type=_positive, metavar="N", help="keep the last N batches rewindable (default: the spec's maintenance.keep_batches)"
+    )
+    maintain.add_argument("--json", action="store_true")
+
     rewind = sub.add_parser("rewind", help="restore state to a batch and continue from its offsets", parents=[common])
     rewind.add_argument("spec")
     rewind.add_argument("--to-batch", type=_non_negative, required=True, metavar="K")
@@ -166,7 +175,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             shown = st.to_dict()
             _table(
                 f"pipeline {st.pipeline}",
-                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting"],
+                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting", "rewindable"],
                 [
                     [
                         shown["epoch"],
@@ -175,6 +184,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                         shown["state_version"],
                         _time(shown["committed_at"]),
                         st.lag.describe() if st.lag else "?",
+                        "" if st.oldest_rewindable is None else f"0, {st.oldest_rewindable}..{shown['last_batch']}",
                     ]
                 ],
             )
@@ -208,6 +218,18 @@ def _dispatch(args: argparse.Namespace) -> int:
                 for r in shown
             ],
         )
+        return EXIT_OK
+    if args.command == "maintain":
+        from spark_jobs.core.maintain import maintain
+
+        report = maintain(spec, args.keep_batches)
+        if args.json:
+            print(json.dumps(report.to_dict(), indent=2))
+        else:
+            kept = report.kept_batches
+            print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
+            for table, removed in report.removed_files.items():
+                print(f"  {table}: compacted, {removed} unneeded file(s) removed, checkpoint written")
         return EXIT_OK
     if args.command == "rewind":
         outcome = rewind(spec, args.to_batch, run_id=_run_id("-rewind"))

@@ -21,7 +21,7 @@ from pathlib import Path
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param
 
 from microbatch_airflow.assets import batches_alias
-from microbatch_airflow.operators import MicroBatchOperator
+from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
 from spark_jobs.core.spec import PipelineSpec, load_spec
@@ -111,8 +111,30 @@ def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get(PIPELINES_DIR_ENV) or default)
 
 
+def build_maintenance_dag(spec: PipelineSpec) -> DAG:
+    """`microbatch maintain` on the spec's `maintenance.schedule`, apart from the batches."""
+    with DAG(
+        dag_id=f"{spec.name}_maintenance",
+        description=f"Compaction, VACUUM and checkpoints for pipeline {spec.name}",
+        doc_md=(
+            f"Maintenance of pipeline `{spec.name}`: compacts and VACUUMs its state, offset ledger and "
+            f"quarantine, keeping the last {spec.maintenance.keep_batches} batches rewindable.\n\n"
+            f"Spec: `{spec.spec_path}`"
+        ),
+        schedule=spec.maintenance.schedule,
+        start_date=spec.start_date,
+        catchup=False,
+        max_active_runs=1,
+        tags=["microbatch", "maintenance", *spec.tags],
+        default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
+    ) as dag:
+        MaintenanceOperator(task_id="maintain", spec_path=spec.spec_path)
+    return dag
+
+
 def dags_from_folder(folder: Path) -> dict[str, DAG]:
-    """A DAG per `*.yaml` / `*.yml` spec in `folder` (plus one carrying errors)."""
+    """A DAG per `*.yaml` / `*.yml` spec in `folder`, a maintenance DAG per spec
+    with `maintenance.schedule` (plus one DAG carrying errors)."""
     dags: dict[str, DAG] = {}
     errors: list[str] = []
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
@@ -125,6 +147,8 @@ def dags_from_folder(folder: Path) -> dict[str, DAG]:
             errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
             continue
         dags[spec.name] = build_dag(spec)
+        if spec.maintenance.schedule:
+            dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec)
     if errors:
         broken = _BrokenSpecs(dag_id="microbatch_broken_specs", schedule=None)
         broken.spec_errors = errors

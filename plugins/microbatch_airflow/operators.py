@@ -217,3 +217,33 @@ class MicroBatchOperator(BaseOperator):
             return
         outcome = rewind(spec, to_batch, run_id=run_id)
         self.log.info("%s", outcome.message)
+
+
+class MaintenanceOperator(BaseOperator):
+    """Compact, VACUUM and checkpoint a pipeline's tables (`microbatch maintain`).
+
+    :param spec_path: the pipeline spec (YAML). Templated.
+    :param keep_batches: batches kept rewindable; default: the spec's
+        ``maintenance.keep_batches``.
+    """
+
+    template_fields: Sequence[str] = ("spec_path",)
+    ui_color = "#eef3e8"
+
+    def __init__(self, *, spec_path: str, keep_batches: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec_path = spec_path
+        self.keep_batches = keep_batches
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from spark_jobs.core.maintain import maintain
+
+        try:
+            spec = load_spec(self.spec_path)
+            report = maintain(spec, self.keep_batches)
+        except MicrobatchError as exc:
+            if is_retryable(exc):
+                raise
+            raise AirflowFailException(str(exc)) from exc
+        self.log.info("kept batches %s rewindable; files removed: %s", report.kept_batches, report.removed_files)
+        return report.to_dict()

@@ -14,12 +14,15 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 
 def files_waiting(spec_path: str) -> int:
-    """How many source files wait for the pipeline in `spec_path`."""
-    from spark_jobs.core.inspect import status
+    """How many source files wait for the pipeline in `spec_path`.
+
+    A source that cannot be read (a missing folder, say) raises: a sensor
+    must fail with the reason, not poll "0 waiting" until it times out.
+    """
+    from spark_jobs.core.inspect import lag
     from spark_jobs.core.spec import load_spec
 
-    lag = status(load_spec(spec_path)).lag
-    return lag.count if lag else 0
+    return lag(load_spec(spec_path)).count
 
 
 class NewDataTrigger(BaseTrigger):

@@ -12,13 +12,14 @@ from typing import Any
 
 from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
+from spark_jobs.core.maintain import oldest_rewindable
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
 
-__all__ = ["PipelineStatus", "history", "status"]
+__all__ = ["PipelineStatus", "history", "lag", "status"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class PipelineStatus:
     #: What waits in the source, in its own terms (None if the source could not be read).
     lag: Lag | None
     note: str | None
+    #: The oldest batch a rewind can restore besides 0 (None: no state yet).
+    oldest_rewindable: int | None = None
 
     @property
     def position(self) -> Position:
@@ -47,6 +50,7 @@ class PipelineStatus:
             "committed_at": committed_at.isoformat() if committed_at else None,
             "lag": {"count": self.lag.count, "unit": self.lag.unit} if self.lag else None,
             "note": self.note,
+            "oldest_rewindable": self.oldest_rewindable,
         }
 
 
@@ -88,7 +92,15 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         end_offsets=head.end_offsets if head else p.source.origin.to_dict(),
         lag=lag,
         note=note,
+        oldest_rewindable=oldest_rewindable(p, view, table),
     )
+
+
+def lag(spec: PipelineSpec) -> Lag:
+    """What waits in the source, and nothing else (what a sensor polls).
+    Raises what reading the source raises: a broken source is not "nothing waiting"."""
+    p = Pipeline(spec)
+    return p.source.lag(p.lineage(p.ledger.load()))
 
 
 def history(spec: PipelineSpec) -> list[LedgerRow]:

@@ -29,6 +29,7 @@ from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.fencing import COMMIT_FENCE, Position, state_agrees
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.identity import SpecIdentity, changes
+from spark_jobs.core.maintain import oldest_rewindable, restorable_version
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -69,6 +70,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     if to_batch == head.batch_id and not (recovering or stuck):
         raise refuse(f"already at batch {to_batch}, with no pending plan; nothing to rewind")
     identity = SpecIdentity.of(spec)
+    table = p.state.open()
     if to_batch == 0:
         version, end_offsets = None, p.source.origin.to_dict()
     else:
@@ -84,8 +86,17 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
                     f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
                     "rewind to batch 0 to recompute everything under this spec, or revert the spec"
                 )
-        version, end_offsets = target.state_version, target.end_offsets
-    table = p.state.open()
+        following = view.committed_row(to_batch + 1)
+        version = restorable_version(table, p.state.path, target.state_version, following.state_version if following else None) if table else None
+        if table is not None and version is None:
+            oldest = oldest_rewindable(p, view, table)
+            raise refuse(
+                f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: a VACUUM "
+                f"removed its files, and no maintenance-only version after it kept them. Batches that can be "
+                f"rewound to: 0 and {oldest}..{head.batch_id}. `maintenance.keep_batches` sets how many "
+                "batches `microbatch maintain` keeps rewindable."
+            )
+        end_offsets = target.end_offsets
     new = Position(head.epoch + 1, to_batch)
     if table is None and head.batch_id == 0:
         return _rewind_ledger_only(p, view, new, identity, run_id, started)

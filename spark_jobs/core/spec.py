@@ -235,9 +235,41 @@ class StateSpec(_Model):
         return self
 
 
+class MaintenanceSpec(_Model):
+    """`microbatch maintain`: compaction, VACUUM and checkpoints (see `spark_jobs.core.maintain`)."""
+
+    #: The last this-many batches of the lineage stay rewindable after a VACUUM.
+    keep_batches: int = Field(default=100, ge=1)
+    #: In Airflow: run `maintain` on this cron schedule, in a DAG of its own.
+    schedule: str | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_is_cron(cls, schedule: str | None) -> str | None:
+        return _check_cron(schedule)
+
+
 class BatchLimits(_Model):
     max_files: int | None = Field(default=None, ge=1)
     max_records: int | None = Field(default=None, ge=1)
+
+
+def _check_cron(schedule: str | None) -> str | None:
+    """A cron expression or preset, or a ValueError saying what to write."""
+    if schedule is None or schedule in CRON_PRESETS:
+        return schedule
+    if len(schedule.split()) != 5:
+        raise ValueError(
+            f"{schedule!r} is not a cron expression; write five fields (e.g. '0 * * * *') "
+            f"or a preset ({', '.join(CRON_PRESETS)})"
+        )
+    try:
+        from croniter import croniter
+    except ImportError:  # validated again by Airflow when it parses the DAG
+        return schedule
+    if not croniter.is_valid(schedule):
+        raise ValueError(f"{schedule!r} is not a valid cron expression")
+    return schedule
 
 
 CRON_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@annually", "@midnight")
@@ -289,6 +321,7 @@ class PipelineSpec(_Model):
     checkpoint: str = Field(min_length=1)
     batch: BatchLimits = BatchLimits()
     engine: EngineSpec = EngineSpec()
+    maintenance: MaintenanceSpec = MaintenanceSpec()
     # Scheduling, read by the Airflow DAG factory; the job itself ignores them.
     schedule: str | None = None
     catchup: bool = False
@@ -314,20 +347,7 @@ class PipelineSpec(_Model):
     @field_validator("schedule")
     @classmethod
     def _schedule_is_cron(cls, schedule: str | None) -> str | None:
-        if schedule is None or schedule in CRON_PRESETS:
-            return schedule
-        if len(schedule.split()) != 5:
-            raise ValueError(
-                f"{schedule!r} is not a cron expression; write five fields (e.g. '0 * * * *') "
-                f"or a preset ({', '.join(CRON_PRESETS)})"
-            )
-        try:
-            from croniter import croniter
-        except ImportError:  # validated again by Airflow when it parses the DAG
-            return schedule
-        if not croniter.is_valid(schedule):
-            raise ValueError(f"{schedule!r} is not a valid cron expression")
-        return schedule
+        return _check_cron(schedule)
 
     @field_validator("start_date")
     @classmethod

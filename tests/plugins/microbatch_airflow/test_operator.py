@@ -93,3 +93,28 @@ def test_a_connection_that_is_not_spark_fails_the_task_with_what_to_do(monkeypat
     with pytest.raises(AirflowFailException, match="define it as spark://host:7077 or sc://host:15002") as info:
         master_from_connection("mb_db")
     assert "secret-pw" not in str(info.value)
+
+
+def test_the_maintenance_dag_maintains_the_pipeline(tmp_path, airflow_db, monkeypatch):
+    """A spec with `maintenance.schedule` gets its own DAG running `microbatch maintain`."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from tests.conftest import oracle_spec_dict, write_spec
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec_path = write_spec(tmp_path, oracle_spec_dict(maintenance={"keep_batches": 1, "schedule": "@daily"}))
+    spec = load_spec(spec_path)
+    for wave in range(3):
+        write_wave(spec_path.parent / "landing", wave, files=1, records_per_file=20)
+        assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    monkeypatch.setenv("MICROBATCH_PIPELINES_DIR", str(tmp_path))
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    dag = bag.dags["clicks_maintenance"]
+    assert "maintenance" in dag.tags and [t.task_id for t in dag.tasks] == ["maintain"]
+    run = dag.test()
+    assert run.state == "success"
+    from spark_jobs.core.inspect import status
+
+    assert status(spec).oldest_rewindable == 3
+    assert_exact(spec_path)

@@ -36,3 +36,14 @@ def test_reports_errors_instead_of_spinning(tmp_path):
 
     event = asyncio.run(scenario())
     assert event.payload["status"] == "error" and "file not found" in event.payload["message"]
+
+
+def test_a_source_that_cannot_be_read_is_an_error_not_nothing_waiting(spec_path):
+    """It reported 0 files waiting, so the sensor polled until its timeout and soft-failed without a word."""
+    (spec_path.parent / "landing").rmdir()
+
+    async def scenario():
+        return await NewDataTrigger(str(spec_path), poll_seconds=0.1).run().__anext__()
+
+    event = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert event.payload["status"] == "error" and "source folder" in event.payload["message"]

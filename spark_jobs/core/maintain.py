@@ -1,0 +1,151 @@
+"""Maintenance: compact and vacuum a pipeline's tables, keeping rewinds possible.
+
+Every batch adds small files to the state, the ledger and the quarantine, and
+every merge leaves the files it rewrote behind for time travel. `maintain`
+compacts the three tables, VACUUMs them and writes Delta checkpoints, so
+reads stay fast and disk use stays bounded. The one thing it must not take
+away is the rewinds people need: the state's versions of the last
+`maintenance.keep_batches` batches of the lineage (and the current version)
+are kept restorable with delta-rs's `keep_versions`; older ones may lose
+their files.
+
+Rewind then restores, for batch K, the newest *restorable* version whose
+data equals K's: K's own commit, or a maintenance-only commit after it and
+before K+1's (an OPTIMIZE rewrites files without changing rows). So an
+OPTIMIZE followed by a VACUUM that dropped K's own files still leaves K
+rewindable through the OPTIMIZE's version.
+
+Ledger and quarantine are never rewound, so their old versions are not
+needed. Their VACUUM runs before their compaction: the files a compaction
+replaces stay until the next maintenance, for runs reading an older snapshot
+concurrently, so dead files never exceed one compaction's worth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from deltalake import DeltaTable
+
+from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core.delta_io import open_table
+from spark_jobs.core.ledger import LedgerView
+from spark_jobs.core.pipeline import Pipeline
+from spark_jobs.core.protocol import reconcile
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.state import MAINTENANCE_OPERATIONS
+from spark_jobs.storage.s3 import S3Location, delta_storage_options, is_s3, s3_client
+
+__all__ = ["MaintenanceReport", "maintain", "oldest_rewindable", "restorable", "restorable_version"]
+
+log = logging.getLogger("microbatch")
+
+@dataclass(frozen=True)
+class MaintenanceReport:
+    pipeline: str
+    #: Batches whose state versions were kept restorable.
+    kept_batches: list[int]
+    #: Files each table's VACUUM deleted, by table.
+    removed_files: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files}
+
+
+def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> MaintenanceReport:
+    """Compact, VACUUM and checkpoint the state, ledger and quarantine of `spec`."""
+    p = Pipeline(spec)
+    view = reconcile(p)  # the tables must agree first (and a lagging row is recorded)
+    keep = keep_batches or spec.maintenance.keep_batches
+    kept_rows = view.lineage()[-keep:]
+    keep_versions = {r.state_version for r in kept_rows if r.state_version is not None}
+    if view.head is not None and view.head.state_version is not None:
+        keep_versions.add(view.head.state_version)
+    removed: dict[str, int] = {}
+    state = p.state.open()
+    if state is not None:
+        # Compact first, so that the VACUUM removes what the compaction replaced.
+        state.optimize.compact()
+        removed["state"] = len(
+            state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
+        )
+        state.create_checkpoint()
+    for name, path in (("ledger", p.ledger.path), ("quarantine", p.quarantine.path)):
+        table = open_table(path)
+        if table is None:
+            continue
+        # VACUUM first, then compact: what this compaction replaces stays for
+        # readers of older snapshots until the next maintenance removes it.
+        removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
+        table.optimize.compact()
+        table.create_checkpoint()
+    log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
+    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed)
+
+
+def restorable(path: str, version: int) -> bool:
+    """Whether every data file of the table's `version` still exists."""
+    try:
+        files = DeltaTable(path, version=version, storage_options=delta_storage_options(path)).file_uris()
+    except Exception:  # noqa: BLE001 - a version whose log entry is gone is not restorable either
+        return False
+    if not is_s3(path):
+        return all(os.path.exists(f.removeprefix("file://")) for f in files)
+    client = s3_client()
+    for uri in files:
+        location = S3Location.parse(uri)
+        try:
+            client.head_object(Bucket=location.bucket, Key=location.key)
+        except Exception:  # noqa: BLE001 - missing (404) or unreadable: either way not restorable
+            return False
+    return True
+
+
+def restorable_version(table: DeltaTable, path: str, version: int, next_version: int | None) -> int | None:
+    """The newest restorable version whose data equals `version`'s: itself, or
+    one of the maintenance-only commits that directly follow it (before
+    `next_version`, the next batch's; None: up to the latest). The run stops
+    at the first commit that may change data (ours or anyone's)."""
+    end = table.version() if next_version is None else next_version - 1
+    candidates = [version]
+    if end > version:
+        following = sorted(table.history(table.version() - version), key=lambda info: int(info["version"]))
+        for info in following:
+            v = int(info["version"])
+            if v <= version:
+                continue
+            maintenance = not info.get(METADATA_KEY) and str(info.get("operation", "")).upper() in MAINTENANCE_OPERATIONS
+            if v > end or not maintenance:
+                break
+            candidates.append(v)
+    for candidate in reversed(candidates):
+        if restorable(path, candidate):
+            return candidate
+    return None
+
+
+def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -> int | None:
+    """The oldest lineage batch a rewind can still restore (0, the empty state,
+    always can); None when there is no state. Restorability only ever shrinks
+    from the oldest versions up, so a binary search finds the boundary."""
+    if table is None:
+        return None
+    lineage = view.lineage()
+    versions = [r.state_version for r in lineage]
+    nexts = versions[1:] + [None]
+
+    def ok(i: int) -> bool:
+        v = versions[i]
+        return v is not None and restorable_version(table, p.state.path, v, nexts[i]) is not None
+
+    low, high = 0, len(lineage)  # the answer is the first i with ok(i), or len(lineage) if none
+    while low < high:
+        mid = (low + high) // 2
+        if ok(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return lineage[low].batch_id if low < len(lineage) else 0

@@ -10,26 +10,41 @@ the spec reaches SQL as free text. Merge rules, per value column:
 * ``last``  take the batch's value
 
 Every row also records `_batch_id`, the last batch that touched it.
+
+Before a batch is merged, `StateTable.align` fits it to the state: a merge
+column new to the spec is added to the state (old rows hold null), a column
+the transform now returns in a wider type is widened in the state (the way
+forward for a sum that outgrows its column, `spark_jobs.core.widen`), and a
+merge that would overflow a column is refused.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
+from typing import TypeVar
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.delta_io import ensure_table, open_table
+from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import datafusion_identifier as _q
-from spark_jobs.errors import TransformError
+from spark_jobs.core.widen import check_merge, sql_type, widens
+from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
-__all__ = ["BATCH_COLUMN", "MAINTENANCE_OPERATIONS", "StateTable", "merge_expression"]
+__all__ = ["BATCH_COLUMN", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
+
+_E = TypeVar("_E", bound=MicrobatchError)
 
 BATCH_COLUMN = "_batch_id"
+#: Key of the commit info entry that marks a state rewrite widening columns
+#: (`StateTable.align`): the job's own commit, which keeps every value.
+WIDEN_KEY = "microbatch.widen"
 #: How far back in the state's history to look for a commit we need to find.
 HISTORY_SEARCH = 1000
 #: Delta operations (as Delta and delta-rs name them in commit info) that
@@ -140,29 +155,108 @@ class StateTable:
         return table.version(), keys_updated
 
     def align(self, table: DeltaTable, data: pa.Table) -> pa.Table:
-        """A batch's updates cast to the state table's column types, or a
-        `TransformError` saying why they cannot be merged into it."""
+        """A batch's updates cast to the state table's column types, once the
+        state has made room for them; or an error saying why they cannot be
+        merged into it.
+
+        * A merge column of the spec that the state lacks is added to it
+          (nullable: old rows hold null). Any other unknown column is a
+          `TransformError`.
+        * A merge column the batch holds in a wider type (`widens`) is
+          widened in the state, every value kept: the documented way forward
+          for a sum that outgrows its column. A batch that does not cast to
+          the state's types otherwise (narrowing) is a `TransformError`.
+        * A merge that would overflow a column is a `MergeOverflowError`.
+
+        Every refusal comes before the state is changed. `table` moves to
+        the version of the last change made; the merge may as well use a
+        freshly opened table.
+        """
         existing = pa.schema(table.schema().to_arrow())
-        fields = []
+        fields, added, widened = [], [], {}
         for field in data.schema:
+            merged = field.name in self.spec.state.merge
             if field.name not in existing.names:
-                raise TransformError(
-                    f"pipeline {self.spec.name}: column {field.name!r} is not in the state table "
-                    f"{self.path}; changing the state's columns needs a new state path and a new "
-                    "checkpoint (the pipeline then reprocesses its source from the start)",
-                    pipeline=self.spec.name,
-                    path=self.path,
-                )
-            fields.append(existing.field(field.name).with_nullable(True))
+                if not merged:
+                    raise self._error(
+                        TransformError,
+                        f"column {field.name!r} is not in the state table {self.path}; changing the "
+                        "state's columns needs a new state path and a new checkpoint (the pipeline "
+                        "then reprocesses its source from the start)",
+                    )
+                # Cast to the type the state will hold (a large string becomes a string).
+                added.append(Field.from_arrow(field.with_nullable(True)))
+                fields.append(pa.field(added[-1].to_arrow()))
+            elif merged and widens(existing.field(field.name).type, field.type):
+                widened[field.name] = field.type
+                fields.append(field.with_nullable(True))
+            else:
+                fields.append(existing.field(field.name).with_nullable(True))
         try:
-            return data.cast(pa.schema(fields))
+            aligned = data.cast(pa.schema(fields))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise TransformError(
-                f"pipeline {self.spec.name}: this batch's columns do not fit the state table's "
-                f"types ({exc}); cast them in the transform to the types in {self.path}",
-                pipeline=self.spec.name,
-                path=self.path,
+            raise self._error(
+                TransformError,
+                f"this batch's columns do not fit the state table's types ({exc}); cast them in "
+                f"the transform to the types in {self.path}",
             ) from exc
+        # Against the state as it is: adding or widening a column keeps its values.
+        check_merge(self.spec, table, aligned)
+        if added:
+            with self._changing_columns(f"adding column(s) {', '.join(f.name for f in added)}"):
+                table.alter.add_columns(added)
+        if widened:
+            with self._changing_columns(f"widening column(s) {', '.join(widened)}"):
+                self._widen(table, existing, widened)
+        return aligned
+
+    def _widen(self, table: DeltaTable, existing: pa.Schema, widened: dict[str, pa.DataType]) -> None:
+        """Rewrite the state with `widened` columns in their new types, in one commit.
+
+        delta-rs 1.6 cannot change a column's type in place (`alter` has no
+        type change, and a MERGE with schema evolution casts back to the old
+        type and fails), so the table is overwritten with its own rows, cast.
+        The commit:
+
+        * lands on the version it read or not at all (no commit retries):
+          delta-rs lets an overwrite from an older snapshot land over an
+          OPTIMIZE, which would keep both copies of every compacted row;
+        * carries the state fence at the position it read: it moves no
+          fence, yet any state commit racing it (a batch, a rewind, another
+          widening) makes one of the two fail;
+        * is marked with `WIDEN_KEY`, so `outside_changes` knows it for ours.
+        """
+        schema = pa.schema([f.with_type(widened.get(f.name, f.type)) for f in existing])
+        # Streamed: the overwrite only retires the files the scan reads.
+        rows = pa.RecordBatchReader.from_stream(QueryBuilder().register("state", table).execute("SELECT * FROM state"))
+        cast = pa.RecordBatchReader.from_batches(schema, (batch.cast(schema) for batch in rows))
+        change = {name: [sql_type(existing.field(name).type), sql_type(t)] for name, t in widened.items()}
+        props = CommitProperties(
+            custom_metadata={WIDEN_KEY: json.dumps({"pipeline": self.spec.name, "columns": change})},
+            app_transactions=[Transaction(STATE_FENCE, self.position(table).encode())],
+            max_commit_retries=0,
+        )
+        write_deltalake(table, cast, mode="overwrite", schema_mode="overwrite", commit_properties=props)
+
+    @contextmanager
+    def _changing_columns(self, what: str) -> Iterator[None]:
+        """Another commit won the race against our change of the state's
+        columns: nothing of the batch was committed, and the next run sees
+        the state as the winner left it."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_commit_conflict(exc):
+                raise
+            raise self._error(
+                ConcurrentRunError,
+                f"the state table {self.path} changed while this run was {what} to fit its batch; "
+                "nothing was committed, run again",
+            ) from exc
+
+    def _error(self, kind: type[_E], message: str) -> _E:
+        """An error about this state table: the message, the pipeline and the table."""
+        return kind(f"pipeline {self.spec.name}: {message}", pipeline=self.spec.name, path=self.path)
 
     def restore(self, table: DeltaTable, version: int | None, metadata: CommitMetadata) -> int:
         """Put the state back as of `version` (None: empty), fenced at the
@@ -173,7 +267,9 @@ class StateTable:
         before = table.version()
         if version is None:
             table.delete(commit_properties=props)
-        else:
+        elif version != before:
+            # (delta-rs refuses to restore the version a table is at: a rewind
+            # out of a stuck batch to the batch the state holds restores nothing.)
             table.restore(version, commit_properties=props)
         # The handle moves only if delta-rs committed. (Refreshing it here
         # would mistake a concurrent writer's commit for ours.)
@@ -196,7 +292,8 @@ class StateTable:
         changed the data and are not ours.
 
         Maintenance (`MAINTENANCE_OPERATIONS`: OPTIMIZE, VACUUM, table
-        properties, ...) keeps the data and is fine; anything else by someone
+        properties, ...) keeps the data and is fine, and so do our own
+        rewrites widening a column (`WIDEN_KEY`); anything else by someone
         else is reported. Costs nothing in the usual case, where our last
         commit is the table's latest version.
         """
@@ -208,7 +305,7 @@ class StateTable:
             version = int(info["version"])
             if version <= since_version or (before_version is not None and version >= before_version):
                 continue
-            if info.get(METADATA_KEY):
+            if info.get(METADATA_KEY) or info.get(WIDEN_KEY):
                 continue
             operation = str(info.get("operation", "")).upper()
             if operation not in MAINTENANCE_OPERATIONS:

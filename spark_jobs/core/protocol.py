@@ -505,13 +505,20 @@ def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exc
 
 
 def project(p: Pipeline) -> None:
-    """Step 5: step 1 again, which records the `committed` row from the state commit just made."""
-    reconcile(p)
+    """Step 5: step 1 again, which records the `committed` row from the state
+    commit just made; then the source may release what is committed."""
+    view = reconcile(p)
     # A fault point but no SIGTERM stop: the batch is committed, and a run
     # that committed must say so.
     fault_point("after_ledger_commit")
     if p.ledger.compact():
         log.info("compacted the offset ledger")
+    # After the commit only (a replay reads its planned files), and after the
+    # ledger row, so the consumed set it goes by includes this batch.
+    try:
+        p.source.after_commit(p.lineage(view))
+    except Exception as exc:  # noqa: BLE001 - the batch is committed: releasing files never fails the run
+        log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 
 
 # -- helpers ---------------------------------------------------------------------------

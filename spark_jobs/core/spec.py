@@ -185,6 +185,21 @@ class FilesSourceSpec(_Model):
     csv: CsvOptions = CsvOptions()
     #: Lines longer than this (in UTF-8 bytes) are quarantined without being parsed.
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
+    #: What happens to a file once its batch is committed: left where it is,
+    #: deleted, or moved under `archive` (outside the source folder).
+    after_commit: Literal["keep", "delete", "archive"] = "keep"
+    archive: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _archive_named(self) -> FilesSourceSpec:
+        if (self.after_commit == "archive") != (self.archive is not None):
+            raise ValueError(
+                "after_commit: archive needs `archive: <folder or s3://bucket/prefix>` outside the source "
+                "folder, and `archive` is only used with after_commit: archive"
+            )
+        if self.archive is not None and ("://" in self.archive) != ("://" in self.path):
+            raise ValueError("the archive must be on the same storage as the source (both local, or both s3://)")
+        return self
 
     @field_validator("schema_")
     @classmethod
@@ -381,6 +396,10 @@ class PipelineSpec(_Model):
         return self.resolve(self.state.path)
 
     @property
+    def archive_path(self) -> str | None:
+        return self.resolve(self.source.archive) if self.source.archive else None
+
+    @property
     def checkpoint_path(self) -> str:
         return self.resolve(self.checkpoint)
 
@@ -480,7 +499,10 @@ def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) ->
         raise SpecError(spec.spec_path, [f"storage roots: {exc}"]) from None
     lines = _line_index(text)
     problems = []
-    for loc, raw in ((("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)):
+    locations = [(("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)]
+    if spec.source.archive:
+        locations.append((("source", "archive"), spec.source.archive))
+    for loc, raw in locations:
         problem = check_location(raw, spec.resolve(raw), roots)
         if problem:
             problems.append(_at(lines, loc, problem))
@@ -511,9 +533,13 @@ def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str
     def problem(loc: tuple[str, ...], text: str) -> None:
         found.append(_at(lines, loc, text))
 
-    for loc, other in ((("state", "path"), state), (("checkpoint",), checkpoint)):
+    others = [(("state", "path"), state), (("checkpoint",), checkpoint)]
+    if spec.archive_path:
+        # Archived files moved to a folder the source lists would be new files, read again.
+        others.append((("source", "archive"), spec.archive_path))
+    for loc, other in others:
         if _inside(other, source) or _inside(source, other):
-            problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables")
+            problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables and the archive")
     if _inside(checkpoint, state):
         problem(("checkpoint",), f"{checkpoint} is inside the state table's folder {state}; put it beside it")
     for table in (spec.ledger_path, spec.quarantine_path):

@@ -262,10 +262,8 @@ def exact_overflow(table: DeltaTable, updates: pa.Table, keys: list[str], checks
     if not conditions:
         return None
     columns = [*keys, *(c.column for c in checks)]
-    query = QueryBuilder().register("state", table)
-    candidates = pa.table(
-        query.execute(f"SELECT {', '.join(_q(c) for c in columns)} FROM state WHERE {' OR '.join(conditions)}").read_all()
-    )
+    sql = f"SELECT {', '.join(_q(c) for c in columns)} FROM state WHERE {' OR '.join(conditions)}"
+    candidates = pa.table(QueryBuilder().register("state", table).execute(sql).read_all())
     if candidates.num_rows == 0:
         return None
     # Positional names, so that no column name can clash in the join.

@@ -19,4 +19,10 @@ def make_source(spec: PipelineSpec) -> Source:
     """The source for a spec's `source:` block."""
     path = spec.source_path
     lister = S3Lister(path) if is_s3(path) else LocalLister(path)
-    return FilesSource(lister, spec.source.format, csv_header=spec.source.csv.header)
+    return FilesSource(
+        lister,
+        spec.source.format,
+        csv_header=spec.source.csv.header,
+        after_commit=spec.source.after_commit,
+        archive=spec.archive_path,
+    )

@@ -8,7 +8,8 @@ with nothing new ends without starting Spark:
   a run's bound and caps (`plan`);
 * how much is waiting (`lag`), in the source's own terms;
 * whether a planned range can still be read as planned (`verify`), before a
-  replay reads it;
+  replay reads it, and what to do with consumed data once committed
+  (`after_commit`);
 * what a stored range means (`decode`): the ledger and the state's commit
   metadata keep offsets and manifests as JSON, and only the source turns
   them back into its own typed values.
@@ -105,6 +106,11 @@ class Source(Protocol):
 
     def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
         """How much waits after `lineage` (what `plan` would take, uncapped)."""
+
+    def after_commit(self, lineage: Sequence[BatchRange]) -> int:
+        """Release what the committed batches of `lineage` consumed, as the spec
+        says (for files: keep, delete or archive them). Idempotent: whatever a
+        crash left behind is released by the next call. Returns how many."""
 
     def verify(self, batch: BatchRange) -> None:
         """Raise `SourceChangedError` if `batch` (planned earlier) can no longer

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,6 +135,12 @@ class Lister(Protocol):
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """Raise `SourceError` naming `f` if the batch could not read it."""
 
+    def remove(self, f: SourceFile) -> None:
+        """Delete the file (already gone: nothing to do)."""
+
+    def move(self, f: SourceFile, archive: str) -> None:
+        """Move the file to the same relative name under `archive`, replacing what is there."""
+
 
 class LocalLister:
     """Lists a local folder, recursively."""
@@ -177,6 +184,15 @@ class LocalLister:
         except FileNotFoundError:
             return None
         return SourceFile(f.name, f.uri, st.st_size, st.st_mtime_ns // 1_000_000)
+
+    def remove(self, f: SourceFile) -> None:
+        Path(self.root, f.name).unlink(missing_ok=True)
+
+    def move(self, f: SourceFile, archive: str) -> None:
+        target = Path(archive, f.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # A rename where it can be (atomic on one file system), else copy and delete.
+        shutil.move(os.path.join(self.root, f.name), target)
 
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         path = os.path.join(self.root, f.name)
@@ -225,10 +241,14 @@ class FilesSource:
 
     unit = "files"
 
-    def __init__(self, lister: Lister, fmt: str, *, csv_header: bool = True) -> None:
+    def __init__(
+        self, lister: Lister, fmt: str, *, csv_header: bool = True, after_commit: str = "keep", archive: str | None = None
+    ) -> None:
         self.lister = lister
         self.format = fmt
         self.csv_header = csv_header
+        self.release = after_commit
+        self.archive = archive
 
     @property
     def root(self) -> str:
@@ -257,6 +277,27 @@ class FilesSource:
         pending = self.pending(lineage, until)
         now_ms = int(time.time() * 1000)
         return Lag(len(pending), self.unit, future=sum(1 for f in pending if f.mtime_ms > now_ms))
+
+    def after_commit(self, lineage: Sequence[BatchRange]) -> int:
+        """Delete or archive the consumed files still in the source folder.
+
+        Only files of committed batches are in `lineage`, so a planned batch's
+        files stay until it commits. Files are found by listing, not taken
+        from the last batch alone, so a crash between a commit and this step
+        leaves nothing behind for good: the next committing run releases it.
+        """
+        if self.release == "keep":
+            return 0
+        consumed = _consumed(lineage)
+        done = [f for f in self.lister.list(None) if f.name in consumed]
+        for f in done:
+            if self.release == "delete":
+                self.lister.remove(f)
+            else:
+                self.lister.move(f, cast(str, self.archive))
+        if done:
+            log.info("%s %d consumed file(s)", "deleted" if self.release == "delete" else f"archived to {self.archive}", len(done))
+        return len(done)
 
     def verify(self, batch: BatchRange) -> None:
         """Each planned file must still be there with the size and mtime it was planned with."""

@@ -90,6 +90,17 @@ class S3Lister:
             raise SourceError(f"cannot read source object {f.uri}: {exc}", path=f.uri) from exc
         return SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000))
 
+    def remove(self, f: SourceFile) -> None:
+        self.client.delete_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)
+
+    def move(self, f: SourceFile, archive: str) -> None:
+        # S3 has no rename: copy, then delete (a crash in between leaves the
+        # object in both places; the next release deletes the source copy).
+        target = S3Location.parse(archive.rstrip("/") + "/" + f.name)
+        source = S3Location.parse(f.uri)
+        self.client.copy_object(Bucket=target.bucket, Key=target.key, CopySource={"Bucket": source.bucket, "Key": source.key})
+        self.remove(f)
+
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """As for local files: a Parquet object must have a readable footer before it is planned."""
         if fmt != "parquet":

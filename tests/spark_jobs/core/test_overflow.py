@@ -16,8 +16,9 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from spark_jobs.core import widen
 from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, validate_updates
-from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.delta_io import is_commit_conflict, open_table, read_all
 from spark_jobs.core.fencing import STATE_FENCE, Position, transaction_position
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
@@ -25,7 +26,7 @@ from spark_jobs.core.spec import PipelineSpec, load_spec
 from spark_jobs.core.state import StateTable
 from spark_jobs.errors import EXIT_TERMINAL, ConcurrentRunError, MergeOverflowError, TransformError, exit_code
 from spark_jobs.sources.base import BatchRange
-from tests.conftest import commit_updates, oracle_spec_dict, write_spec
+from tests.conftest import batch_metadata, commit_updates, oracle_spec_dict, write_spec
 
 INT_LIMITS = {pa.int8(): 127, pa.int16(): 32767, pa.int32(): 2**31 - 1, pa.int64(): 2**63 - 1}
 
@@ -52,10 +53,10 @@ def _values(state: StateTable, column: str = "n") -> dict[str, object]:
 
 
 def _refused(state: StateTable, batch: pa.Table) -> MergeOverflowError:
-    """Batch 2 is refused with nothing committed."""
+    """The next batch is refused with nothing committed."""
     before = state.open().version()
     with pytest.raises(MergeOverflowError) as info:
-        commit_updates(state, state.open(), batch, Position(0, 2))
+        commit_updates(state, state.open(), batch, state.position(state.open()).next())
     assert state.open().version() == before
     assert exit_code(info.value) == EXIT_TERMINAL
     return info.value
@@ -122,8 +123,6 @@ def test_a_non_finite_batch_value_is_refused_naming_the_column(tmp_path, bad):
 
 def test_a_batch_that_cannot_overflow_skips_the_exact_check(tmp_path, monkeypatch):
     """The state's file statistics bound every sum: the state is not read."""
-    from spark_jobs.core import widen
-
     state = _started(tmp_path, _batch({"n": pa.array(range(100), pa.int16())}, tuple(f"k{i}" for i in range(100))))
 
     def no_exact_check(*args, **kwargs):
@@ -134,16 +133,16 @@ def test_a_batch_that_cannot_overflow_skips_the_exact_check(tmp_path, monkeypatc
     assert _values(state)["k3"] == 10
 
 
-def test_a_sum_near_the_limit_takes_the_exact_check_and_names_the_first_overflowing_key(tmp_path, monkeypatch):
-    from spark_jobs.core import widen
-
+def test_a_sum_near_the_limit_takes_the_exact_check_which_decides_per_key(tmp_path, monkeypatch):
     calls = []
     exact = widen.exact_overflow
     monkeypatch.setattr(widen, "exact_overflow", lambda *a, **kw: calls.append(1) or exact(*a, **kw))
     state = _started(tmp_path, _batch({"n": pa.array([10, 32000, 30000], pa.int16())}, ("a", "b", "c")))
-    # Only "c" overflows (30000 + 3000); "b" is near the limit but gets a negative batch value.
-    error = _refused(state, _batch({"n": pa.array([3000, -3000, 3000], pa.int16())}, ("a", "b", "c")))
-    assert calls and "{'k': 'c'}" in str(error)
+    # The statistics cannot rule out 32000 + 3000, but "b" gets the negative value.
+    commit_updates(state, state.open(), _batch({"n": pa.array([3000, -3000], pa.int16())}, ("a", "b")), Position(0, 2))
+    assert len(calls) == 1 and _values(state) == {"a": 3010, "b": 29000, "c": 30000}
+    error = _refused(state, _batch({"n": pa.array([1, 2767, 2768], pa.int16())}, ("a", "b", "c")))
+    assert len(calls) == 2 and "{'k': 'c'}" in str(error) and "32768" in str(error)
 
 
 def test_missing_statistics_fall_back_to_the_exact_check(tmp_path):
@@ -165,7 +164,8 @@ def test_widening_a_column_keeps_every_total_exact(tmp_path):
     fenced_at = state.open().version()
     _refused(state, _batch({"n": pa.array([30000], pa.int16())}, ("k0",)))
     # The fix: the transform returns INT now; batch 2 is replayed.
-    version, _ = commit_updates(state, state.open(), _batch({"n": pa.array([30000, 1], pa.int32())}, ("k0", "new")), Position(0, 2))
+    wide = _batch({"n": pa.array([30000, 1], pa.int32())}, ("k0", "new"))
+    version, _ = commit_updates(state, state.open(), wide, Position(0, 2))
     table = state.open()
     assert pa.schema(table.schema().to_arrow()).field("n").type == pa.int32()
     values = _values(state)
@@ -233,14 +233,12 @@ def test_a_widening_from_a_snapshot_older_than_an_optimize_is_refused(tmp_path):
 
 
 def test_a_batch_merged_from_a_snapshot_before_a_widening_fails(tmp_path):
-    from spark_jobs.core.delta_io import is_commit_conflict
-
     state = _started(tmp_path, _batch({"n": pa.array([30000], pa.int16())}))
     stale = state.open()
     narrow = state.align(stale, _batch({"n": pa.array([1], pa.int16())}))
     state.align(state.open(), _batch({"n": pa.array([1], pa.int32())}))
     with pytest.raises(Exception) as info:
-        state.commit_batch(stale, narrow, _metadata(state, Position(0, 2)))
+        state.commit_batch(stale, narrow, batch_metadata(state.spec.name, Position(0, 2)))
     assert is_commit_conflict(info.value)
     assert _values(state) == {"a": 30000}
 
@@ -250,14 +248,19 @@ def test_a_new_merge_column_is_added_with_nulls_for_old_rows(tmp_path):
     state = StateTable(_spec(tmp_path, {"n": "sum", "m": "sum", "tag": "last"}))  # the spec gains merge columns
     fenced_at = state.open().version()
     batch = _batch(
-        {"n": pa.array([10, 1], pa.int64()), "m": pa.array([5, 6], pa.int32()), "tag": pa.array(["x", "y"], pa.large_string())},
+        {
+            "n": pa.array([10, 1], pa.int64()),
+            "m": pa.array([5, 6], pa.int32()),
+            "tag": pa.array(["x", "y"], pa.large_string()),
+        },
         ("a", "c"),
     )
     updates = state.align(state.open(), batch)
     # Step 4 merges on a freshly opened table.
-    state.commit_batch(state.open(), updates, _metadata(state, Position(0, 2)))
+    state.commit_batch(state.open(), updates, batch_metadata(state.spec.name, Position(0, 2)))
     rows = {r["k"]: r for r in read_all(state.open()).to_pylist()}
-    assert {k: (r["n"], r["m"], r["tag"]) for k, r in rows.items()} == {"a": (11, 5, "x"), "b": (2, None, None), "c": (1, 6, "y")}
+    merged = {k: (r["n"], r["m"], r["tag"]) for k, r in rows.items()}
+    assert merged == {"a": (11, 5, "x"), "b": (2, None, None), "c": (1, 6, "y")}
     schema = pa.schema(state.open().schema().to_arrow())
     assert (schema.field("m").type, schema.field("tag").type) == (pa.int32(), pa.string())
     assert state.outside_changes(state.open(), fenced_at) == []
@@ -284,7 +287,8 @@ class _FixedCompute:
         """Every result is set by the test."""
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
-        bad = pa.table({"file": [batch.manifest.uris[0]], "line": [2], "raw": ["{"], "reason": ["malformed"]}, schema=QUARANTINE_COLUMNS)
+        record = {"file": [batch.manifest.uris[0]], "line": [2], "raw": ["{"], "reason": ["malformed"]}
+        bad = pa.table(record, schema=QUARANTINE_COLUMNS)
         return ComputeResult(validate_updates(spec, self.updates), bad, 2)
 
     def close(self) -> None:
@@ -322,9 +326,3 @@ def test_an_overflowing_batch_exits_2_writes_nothing_and_replays_after_widening(
     assert pa.schema(state.open().schema().to_arrow()).field("n").type == pa.int16()
     assert run_batch(spec, RunOptions(run_id="test"), compute_factory=lambda: compute).status == "committed"
     assert _values(state) == {"a": 60000}  # files 2 and 3 in one batch, which adds 30000 here
-
-
-def _metadata(state: StateTable, position: Position):
-    from tests.conftest import batch_metadata
-
-    return batch_metadata(state.spec.name, position)

@@ -208,3 +208,28 @@ def test_a_ledger_from_before_ids_is_upgraded_in_place(spec_path):
     assert_exact(spec_path)
     [old] = OffsetLedger(spec.ledger_path, "other").load().rows
     assert (old.pipeline_id, old.spec, old.spec_fingerprint) == (None, None, None)
+
+
+def test_a_new_merge_column_joins_the_state_with_nulls_for_old_rows(tmp_path, compute):
+    """Compatible: the state gains the column; rows no later batch touched hold null (Spark end to end)."""
+    spec_path = write_spec(tmp_path, oracle_spec_dict(
+        transform="SELECT user_id, count(*) AS events FROM batch GROUP BY user_id",
+        state={"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum"}},
+    ))
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=1, records_per_file=40, users=8)
+    assert run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute).status == "committed"
+
+    def add_amount(d):
+        d["transform"] = "SELECT user_id, count(*) AS events, sum(amount) AS amount FROM batch WHERE user_id < 'user000004' GROUP BY user_id"
+        d["state"]["merge"]["amount"] = "sum"
+
+    _edit(spec_path, add_amount)
+    write_wave(landing, 1, files=1, records_per_file=40, users=8)
+    assert run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute).status == "committed"
+    rows = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
+    touched = {u for u, r in rows.items() if r["_batch_id"] == 2}
+    assert touched and all(u < "user000004" for u in touched)
+    assert {u for u, r in rows.items() if r["amount"] is not None} == touched, "old rows hold null"
+    committed = [r for r in history(load_spec(spec_path)) if r.status is RowStatus.COMMITTED]
+    assert len({r.spec_fingerprint for r in committed}) == 2

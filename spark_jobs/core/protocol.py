@@ -332,38 +332,49 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
         engine.get().check(spec)  # a transform that cannot fit the state fails before any write
-        row = LedgerRow(
-            pipeline=spec.name,
-            epoch=n.epoch,
-            batch_id=n.batch_id,
-            status=RowStatus.PLANNED,
-            start_offsets=batch.start.to_dict(),
-            end_offsets=batch.end.to_dict(),
-            manifest=batch.manifest.to_dict(),
-            pipeline_id=view.pipeline_id or new_pipeline_id(),
-            spec=identity.to_dict(),
-            spec_fingerprint=identity.fingerprint,
-            run_id=options.run_id,
-            attempt=options.attempt,
-            interval_start=options.interval_start,
-            interval_end=options.interval_end,
-            planned_at=utcnow(),
-        )
-        with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
-            appended = p.ledger.append(view, row, PLAN_FENCE)
-        if not appended:
-            # Another run planned N first (or the pipeline moved on): use its plan.
-            view = p.ledger.load()
-            theirs = view.planned(n)
-            if theirs is None:
-                if view.position >= n:
-                    return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, view.position), n, batch)
-                raise ConcurrentRunError(
-                    f"pipeline {spec.name}: could not plan {n}: the ledger moved; run again", pipeline=spec.name, position=n
-                )
-            row, batch = theirs, p.batch(theirs)
+        recorded = _record_plan(p, view, n, batch, identity, options)
+        if isinstance(recorded, Done):
+            return recorded
+        view, row, batch = recorded
     log.info("planned %s: %s", n, batch.describe())
     return Plan(n, head, batch, row, view, identity)
+
+
+def _record_plan(
+    p: Pipeline, view: LedgerView, n: Position, batch: BatchRange, identity: SpecIdentity, options: RunOptions
+) -> tuple[LedgerView, LedgerRow, BatchRange] | Done:
+    """Append the `planned` row of N on the plan fence; if another run planned
+    N first, its plan is the one to run (or the pipeline moved on: done)."""
+    spec = p.spec
+    row = LedgerRow(
+        pipeline=spec.name,
+        epoch=n.epoch,
+        batch_id=n.batch_id,
+        status=RowStatus.PLANNED,
+        start_offsets=batch.start.to_dict(),
+        end_offsets=batch.end.to_dict(),
+        manifest=batch.manifest.to_dict(),
+        pipeline_id=view.pipeline_id or new_pipeline_id(),
+        spec=identity.to_dict(),
+        spec_fingerprint=identity.fingerprint,
+        run_id=options.run_id,
+        attempt=options.attempt,
+        interval_start=options.interval_start,
+        interval_end=options.interval_end,
+        planned_at=utcnow(),
+    )
+    with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
+        if p.ledger.append(view, row, PLAN_FENCE):
+            return view, row, batch
+    view = p.ledger.load()
+    theirs = view.planned(n)
+    if theirs is not None:
+        return view, theirs, p.batch(theirs)
+    if view.position >= n:
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, view.position), n, batch)
+    raise ConcurrentRunError(
+        f"pipeline {spec.name}: could not plan {n}: the ledger moved; run again", pipeline=spec.name, position=n
+    )
 
 
 def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:

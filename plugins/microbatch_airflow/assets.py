@@ -8,6 +8,8 @@ from airflow.sdk import Asset, AssetAlias
 
 from spark_jobs.core.spec import PipelineSpec
 
+__all__ = ["batches_alias", "state_asset"]
+
 
 def state_asset(spec: PipelineSpec) -> Asset:
     """The state table as an asset; downstream DAGs schedule on it."""

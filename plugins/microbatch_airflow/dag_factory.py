@@ -26,6 +26,8 @@ from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
 from spark_jobs.core.spec import PipelineSpec, load_spec
 
+__all__ = ["BrokenPipelineSpecs", "build_dag", "build_maintenance_dag", "dags_from_folder", "pipelines_dir", "trigger_params"]
+
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
 
 

@@ -32,6 +32,8 @@ from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
 
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "master_from_connection"]
+
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
 _INTERVAL_BOUND_RUN_TYPES = {"scheduled", "backfill"}

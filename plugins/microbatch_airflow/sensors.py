@@ -8,7 +8,9 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowException
 
-from microbatch_airflow.triggers import NewDataTrigger, files_waiting
+from microbatch_airflow.triggers import NewDataTrigger, waiting
+
+__all__ = ["NewDataSensor"]
 
 
 class NewDataSensor(BaseSensorOperator):
@@ -26,9 +28,9 @@ class NewDataSensor(BaseSensorOperator):
         self.deferrable = deferrable
 
     def poke(self, context: Context) -> bool:
-        waiting = files_waiting(self.spec_path)
-        self.log.info("%d file(s) waiting", waiting)
-        return waiting > 0
+        count = waiting(self.spec_path)
+        self.log.info("%d waiting", count)
+        return count > 0
 
     def execute(self, context: Context) -> None:
         if not self.deferrable or self.poke(context):
@@ -44,4 +46,4 @@ class NewDataSensor(BaseSensorOperator):
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> None:
         if not event or event.get("status") != "ready":
             raise AirflowException(f"waiting for data failed: {(event or {}).get('message', event)}")
-        self.log.info("%s file(s) waiting; going on", event["files_waiting"])
+        self.log.info("%s waiting; going on", event["waiting"])

@@ -12,9 +12,11 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+__all__ = ["NewDataTrigger", "waiting"]
 
-def files_waiting(spec_path: str) -> int:
-    """How many source files wait for the pipeline in `spec_path`.
+
+def waiting(spec_path: str) -> int:
+    """How much source data waits for the pipeline in `spec_path`, in the source's own unit (files for a files source).
 
     A source that cannot be read (a missing folder, say) raises: a sensor
     must fail with the reason, not poll "0 waiting" until it times out.
@@ -40,11 +42,11 @@ class NewDataTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
             try:
-                waiting = await asyncio.to_thread(files_waiting, self.spec_path)
+                count = await asyncio.to_thread(waiting, self.spec_path)
             except Exception as exc:  # report, do not spin: the sensor fails with the message
                 yield TriggerEvent({"status": "error", "message": str(exc)})
                 return
-            if waiting:
-                yield TriggerEvent({"status": "ready", "files_waiting": waiting})
+            if count:
+                yield TriggerEvent({"status": "ready", "waiting": count})
                 return
             await asyncio.sleep(self.poll_seconds)

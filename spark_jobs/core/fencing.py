@@ -34,7 +34,6 @@ __all__ = [
     "STATE_FENCE",
     "Position",
     "commit_properties",
-    "state_agrees",
     "transaction_position",
 ]
 
@@ -78,17 +77,6 @@ class Position:
 
 #: Before the first batch.
 ORIGIN = Position(0, 0)
-
-
-def state_agrees(state_at: Position, ledger_at: Position) -> bool:
-    """Whether the state fence and the ledger's head describe the same point.
-
-    Equal positions agree; so does a state never committed to (no table, or
-    a table created empty) with any batch 0: an empty state is batch 0 of
-    every epoch, which is where a rewind to 0 before the first commit leaves
-    the ledger.
-    """
-    return state_at == ledger_at or (state_at == ORIGIN and ledger_at.batch_id == 0)
 
 
 def transaction_position(table: DeltaTable, app_id: str) -> Position:

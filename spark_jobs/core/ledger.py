@@ -24,7 +24,7 @@ from deltalake import DeltaTable, Field, write_deltalake
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table, read_all
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
-from spark_jobs.errors import NewerFormatError
+from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
 __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
 
@@ -160,7 +160,14 @@ def _upgrade(table: DeltaTable) -> list[str]:
     names = pa.schema(table.schema().to_arrow()).names
     missing = [c for c in _ADDED_COLUMNS if c not in names]
     if missing:
-        table.alter.add_columns([Field(c, "string", nullable=True) for c in missing])
+        try:
+            table.alter.add_columns([Field(c, "string", nullable=True) for c in missing])
+        except Exception as exc:
+            if not is_commit_conflict(exc):
+                raise
+            raise ConcurrentRunError(
+                f"the offset ledger {table.table_uri} was being upgraded by another run; run again"
+            ) from exc
         names = pa.schema(table.schema().to_arrow()).names
     return names
 
@@ -189,6 +196,20 @@ class LedgerView:
     def position(self) -> Position:
         head = self.head
         return head.position if head else ORIGIN
+
+    def agrees(self, state_at: Position) -> bool:
+        """Whether the state fence stands where the ledger's head says.
+
+        Equal positions agree. So does a state never committed to (no table,
+        or one created empty: fence at the origin) when the head is a rewind
+        the ledger alone recorded (no state version: a rewind to 0 before the
+        first commit), because an empty state is batch 0 of every epoch. Any
+        other state at the origin is not the ledger's.
+        """
+        head = self.head
+        return state_at == self.position or (
+            state_at == ORIGIN and head is not None and head.status is RowStatus.REWOUND and head.state_version is None
+        )
 
     @property
     def pipeline_id(self) -> str | None:

@@ -29,8 +29,10 @@ the two. A run of batch N (position ``(epoch, N)``):
 3. **Read and quarantine.** Compute reads exactly the planned range, splits
    off bad records and runs the transform. The result must fit the state
    table's types (the first batch creates the table, empty) before anything
-   of N is written. Bad records are appended to the quarantine table on its
-   own fence, so a replay of N does not add them twice.
+   of N is written; a new merge column is added to the state and a wider
+   result type widens the state's column (values kept), only while the
+   state fence still reads H. Bad records are appended to the quarantine
+   table on its own fence, so a replay of N does not add them twice.
 
 4. **Commit the state** (the commit point). On a fresh snapshot, the state
    fence must still read H: if it reads N or beyond, another run committed
@@ -42,10 +44,12 @@ the two. A run of batch N (position ``(epoch, N)``):
    landed; its ``commit_token`` says so, and the run carries on to step 5.)
 
 5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
-   from the state commit we just made.
+   from the state commit we just made. Then the source may release what the
+   committed batches consumed (`source.after_commit`: delete or archive).
 
 Every crash point is covered: before 4 nothing visible happened but a plan
-(reused on replay) and at most one quarantine append (fenced); after 4 the
+(reused on replay), at most one quarantine append (fenced), and a change of
+the state's columns that keeps every value; after 4 the
 batch is durable and the next run's step 1 completes it. The boundaries
 between the steps are named fault points (`spark_jobs.core.faults`) for crash
 tests, and where a SIGTERM stops the run (`spark_jobs.core.shutdown`) up to step
@@ -75,7 +79,7 @@ from spark_jobs.core.commits import CommitKind, CommitMetadata, StateCommit
 from spark_jobs.core.compute import Compute
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
-from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position, state_agrees
+from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
 from spark_jobs.core.identity import SpecIdentity, changes, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
@@ -171,6 +175,8 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
             return _outcome(spec, options, started, plan_)
         _boundary("after_plan", spec)
         processed = read_and_quarantine(p, plan_, engine.get())
+        if isinstance(processed, Done):
+            return _outcome(spec, options, started, processed)
         committed = commit_state(p, plan_, processed, options, started)
         if isinstance(committed, Done):
             return _outcome(spec, options, started, committed)
@@ -213,7 +219,7 @@ def reconcile(p: Pipeline) -> LedgerView:
         if appended:
             log.info("ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
     view = p.ledger.load()
-    if not state_agrees(p.state.position(p.state.open()), view.position):
+    if not view.agrees(p.state.position(p.state.open())):
         raise ConcurrentRunError(
             f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again", pipeline=p.spec.name
         )
@@ -226,7 +232,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
     Raises `StateLedgerMismatchError` (or its subclasses) when they do not
     belong together; reads only, so `status` can say what a run would find.
     """
-    if state_agrees(state_at, view.position):
+    if view.agrees(state_at):
         check_unchanged(p, view, table)
         return None
     if state_at < view.position:
@@ -409,13 +415,23 @@ def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute) -> Processed:
-    """Step 3: compute reads exactly the planned range; bad records go to the quarantine, once."""
+def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute) -> Processed | Done:
+    """Step 3: compute reads exactly the planned range; the state makes room
+    for the batch (a new or widened merge column); bad records go to the
+    quarantine, once."""
     spec, n = p.spec, plan_.position
     result = compute.process(spec, plan_.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
         table = p.state.open() or p.state.create(result.updates)
+    # `align` may change the state's columns: only from a state still at the
+    # ledger's head (a run that lost the race, or a zombie, must not).
+    current = p.state.position(table)
+    if current >= n:
+        reconcile(p)  # records the winner's commit, or refuses one that is not ours
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
+    if not plan_.view.agrees(current):
+        raise StateBehindLedgerError(spec.name, plan_.head, current)
     # A batch that cannot fit the state fails before the quarantine write:
     # that write is fenced per batch, so after a fix to the spec the replay
     # would not quarantine again what the fixed spec rejects.
@@ -451,8 +467,15 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
     if current >= n:
         reconcile(p)
         return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
-    if not state_agrees(current, head):
+    if not plan_.view.agrees(current):
         raise StateBehindLedgerError(spec.name, head, current)
+    if current == ORIGIN:
+        # A state never committed to carries no fence, and a rewind the ledger
+        # alone recorded moves none: a run that planned before such a rewind
+        # must find out from the ledger, just before its first commit.
+        moved = p.ledger.load().position
+        if moved != head:
+            return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan_.batch)
     # Merging onto a change made outside the job since step 1 would hide it for good.
     check_unchanged(p, plan_.view, table)
     metadata = CommitMetadata(

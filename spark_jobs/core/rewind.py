@@ -26,7 +26,7 @@ from typing import Any
 
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.core.fencing import COMMIT_FENCE, Position, state_agrees
+from spark_jobs.core.fencing import COMMIT_FENCE, Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.identity import SpecIdentity, changes
 from spark_jobs.core.maintain import oldest_rewindable, restorable_version
@@ -110,7 +110,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     # the ledger may lag by), else a run or another rewind moved the
     # pipeline since we looked.
     current = p.state.position(table)
-    if not state_agrees(current, head) if not recovering else not (current <= head or current == head.next()):
+    if not view.agrees(current) if not recovering else not (current <= head or current == head.next()):
         raise ConcurrentRunError(
             f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again",
             pipeline=spec.name,

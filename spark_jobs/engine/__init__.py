@@ -31,11 +31,11 @@ def compute_factory(spec: PipelineSpec, master: str | None = None) -> Callable[[
     from spark_jobs.engine.session import resolve_master
 
     resolved = resolve_master(master, spec)
-    log.info("Spark master: %s", resolved or "from spark-submit")
 
     def make() -> Compute:
         from spark_jobs.engine.spark_compute import SparkCompute
 
+        log.info("Spark master: %s", resolved or "from spark-submit")
         return SparkCompute(master=resolved)
 
     return make

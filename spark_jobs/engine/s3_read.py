@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
+__all__ = ["MAX_FETCH_TASKS", "parquet_rows", "whole_objects"]
+
 #: At most this many fetch tasks a batch (one object per task below it).
 MAX_FETCH_TASKS = 64
 

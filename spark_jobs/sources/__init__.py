@@ -6,11 +6,15 @@ the implementation for a spec's `source:` block.
 
 from __future__ import annotations
 
-from spark_jobs.core.spec import PipelineSpec
+from typing import TYPE_CHECKING
+
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Source
 from spark_jobs.sources.files import FilesSource, LocalLister
 from spark_jobs.sources.s3 import S3Lister
 from spark_jobs.storage.s3 import is_s3
+
+if TYPE_CHECKING:
+    from spark_jobs.core.spec import PipelineSpec
 
 __all__ = ["BatchRange", "Caps", "Lag", "Source", "make_source"]
 

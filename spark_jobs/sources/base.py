@@ -1,6 +1,6 @@
 """The `Source` protocol: what the commit protocol needs from a source.
 
-A source answers four questions, all in plain Python (no JVM), so that a run
+A source answers five questions, all in plain Python (no JVM), so that a run
 with nothing new ends without starting Spark:
 
 * where a pipeline starts (`origin`);

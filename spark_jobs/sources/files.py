@@ -11,6 +11,8 @@ current lineage. Consequences:
   twice (once consumed, it is in the set);
 * a file's identity is its path relative to the source folder: rewriting a
   consumed file in place is not seen again. Land new data as new files.
+  (With `after_commit: delete` or `archive`, consumed names leave the folder
+  and may be used again, so a file is then its name, size and mtime.)
 
 Files still being written are ignored: names starting with ``.`` or ``_``
 (Spark's and Hadoop's convention for hidden and temporary files, also applied
@@ -268,10 +270,21 @@ class FilesSource:
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
+    def identity(self, f: SourceFile) -> tuple[str, ...] | str:
+        """What makes a file the same file. By its name, as Spark's file
+        source does (a file rewritten in place is not read again); but once
+        consumed files are deleted or archived, a name is free to be used
+        again, so then a file is its name, size and mtime."""
+        return f.name if self.release == "keep" else (f.name, str(f.size), str(f.mtime_ms))
+
+    def _consumed(self, lineage: Sequence[BatchRange]) -> set[tuple[str, ...] | str]:
+        """The consumed files of `lineage`, by `identity`."""
+        return {self.identity(f) for batch in lineage for f in cast(FilesManifest, batch.manifest).files}
+
     def pending(self, lineage: Sequence[BatchRange], until: datetime | None = None) -> list[SourceFile]:
         """Ready files not yet consumed by `lineage`."""
-        consumed = _consumed(lineage)
-        return [f for f in self.list_files(until) if f.name not in consumed]
+        consumed = self._consumed(lineage)
+        return [f for f in self.list_files(until) if self.identity(f) not in consumed]
 
     def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
         pending = self.pending(lineage, until)
@@ -288,8 +301,8 @@ class FilesSource:
         """
         if self.release == "keep":
             return 0
-        consumed = _consumed(lineage)
-        done = [f for f in self.lister.list(None) if f.name in consumed]
+        consumed = self._consumed(lineage)
+        done = [f for f in self.lister.list(None) if self.identity(f) in consumed]
         for f in done:
             if self.release == "delete":
                 self.lister.remove(f)
@@ -326,8 +339,8 @@ class FilesSource:
         `max_records` is a cap in whole files: files are taken while the total
         stays within it, and always at least one (a file is never split).
         """
-        consumed = _consumed(lineage)
-        pending = [f for f in self.list_files() if f.name not in consumed]
+        consumed = self._consumed(lineage)
+        pending = [f for f in self.list_files() if self.identity(f) not in consumed]
         if until is not None:
             limit_ms = int(until.timestamp() * 1000)
             later = [f for f in pending if f.mtime_ms >= limit_ms]
@@ -366,11 +379,3 @@ class FilesSource:
 
 def _when(mtime_ms: int) -> str:
     return datetime.fromtimestamp(mtime_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _consumed(lineage: Sequence[BatchRange]) -> set[str]:
-    """The consumed-file set: every file in the lineage's manifests."""
-    names: set[str] = set()
-    for batch in lineage:
-        names.update(batch.manifest.inputs())
-    return names

@@ -34,10 +34,11 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+from urllib.parse import unquote
 
 from spark_jobs.errors import SourceError
 
-__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "is_s3", "region", "reset", "s3_client"]
+__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "exists", "is_s3", "region", "reset", "s3_client"]
 
 S3_SCHEME = "s3://"
 
@@ -126,3 +127,16 @@ def _s3_options() -> tuple[tuple[str, str], ...]:
 def reset() -> None:
     """Forget resolved credentials (tests switch servers within one process)."""
     _s3_options.cache_clear()
+
+
+def exists(uri: str) -> bool:
+    """Whether a file (a path or ``file://`` URI, percent-encoded as delta-rs
+    lists them) or an ``s3://`` object exists."""
+    if not is_s3(uri):
+        return os.path.exists(unquote(uri.removeprefix("file://")))
+    location = S3Location.parse(uri)
+    try:
+        s3_client().head_object(Bucket=location.bucket, Key=unquote(location.key))
+    except Exception:  # noqa: BLE001 - missing (404) or unreadable: either way not there for us
+        return False
+    return True

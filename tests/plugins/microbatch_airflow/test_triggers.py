@@ -27,7 +27,7 @@ def test_fires_when_a_file_lands(spec_path):
         return await asyncio.wait_for(first, 10)
 
     event = asyncio.run(scenario())
-    assert event.payload == {"status": "ready", "files_waiting": 2}
+    assert event.payload == {"status": "ready", "waiting": 2}
 
 
 def test_reports_errors_instead_of_spinning(tmp_path):

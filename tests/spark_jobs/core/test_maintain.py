@@ -76,3 +76,17 @@ def test_maintain_between_every_batch_keeps_the_protocol_exact_and_the_ledger_sm
     # Live: one compacted file; dead: at most what the last compaction replaced (two rows a batch).
     assert _parquet_files(spec.ledger_path) <= 1 + 3
     assert _parquet_files(spec.quarantine_path) <= 1 + 2
+
+
+def test_rewind_works_for_a_state_path_delta_rs_lists_percent_encoded(tmp_path):
+    """delta-rs lists data files percent-encoded: `lake house/` must not read as missing (found by review)."""
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    base = oracle_spec_dict()
+    spec_path = write_spec(tmp_path, oracle_spec_dict(state={**base["state"], "path": "lake house/état"}))
+    _batches(spec_path, range(3))
+    spec = load_spec(spec_path)
+    assert status(spec).oldest_rewindable == 1
+    rewind(spec, 1, run_id="test-rewind")
+    _batches(spec_path, range(3, 4))
+    assert_exact(spec_path)

@@ -117,3 +117,43 @@ def test_files_dated_in_the_future_are_counted_apart_and_a_bounded_run_says_why_
     assert _run(spec).status == "committed"  # a manual run takes it
     rows = OffsetLedger(spec.ledger_path, spec.name).load().rows
     assert [r.status for r in rows if r.status is RowStatus.COMMITTED] == [RowStatus.COMMITTED]
+
+
+def test_a_state_at_the_origin_agrees_only_with_a_ledger_only_rewind(spec_path):
+    """A replaced (unfenced) state after an ordinary rewind to 0 is not the ledger's (found by review)."""
+    import shutil
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from spark_jobs.errors import StateBehindLedgerError
+
+    spec = load_spec(spec_path)
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=10)
+    assert _run(spec).status == "committed"
+    rewind(spec, 0, run_id="test-rewind")
+    shutil.rmtree(spec.state_path)
+    write_deltalake(spec.state_path, pa.table({"user_id": ["u1"], "events": pa.array([1], pa.int64())}))
+    with pytest.raises(StateBehindLedgerError):
+        _run(spec)
+
+
+def test_a_run_planned_before_a_ledger_only_rewind_does_not_commit(spec_path):
+    """Nothing fences a state never committed to: the run finds the rewind in the ledger (found by review)."""
+    spec = load_spec(spec_path)
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=10)
+
+    def rewind_meanwhile(point: str) -> None:
+        if point == "after_plan":
+            faults.set_hook(None)
+            assert rewind(spec, 0, run_id="test-rewind").epoch == 1
+
+    faults.set_hook(rewind_meanwhile)
+    try:
+        outcome = _run(spec)
+    finally:
+        faults.set_hook(None)
+    assert outcome.status == "already_committed" and "rewound" in outcome.message
+    outcome = _run(spec)
+    assert (outcome.status, outcome.epoch, outcome.batch_id) == ("committed", 1, 1)
+    assert_exact(spec_path)

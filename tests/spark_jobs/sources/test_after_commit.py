@@ -82,3 +82,19 @@ def test_an_archive_inside_the_source_is_refused(tmp_path):
         load_spec(_spec(tmp_path, after_commit="archive", archive="landing/archive"))
     with pytest.raises(SpecError, match="after_commit: archive needs `archive"):
         load_spec(_spec(tmp_path, after_commit="archive"))
+
+
+def test_once_released_a_name_may_be_used_again(tmp_path):
+    """With delete, writers reuse names: a new `events.json` is new data, not the consumed one."""
+    spec_path = _spec(tmp_path, after_commit="delete")
+    landing, kept = tmp_path / "landing", tmp_path / "copy"
+    for wave in range(3):
+        [written] = write_wave(kept / f"w{wave}", wave, files=1, records_per_file=10)
+        (landing / "events.json").write_bytes(written.read_bytes())
+        assert _run(spec_path) == "committed", f"wave {wave}"
+        assert _files(landing) == []
+    spec = load_spec(spec_path)
+    from spark_jobs.core.delta_io import open_table, read_all
+
+    events = sum(r["events"] for r in read_all(open_table(spec.state_path)).to_pylist())
+    assert events == 30

@@ -20,7 +20,7 @@ from spark_jobs.demo.clickstream import differences, fold, state_totals, write_w
 from spark_jobs.core.faults import ENV as FAULT_ENV
 from spark_jobs.core.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "dags" / "pipelines" / "clicks_per_user.yaml"
 
 
@@ -66,12 +66,13 @@ def top_users(spec_file: Path, n: int = 5) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    import pyarrow as pa
     from deltalake import DeltaTable, QueryBuilder
 
     # What a user does to query the state with SQL (delta-rs's engine).
     spec = load_spec(spec_file)
     sql = f"SELECT user_id, events, round(amount, 2) AS amount, last_seen, _batch_id FROM state ORDER BY events DESC, user_id LIMIT {n}"
-    rows = QueryBuilder().register("state", DeltaTable(spec.state_path)).execute(sql).read_all().to_pylist()
+    rows = pa.table(QueryBuilder().register("state", DeltaTable(spec.state_path)).execute(sql).read_all()).to_pylist()
     table = Table(title=f"top {n} users in {spec.state.path}", title_justify="left")
     for column in ("user_id", "events", "amount", "last_seen", "_batch_id"):
         table.add_column(column)

@@ -7,6 +7,7 @@ CLI in subprocesses, one JVM each, exactly as an Airflow task would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -215,3 +216,24 @@ def batch_metadata(pipeline: str, position):
 def commit_updates(state, table, updates, position):
     """Commit one batch's updates to a `StateTable` as step 4 does: fitted to the table, then merged."""
     return state.commit_batch(table, state.align(table, updates), batch_metadata(state.spec.name, position))
+
+
+class SimulatedCrash(Exception):
+    """Stands for a kill at a fault point, for in-process runs."""
+
+
+@contextlib.contextmanager
+def crash_at(point: str):
+    """The run inside dies at fault point `point` (raises `SimulatedCrash` there); the test expects it."""
+    from spark_jobs.core import faults
+
+    def crash(reached: str) -> None:
+        if reached == point:
+            raise SimulatedCrash(point)
+
+    faults.set_hook(crash)
+    try:
+        with pytest.raises(SimulatedCrash):
+            yield
+    finally:
+        faults.set_hook(None)

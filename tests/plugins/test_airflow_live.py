@@ -6,7 +6,6 @@ the UI drives it, and through `airflow backfill create` as a user types it.
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 

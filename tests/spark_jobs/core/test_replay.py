@@ -19,12 +19,8 @@ from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.errors import EXIT_TERMINAL, SourceChangedError
-from tests.conftest import assert_exact
+from tests.conftest import assert_exact, crash_at
 from tests.spark_jobs.arrow_compute import ArrowCompute
-
-
-class _Crash(Exception):
-    """Stands for a kill at a fault point."""
 
 
 def _run(spec, **options):
@@ -33,17 +29,8 @@ def _run(spec, **options):
 
 def _plan_then_crash(spec) -> None:
     """A run that records its plan and dies before reading (as a kill after step 2)."""
-
-    def crash(point: str) -> None:
-        if point == "after_plan":
-            raise _Crash(point)
-
-    faults.set_hook(crash)
-    try:
-        with pytest.raises(_Crash):
-            _run(spec)
-    finally:
-        faults.set_hook(None)
+    with crash_at("after_plan"):
+        _run(spec)
 
 
 def test_a_planned_file_rewritten_before_the_replay_is_refused_by_name(spec_path, capsys):

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from spark_jobs.core import faults
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.errors import SpecError
-from tests.conftest import assert_exact, oracle_spec_dict, write_spec
+from tests.conftest import assert_exact, crash_at, oracle_spec_dict, write_spec
 from tests.spark_jobs.arrow_compute import ArrowCompute
 
 
@@ -48,26 +47,12 @@ def test_delete_releases_only_committed_files_and_catches_up_after_a_crash(tmp_p
     write_wave(kept, 0, files=1, records_per_file=20)
     write_wave(landing, 0, files=1, records_per_file=20)
 
-    def crash(point: str) -> None:
-        if point == "after_plan":
-            raise RuntimeError("killed after the plan")
-
-    faults.set_hook(crash)
-    with pytest.raises(RuntimeError):
+    with crash_at("after_plan"):
         _run(spec_path)
-    faults.set_hook(None)
     assert len(_files(landing)) == 1, "a planned, uncommitted batch keeps its files for the replay"
 
-    def crash_after_commit(point: str) -> None:
-        if point == "after_state_commit":
-            raise RuntimeError("killed after the state commit")
-
-    faults.set_hook(crash_after_commit)
-    try:
-        with pytest.raises(RuntimeError):
-            _run(spec_path)
-    finally:
-        faults.set_hook(None)
+    with crash_at("after_state_commit"):
+        _run(spec_path)
     assert len(_files(landing)) == 1, "committed, but the run died before releasing"
     write_wave(kept, 1, files=1, records_per_file=20)
     write_wave(landing, 1, files=1, records_per_file=20)

@@ -237,3 +237,23 @@ def crash_at(point: str):
             yield
     finally:
         faults.set_hook(None)
+
+
+class BatchesLineage:
+    """An in-memory lineage of planned batches, for testing a source alone
+    (the protocol gives sources a `spark_jobs.core.lineage.LedgerLineage`)."""
+
+    def __init__(self, *batches) -> None:
+        self.batches = [b for b in batches if b is not None]
+
+    @property
+    def end(self) -> dict:
+        return self.batches[-1].end.to_dict() if self.batches else {}
+
+    def consumed(self, keys) -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        for batch in self.batches:
+            for key, version in batch.manifest.units():
+                if key in keys:
+                    found.setdefault(key, set()).add(version)
+        return found

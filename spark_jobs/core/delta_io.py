@@ -20,7 +20,22 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from spark_jobs.errors import StorageError
 from spark_jobs.storage.s3 import delta_storage_options
 
-__all__ = ["describe_os_error", "ensure_table", "is_commit_conflict", "open_table", "read_all", "storage_errors"]
+__all__ = [
+    "SMALL_FILE_BYTES",
+    "describe_os_error",
+    "ensure_table",
+    "is_commit_conflict",
+    "open_table",
+    "read_all",
+    "storage_errors",
+]
+
+#: Compaction target for the tables every run appends to (ledger, consumed
+#: index): files of about this size, bigger ones left alone. Delta's default
+#: (100 MB) would rewrite the whole table at each compaction until it reached
+#: that size, a cost that grows with the pipeline's age; and a read by
+#: position decodes a whole file that may hold the row.
+SMALL_FILE_BYTES = 2 * 1024 * 1024
 
 #: What a storage error means for the pipeline, unless the caller knows better.
 RERUN_SAFE = (
@@ -85,9 +100,14 @@ def ensure_table(
     return DeltaTable(path, storage_options=storage_options)
 
 
-def read_all(table: DeltaTable) -> pa.Table:
-    """Read a whole table snapshot through delta-rs's engine."""
-    return pa.table(QueryBuilder().register("t", table).execute("SELECT * FROM t").read_all())
+def read_all(table: DeltaTable, *, where: str | None = None, columns: tuple[str, ...] = ()) -> pa.Table:
+    """Read a table snapshot through delta-rs's engine: all of it, or the rows
+    matching `where` (SQL the caller builds from integers and
+    `spark_jobs.core.sql_text` literals only), which Delta's file statistics
+    let the engine find without reading every file; all columns, or `columns`."""
+    selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+    sql = f"SELECT {selected} FROM t" + (f" WHERE {where}" if where else "")
+    return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
 
 
 @contextmanager

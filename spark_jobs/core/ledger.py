@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Any
@@ -22,8 +22,8 @@ import pyarrow as pa
 from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
-from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table, read_all
-from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
+from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all
+from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
 __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
@@ -180,22 +180,41 @@ def scoped(app_id: str, pipeline: str) -> str:
 
 @dataclass
 class LedgerView:
-    """A snapshot of the ledger, with the derived facts the protocol needs."""
+    """A snapshot of the ledger, with the derived facts the protocol needs.
+
+    A run needs only the ledger's head and the plan after it, and
+    `OffsetLedger.load` reads just those rows, by position, so the cost of a
+    run does not grow with the ledger's length. Questions about the whole
+    history (`rows`, `lineage`) read the snapshot in full, once, on demand:
+    rewind, maintenance and `history` ask them, a run never does.
+    """
 
     table: DeltaTable | None
-    rows: list[LedgerRow]
-    pipeline: str = ""
+    ledger: OffsetLedger
+    head: LedgerRow | None
+    _rows: list[LedgerRow] | None = None
+    _planned: dict[Position, LedgerRow | None] = field(default_factory=dict)
+
+    @classmethod
+    def of_rows(cls, table: DeltaTable | None, ledger: OffsetLedger, rows: list[LedgerRow]) -> LedgerView:
+        """A view whose rows are known (a full read, or a test's own)."""
+        done = [r for r in rows if r.status in (RowStatus.COMMITTED, RowStatus.REWOUND)]
+        return cls(table, ledger, max(done, key=lambda r: r.position) if done else None, list(rows))
 
     @property
-    def head(self) -> LedgerRow | None:
-        """The latest `committed` or `rewound` row: where the pipeline stands."""
-        done = [r for r in self.rows if r.status in (RowStatus.COMMITTED, RowStatus.REWOUND)]
-        return max(done, key=lambda r: r.position) if done else None
+    def pipeline(self) -> str:
+        return self.ledger.pipeline
+
+    @property
+    def rows(self) -> list[LedgerRow]:
+        """Every row of this pipeline in the snapshot (a full read)."""
+        if self._rows is None:
+            self._rows = self.ledger.read(self.table)
+        return self._rows
 
     @property
     def position(self) -> Position:
-        head = self.head
-        return head.position if head else ORIGIN
+        return self.head.position if self.head else ORIGIN
 
     def agrees(self, state_at: Position) -> bool:
         """Whether the state fence stands where the ledger's head says.
@@ -213,17 +232,28 @@ class LedgerView:
 
     @property
     def pipeline_id(self) -> str | None:
-        """The id the pipeline's first plan minted (None: no rows yet, or all older than ids)."""
-        return next((r.pipeline_id for r in self.rows if r.pipeline_id), None)
+        """The id the pipeline's first plan minted (None: no rows yet, or all older than ids).
+
+        Every row written after the first plan carries it, so the head has it,
+        or else the plan after the head (the first batch, planned and not yet
+        committed); rows without one are format-1 rows, older than any id.
+        """
+        if self.head is not None and self.head.pipeline_id:
+            return self.head.pipeline_id
+        following = self.planned(self.position.next())
+        return following.pipeline_id if following is not None else None
 
     def planned(self, position: Position) -> LedgerRow | None:
-        for row in self.rows:
-            if row.status is RowStatus.PLANNED and row.position == position:
-                return row
-        return None
+        """The `planned` row of `position`, if there is one."""
+        if self._rows is not None:
+            return next((r for r in self._rows if r.status is RowStatus.PLANNED and r.position == position), None)
+        if position not in self._planned:
+            found = self.ledger.at(self.table, position, (RowStatus.PLANNED,))
+            self._planned[position] = found[0] if found else None
+        return self._planned[position]
 
     def lineage(self) -> list[LedgerRow]:
-        """The committed batches that make up the current state, in order.
+        """The committed batches that make up the current state, in order (a full read).
 
         Epoch e's history is its own committed rows after its rewind point
         K_e, preceded by epoch e-1's lineage up to K_e (and so on back).
@@ -259,14 +289,74 @@ class OffsetLedger:
     def __init__(self, path: str, pipeline: str) -> None:
         self.path = path
         self.pipeline = pipeline
+        self._table: DeltaTable | None = None
+        #: Rows read or appended, by position and status: each fence lets one
+        #: row per position and status in, so a found row never changes.
+        self._known: dict[tuple[Position, RowStatus], LedgerRow] = {}
+
+    def snapshot(self) -> DeltaTable | None:
+        """The ledger at its latest version, None if it does not exist yet.
+
+        One handle per `OffsetLedger`, brought up to date by reading only the
+        commits since (milliseconds; opening it again reads the checkpoint).
+        Views made earlier share the handle: every append checks its fence
+        on the snapshot it commits from, which is the latest, so a view's
+        older head can never let a stale row in.
+        """
+        if self._table is None:
+            self._table = open_table(self.path)
+        else:
+            self._table.update_incremental()
+        return self._table
 
     def load(self) -> LedgerView:
-        table = open_table(self.path)
+        """The ledger's snapshot, its head read by position.
+
+        The commit fence's version *is* the head's position (every
+        `committed` and `rewound` row advances it), so the head is found
+        with one positional query, which Delta's file statistics narrow to
+        the file holding it. A ledger whose fence says nothing (a new one,
+        or one older than fences) is read in full.
+        """
+        table = self.snapshot()
         if table is None:
-            return LedgerView(None, [], self.pipeline)
-        # Filtered here, not in SQL: the pipeline name never becomes query text.
-        records = [r for r in read_all(table).to_pylist() if r["pipeline"] == self.pipeline]
-        return LedgerView(table, [LedgerRow.from_record(r, path=self.path) for r in records], self.pipeline)
+            return LedgerView(None, self, None, [])
+        at = transaction_position(table, scoped(COMMIT_FENCE, self.pipeline))
+        if at == ORIGIN:
+            return LedgerView.of_rows(table, self, self.read(table))
+        found = self.at(table, at, (RowStatus.COMMITTED, RowStatus.REWOUND))
+        if not found:
+            return LedgerView.of_rows(table, self, self.read(table))
+        return LedgerView(table, self, found[0])
+
+    def read(self, table: DeltaTable | None) -> list[LedgerRow]:
+        """Every row of this pipeline in `table`'s snapshot."""
+        if table is None:
+            return []
+        return self._rows(read_all(table))
+
+    def at(self, table: DeltaTable | None, position: Position, statuses: tuple[RowStatus, ...]) -> list[LedgerRow]:
+        """The rows of `position` with one of `statuses` (Delta skips the files that cannot hold them)."""
+        known = [self._known[(position, s)] for s in statuses if (position, s) in self._known]
+        if known or table is None:
+            return known
+        # Only integers enter the query text; the pipeline and status are
+        # filtered here, so no name ever becomes SQL.
+        where = f"epoch = {int(position.epoch)} AND batch_id = {int(position.batch_id)}"
+        found = [r for r in self._rows(read_all(table, where=where)) if r.status in statuses]
+        self._known.update(((r.position, r.status), r) for r in found)
+        return found
+
+    def committed_between(self, table: DeltaTable | None, epoch: int, after: int, upto: int) -> list[LedgerRow]:
+        """The `committed` rows of `epoch` with `after` < batch id <= `upto`, in order."""
+        if table is None:
+            return []
+        where = f"epoch = {int(epoch)} AND batch_id > {int(after)} AND batch_id <= {int(upto)}"
+        rows = [r for r in self._rows(read_all(table, where=where)) if r.status is RowStatus.COMMITTED]
+        return sorted(rows, key=lambda r: r.batch_id)
+
+    def _rows(self, records: pa.Table) -> list[LedgerRow]:
+        return [LedgerRow.from_record(r, path=self.path) for r in records.to_pylist() if r["pipeline"] == self.pipeline]
 
     def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:
         """Append `row`, fenced by `app_id` at the row's position.
@@ -280,7 +370,7 @@ class OffsetLedger:
         if table is None:
             # First event of a new pipeline: create the (empty) table, then
             # check the fence on the snapshot we will commit from.
-            table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} offset ledger")
+            table = self._table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} offset ledger")
         columns = _upgrade(table)
         fence = scoped(app_id, self.pipeline)
         if transaction_position(table, fence) >= row.position:
@@ -292,6 +382,7 @@ class OffsetLedger:
             if is_commit_conflict(exc):
                 return False
             raise
+        self._known[(row.position, row.status)] = row
         return True
 
     def compact(self) -> bool:
@@ -302,10 +393,10 @@ class OffsetLedger:
         after a later batch. Returns True if it compacted.
         """
         try:
-            table = open_table(self.path)
+            table = self.snapshot()
             if table is None or len(table.file_uris()) < COMPACT_AT_FILES:
                 return False
-            table.optimize.compact()
+            table.optimize.compact(target_size=SMALL_FILE_BYTES)
         except Exception as exc:  # noqa: BLE001 - it runs after the batch committed: never fail the run
             log.warning("offset ledger not compacted this time (%s); a later run tries again", exc)
             return False

@@ -15,8 +15,8 @@ before K+1's (an OPTIMIZE rewrites files without changing rows). So an
 OPTIMIZE followed by a VACUUM that dropped K's own files still leaves K
 rewindable through the OPTIMIZE's version.
 
-Ledger and quarantine are never rewound, so their old versions are not
-needed. Their VACUUM runs before their compaction: the files a compaction
+Ledger, quarantine and consumed index are never rewound, so their old
+versions are not needed. Their VACUUM runs before their compaction: the files a compaction
 replaces stay until the next maintenance, for runs reading an older snapshot
 concurrently, so dead files never exceed one compaction's worth.
 """
@@ -30,7 +30,7 @@ from typing import Any
 from deltalake import DeltaTable
 
 from spark_jobs.core.commits import METADATA_KEY
-from spark_jobs.core.delta_io import open_table
+from spark_jobs.core.delta_io import SMALL_FILE_BYTES, open_table
 from spark_jobs.core.ledger import LedgerView
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -78,15 +78,24 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
             # files this VACUUM would delete). The next maintenance does it.
             log.warning("state of %s moved during maintenance; VACUUM of the state skipped this time", spec.name)
         state.create_checkpoint()
-    for name, path in (("ledger", p.ledger.path), ("quarantine", p.quarantine.path)):
+    # The consumed index follows the ledger's head (and is built here for a
+    # pipeline older than it), so lookups stop reading the ledger.
+    p.lineage(view).record()
+    for name, path in (("ledger", p.ledger.path), ("quarantine", p.quarantine.path), ("consumed", p.consumed.path)):
         table = open_table(path)
         if table is None:
             continue
         # VACUUM first, then compact: what this compaction replaces stays for
         # readers of older snapshots until the next maintenance removes it.
         removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
-        table.optimize.compact()
+        if name == "consumed":
+            p.consumed.sort(table)
+        else:
+            table.optimize.compact(target_size=SMALL_FILE_BYTES)
         table.create_checkpoint()
+        # Log entries older than the table's log retention (Delta's default:
+        # 30 days) and behind the checkpoint go, so the log stays bounded too.
+        table.cleanup_metadata()
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
     return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spark_jobs.core.ledger import LedgerRow, LedgerView, OffsetLedger
+from spark_jobs.core.lineage import ConsumedIndex, LedgerLineage
 from spark_jobs.core.quarantine import Quarantine
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.state import StateTable
@@ -12,11 +13,12 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline:
-    """The offset ledger, state, quarantine and source of one spec."""
+    """The offset ledger, consumed index, state, quarantine and source of one spec."""
 
     def __init__(self, spec: PipelineSpec) -> None:
         self.spec = spec
         self.ledger = OffsetLedger(spec.ledger_path, spec.name)
+        self.consumed = ConsumedIndex(spec.consumed_path, spec.name)
         self.state = StateTable(spec)
         self.quarantine = Quarantine(spec.quarantine_path, spec.name)
         self.source: Source = make_source(spec)
@@ -25,6 +27,6 @@ class Pipeline:
         """A ledger row's range, in the source's own types."""
         return self.source.decode(row.start_offsets, row.end_offsets, row.manifest)
 
-    def lineage(self, view: LedgerView) -> list[BatchRange]:
-        """The ranges of the committed batches that make up the current state, oldest first."""
-        return [self.batch(row) for row in view.lineage()]
+    def lineage(self, view: LedgerView) -> LedgerLineage:
+        """The lineage at `view`'s head, as the source asks about it."""
+        return LedgerLineage(view, self.source, self.consumed)

@@ -8,13 +8,16 @@ needs (offsets, manifest, metrics). The ledger's ``committed`` row is a
 projection of that commit, repaired by the next run if a crash falls between
 the two. A run of batch N (position ``(epoch, N)``):
 
-1. **Reconcile.** Read the ledger's head H and the state fence S. If S == H
-   the tables agree (unless the state's history shows a change made outside
-   the job since H's commit: stop). If S is one event ahead, a run committed
-   the state and died before its ledger row: append that row from the state
-   commit's metadata, fenced on the ledger's commit fence (so a racing run
-   does not append it twice). If S is further ahead or behind, the tables do
-   not belong together (a lost checkpoint, a replaced state): stop.
+1. **Reconcile.** Read the ledger's head H and the state fence S. (The
+   ledger's commit fence holds H's position, so H is read by position: no
+   run reads the whole ledger, and a run costs the same at batch 10 and at
+   batch 100,000.) If S == H the tables agree (unless the state's history
+   shows a change made outside the job since H's commit: stop). If S is one
+   event ahead, a run committed the state and died before its ledger row:
+   append that row from the state commit's metadata, fenced on the ledger's
+   commit fence (so a racing run does not append it twice). If S is further
+   ahead or behind, the tables do not belong together (a lost checkpoint, a
+   replaced state): stop.
 
 2. **Plan** N = H.batch_id + 1. First, the spec must still mean what it
    meant for H (`spark_jobs.core.identity`): an incompatible change stops
@@ -44,8 +47,11 @@ the two. A run of batch N (position ``(epoch, N)``):
    landed; its ``commit_token`` says so, and the run carries on to step 5.)
 
 5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
-   from the state commit we just made. Then the source may release what the
-   committed batches consumed (`source.after_commit`: delete or archive).
+   from the state commit we just made. The consumed index, a cache of the
+   ledger that answers "was this file consumed?" without reading every
+   manifest (`spark_jobs.core.lineage`), follows it. Then the source may
+   release what the committed batches consumed (`source.after_commit`:
+   delete or archive).
 
 Every crash point is covered: before 4 nothing visible happened but a plan
 (reused on replay), at most one quarantine append (fenced), and a change of
@@ -547,10 +553,14 @@ def project(p: Pipeline) -> None:
     fault_point("after_ledger_commit")
     if p.ledger.compact():
         log.info("compacted the offset ledger")
+    lineage = p.lineage(view)
+    # The consumed index is a cache of the ledger: it follows the row just
+    # recorded (best effort; lookups read what it lacks from the ledger).
+    lineage.record()
     # After the commit only (a replay reads its planned files), and after the
     # ledger row, so the consumed set it goes by includes this batch.
     try:
-        p.source.after_commit(p.lineage(view))
+        p.source.after_commit(lineage)
     except Exception as exc:  # noqa: BLE001 - the batch is committed: releasing files never fails the run
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 

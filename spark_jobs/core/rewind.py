@@ -143,7 +143,9 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
             f"could not restore {p.state.path} to version {version}: {exc}. "
             f"If old files were vacuumed, batch {to_batch} cannot be restored."
         ) from exc
-    reconcile(p)
+    # The consumed index belonged to the old epoch: rebuild it for the new one now
+    # (rewinds are rare), so the next runs look files up in it again.
+    p.lineage(reconcile(p)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
 

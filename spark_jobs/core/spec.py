@@ -412,6 +412,10 @@ class PipelineSpec(_Model):
         return self.checkpoint_path.rstrip("/") + "/quarantine"
 
     @property
+    def consumed_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/consumed"
+
+    @property
     def value_columns(self) -> list[str]:
         return list(self.state.merge)
 
@@ -542,7 +546,7 @@ def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str
             problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables and the archive")
     if _inside(checkpoint, state):
         problem(("checkpoint",), f"{checkpoint} is inside the state table's folder {state}; put it beside it")
-    for table in (spec.ledger_path, spec.quarantine_path):
+    for table in (spec.ledger_path, spec.quarantine_path, spec.consumed_path):
         if _inside(state, table) or _inside(table, state):
             problem(("state", "path"), f"{state} overlaps the checkpoint's table {table}; put the state elsewhere")
     return found

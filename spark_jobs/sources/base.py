@@ -5,7 +5,9 @@ with nothing new ends without starting Spark:
 
 * where a pipeline starts (`origin`);
 * which records come next, after the batches of the current lineage, within
-  a run's bound and caps (`plan`);
+  a run's bound and caps (`plan`); the lineage is a `Lineage`, which tells
+  where it ends and, for sources that need it, which units (files) it
+  consumed, without the source reading the whole history;
 * how much is waiting (`lag`), in the source's own terms;
 * whether a planned range can still be read as planned (`verify`), before a
   replay reads it, and what to do with consumed data once committed
@@ -25,12 +27,12 @@ manifest's type. Adding a source means implementing `Source` (and its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-__all__ = ["BatchRange", "Caps", "Lag", "Manifest", "Offsets", "Source"]
+__all__ = ["BatchRange", "Caps", "Lag", "Lineage", "Manifest", "Offsets", "Source"]
 
 
 class Offsets(Protocol):
@@ -51,6 +53,11 @@ class Manifest(Protocol):
 
     def describe(self) -> str:
         """A short phrase for logs and outcomes, e.g. ``3 file(s)``."""
+
+    def units(self) -> list[tuple[str, str]]:
+        """What the batch consumed that no later batch may take again, as
+        (key, version) pairs: for files, each name with its size and mtime.
+        Empty for sources whose offsets alone say what was consumed."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,22 @@ class Lag:
         return f"{text} ({self.future:,} dated in the future)" if self.future else text
 
 
+class Lineage(Protocol):
+    """The committed batches that make up the current state, as a source may ask about them.
+
+    Answers cost what the question costs, not what the history holds (see
+    `spark_jobs.core.lineage`).
+    """
+
+    @property
+    def end(self) -> dict[str, Any]:
+        """The last batch's end offsets as stored (the origin's before the first batch)."""
+
+    def consumed(self, keys: Collection[str]) -> dict[str, set[str]]:
+        """Of `keys` (units' keys, e.g. file names), those a batch of the
+        lineage consumed, each with the versions it consumed."""
+
+
 class Source(Protocol):
     """Plans batches over one source (see the module docstring)."""
 
@@ -95,19 +118,18 @@ class Source(Protocol):
     def origin(self) -> Offsets:
         """Offsets before the first batch."""
 
-    def plan(self, lineage: Sequence[BatchRange], *, until: datetime | None, caps: Caps) -> BatchRange | None:
-        """The next batch after `lineage` (the committed batches that make up
-        the current state, oldest first), or None if nothing waits.
+    def plan(self, lineage: Lineage, *, until: datetime | None, caps: Caps) -> BatchRange | None:
+        """The next batch after `lineage`, or None if nothing waits.
 
         `until` bounds the batch by arrival time (the end of a data
         interval). Raises `SourceError` naming what cannot be read, before
         anything is planned.
         """
 
-    def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
+    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
         """How much waits after `lineage` (what `plan` would take, uncapped)."""
 
-    def after_commit(self, lineage: Sequence[BatchRange]) -> int:
+    def after_commit(self, lineage: Lineage) -> int:
         """Release what the committed batches of `lineage` consumed, as the spec
         says (for files: keep, delete or archive them). Idempotent: whatever a
         crash left behind is released by the next call. Returns how many."""

@@ -4,7 +4,9 @@ Like Spark's file stream source, the offset is a position in a log of
 consumed files, not a file name: ``{"files": n}`` means "the first n files of
 this pipeline's history", and each batch's manifest lists the files it took.
 The set of consumed files is the union of the manifests of the batches in the
-current lineage. Consequences:
+current lineage; the planner asks the lineage about the files it lists
+(`Lineage.consumed`), which answers from the consumed index without reading
+every manifest. Consequences:
 
 * a file that lands late, or whose name sorts before files already consumed,
   is picked up by the next batch (it is not in the consumed set) and never
@@ -33,14 +35,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from spark_jobs.errors import SourceChangedError, SourceError, first_line
-from spark_jobs.sources.base import BatchRange, Caps, Lag
+from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 
 __all__ = [
     "HADOOP_GLOB_CHARS",
@@ -84,6 +85,11 @@ class SourceFile:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "uri": self.uri, "size": self.size, "mtime_ms": self.mtime_ms}
 
+    @property
+    def version(self) -> str:
+        """Which content of the name this is, as far as a listing can tell."""
+        return f"{self.size}:{self.mtime_ms}"
+
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> SourceFile:
         return cls(entry["name"], entry["uri"], entry.get("size", 0), entry.get("mtime_ms", 0))
@@ -113,6 +119,9 @@ class FilesManifest:
 
     def describe(self) -> str:
         return f"{len(self.files)} file(s)"
+
+    def units(self) -> list[tuple[str, str]]:
+        return [(f.name, f.version) for f in self.files]
 
     @property
     def uris(self) -> list[str]:
@@ -270,28 +279,30 @@ class FilesSource:
         found.sort(key=lambda f: (f.mtime_ms, f.name))
         return found
 
-    def identity(self, f: SourceFile) -> tuple[str, ...] | str:
-        """What makes a file the same file. By its name, as Spark's file
-        source does (a file rewritten in place is not read again); but once
-        consumed files are deleted or archived, a name is free to be used
-        again, so then a file is its name, size and mtime."""
-        return f.name if self.release == "keep" else (f.name, str(f.size), str(f.mtime_ms))
+    def consumed(self, lineage: Lineage, files: list[SourceFile]) -> list[bool]:
+        """For each of `files`, whether a batch of `lineage` consumed it.
 
-    def _consumed(self, lineage: Sequence[BatchRange]) -> set[tuple[str, ...] | str]:
-        """The consumed files of `lineage`, by `identity`."""
-        return {self.identity(f) for batch in lineage for f in cast(FilesManifest, batch.manifest).files}
+        By its name, as Spark's file source does (a file rewritten in place is
+        not read again); but once consumed files are deleted or archived, a
+        name is free to be used again, so then a file is its name and version
+        (size and mtime).
+        """
+        seen = lineage.consumed({f.name for f in files})
+        if self.release == "keep":
+            return [f.name in seen for f in files]
+        return [f.version in seen.get(f.name, ()) for f in files]
 
-    def pending(self, lineage: Sequence[BatchRange], until: datetime | None = None) -> list[SourceFile]:
+    def pending(self, lineage: Lineage, until: datetime | None = None) -> list[SourceFile]:
         """Ready files not yet consumed by `lineage`."""
-        consumed = self._consumed(lineage)
-        return [f for f in self.list_files(until) if self.identity(f) not in consumed]
+        listed = self.list_files(until)
+        return [f for f, done in zip(listed, self.consumed(lineage, listed)) if not done]
 
-    def lag(self, lineage: Sequence[BatchRange], *, until: datetime | None = None) -> Lag:
+    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
         pending = self.pending(lineage, until)
         now_ms = int(time.time() * 1000)
         return Lag(len(pending), self.unit, future=sum(1 for f in pending if f.mtime_ms > now_ms))
 
-    def after_commit(self, lineage: Sequence[BatchRange]) -> int:
+    def after_commit(self, lineage: Lineage) -> int:
         """Delete or archive the consumed files still in the source folder.
 
         Only files of committed batches are in `lineage`, so a planned batch's
@@ -301,8 +312,8 @@ class FilesSource:
         """
         if self.release == "keep":
             return 0
-        consumed = self._consumed(lineage)
-        done = [f for f in self.lister.list(None) if self.identity(f) in consumed]
+        listed = self.lister.list(None)
+        done = [f for f, consumed in zip(listed, self.consumed(lineage, listed)) if consumed]
         for f in done:
             if self.release == "delete":
                 self.lister.remove(f)
@@ -333,14 +344,13 @@ class FilesSource:
                 path=planned.uri,
             )
 
-    def plan(self, lineage: Sequence[BatchRange], *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
+    def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         """The next batch: pending files up to the caps, or None if none wait.
 
         `max_records` is a cap in whole files: files are taken while the total
         stays within it, and always at least one (a file is never split).
         """
-        consumed = self._consumed(lineage)
-        pending = [f for f in self.list_files() if self.identity(f) not in consumed]
+        pending = self.pending(lineage)
         if until is not None:
             limit_ms = int(until.timestamp() * 1000)
             later = [f for f in pending if f.mtime_ms >= limit_ms]
@@ -373,7 +383,8 @@ class FilesSource:
         # breaks after planning is reported by the read instead.)
         for f in pending:
             self.lister.check_readable(f, self.format)
-        start = len(consumed)
+        # The offset is a position in the log of consumed files: where the lineage ended.
+        start = int(lineage.end.get("files", 0))
         return BatchRange(FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)))
 
 

@@ -28,7 +28,7 @@ from spark_jobs.sources import make_source
 from spark_jobs.sources.base import Caps
 from spark_jobs.engine.spark_compute import LONG_LINE_RAW_CHARS, SparkCompute
 from spark_jobs.core.spec import load_spec
-from tests.conftest import oracle_spec_dict, write_spec
+from tests.conftest import BatchesLineage, oracle_spec_dict, write_spec
 
 SCHEMA = "event_id STRING, user_id STRING NOT NULL, amount DOUBLE, n BIGINT"
 SIMPLE = {
@@ -49,7 +49,7 @@ def _process(spark, spec, files: dict[str, bytes]):
     landing = Path(spec.source_path)
     for name, content in files.items():
         (landing / name).write_bytes(content)
-    batch = make_source(spec).plan([], until=None, caps=Caps())
+    batch = make_source(spec).plan(BatchesLineage(), until=None, caps=Caps())
     return SparkCompute(session=spark).process(spec, batch)
 
 
@@ -163,7 +163,7 @@ def test_parquet_nan_and_not_null_are_quarantined(tmp_path, spark):
     spec = _spec(tmp_path, format="parquet")
     table = pa.table({"event_id": ["a", "b", "c"], "user_id": ["u1", "u1", None], "amount": [1.0, float("nan"), 2.0]})
     pq.write_table(table, Path(spec.source_path) / "a.parquet")
-    batch = make_source(spec).plan([], until=None, caps=Caps())
+    batch = make_source(spec).plan(BatchesLineage(), until=None, caps=Caps())
     result = SparkCompute(session=spark).process(spec, batch)
     reasons = {row["line"]: row["reason"] for row in result.quarantine.to_pylist()}
     assert reasons == {2: "field amount: NaN is not a finite DOUBLE (NaN, Infinity and numbers beyond its range are refused)", 3: NOT_NULL}

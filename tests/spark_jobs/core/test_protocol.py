@@ -395,7 +395,7 @@ def test_ledger_compaction_failing_never_fails_a_committed_run(spec_path, monkey
     real_compact = ledger.OffsetLedger.compact
 
     def compact_with_broken_storage(self):
-        monkeypatch.setattr(ledger, "open_table", broken_open)
+        monkeypatch.setattr(ledger.OffsetLedger, "snapshot", broken_open)
         return real_compact(self)
 
     monkeypatch.setattr(ledger.OffsetLedger, "compact", compact_with_broken_storage)

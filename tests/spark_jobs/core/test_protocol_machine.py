@@ -156,11 +156,11 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert pending.position == view.position.next(), "the state is more than one batch ahead of the ledger"
         else:
             assert pending.epoch == view.position.epoch + 1, "the state is more than one rewind ahead of the ledger"
-        return LedgerView(view.table, [*view.rows, pending], self.spec.name), state_at
+        return LedgerView.of_rows(view.table, view.ledger, [*view.rows, pending]), state_at
 
     def _pending_files(self) -> list[str]:
         view, _ = self._effective()
-        consumed = {name for batch in Pipeline(self.spec).lineage(view) for name in batch.manifest.inputs()}
+        consumed = {name for row in view.lineage() for name in Pipeline(self.spec).batch(row).manifest.inputs()}
         return [f for f in self._ready_files() if f not in consumed]
 
     def _ready_files(self) -> list[str]:

@@ -29,6 +29,7 @@ from spark_jobs.core.spec import load_spec
 from spark_jobs.storage.s3 import S3Location, delta_storage_options, s3_client
 from tests.conftest import (
     ROOT,
+    BatchesLineage,
     TEST_AWS_SECRET,
     assert_exact,
     oracle_spec_dict,
@@ -71,9 +72,9 @@ def test_listing_pages_skips_unfinished_names_and_bounds_by_last_modified(bucket
 
     past = datetime.now(timezone.utc) - timedelta(hours=1)
     assert source.list_files(until=past) == []
-    batch = source.plan([], caps=Caps(max_files=1))
+    batch = source.plan(BatchesLineage(), caps=Caps(max_files=1))
     assert batch is not None and batch.end.to_dict() == {"files": 1}
-    assert source.plan([source.plan([])]) is None
+    assert source.plan(BatchesLineage(source.plan(BatchesLineage()))) is None
 
 
 def test_storage_options_come_from_the_boto3_chain_with_conditional_put(s3_endpoint):

@@ -23,7 +23,7 @@ from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
 from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all
-from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, Position, commit_properties, transaction_position
+from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
 __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
@@ -248,6 +248,8 @@ class LedgerView:
         if self._rows is not None:
             return next((r for r in self._rows if r.status is RowStatus.PLANNED and r.position == position), None)
         if position not in self._planned:
+            if self.table is not None and transaction_position(self.table, scoped(PLAN_FENCE, self.pipeline)) < position:
+                return None  # the plan fence has not reached it: no such row (yet)
             found = self.ledger.at(self.table, position, (RowStatus.PLANNED,))
             self._planned[position] = found[0] if found else None
         return self._planned[position]

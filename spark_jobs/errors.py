@@ -126,6 +126,17 @@ class SourceChangedError(Terminal, MicrobatchError):
     rewritten or removed), so the replay cannot read what was planned."""
 
 
+class SourceRefusedError(Terminal, MicrobatchError):
+    """The source holds something the spec cannot read as asked (a Delta
+    table without its change feed, a version that is not an append); a
+    person must change the spec or the source."""
+
+
+class DataLossError(Terminal, MicrobatchError):
+    """Source data the pipeline has not consumed is gone (retention, a log
+    cleanup); `source.on_data_loss: skip` goes on without it."""
+
+
 class NewerFormatError(Terminal, MicrobatchError):
     """A ledger row or state commit was written by a newer microbatch, whose
     format this version cannot read safely."""

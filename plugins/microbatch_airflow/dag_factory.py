@@ -18,9 +18,9 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from airflow.sdk import DAG, CronDataIntervalTimetable, Param
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param
 
-from microbatch_airflow.assets import batches_alias
+from microbatch_airflow.assets import batches_alias, state_asset
 from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
@@ -59,8 +59,15 @@ def trigger_params() -> dict[str, Param]:
     }
 
 
-def build_dag(spec: PipelineSpec) -> DAG:
-    schedule = CronDataIntervalTimetable(spec.schedule, timezone="UTC") if spec.schedule else None
+def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
+    """The pipeline's DAG. `upstream`: the pipeline whose state table this
+    one's Delta source reads; without a schedule of its own, the DAG then
+    runs whenever the upstream commits a batch (its state asset)."""
+    schedule: CronDataIntervalTimetable | list[Asset] | None = None
+    if spec.schedule:
+        schedule = CronDataIntervalTimetable(spec.schedule, timezone="UTC")
+    elif upstream is not None:
+        schedule = [state_asset(upstream)]
     doc = spec.description or f"Micro-batch pipeline `{spec.name}`."
     with DAG(
         dag_id=spec.name,
@@ -139,16 +146,22 @@ def dags_from_folder(folder: Path) -> dict[str, DAG]:
     with `maintenance.schedule` (plus one DAG carrying errors)."""
     dags: dict[str, DAG] = {}
     errors: list[str] = []
+    specs: dict[str, PipelineSpec] = {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
             spec = load_spec(path.resolve())
         except SpecError as exc:
             errors.append(str(exc))
             continue
-        if spec.name in dags:
+        if spec.name in specs:
             errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
             continue
-        dags[spec.name] = build_dag(spec)
+        specs[spec.name] = spec
+    # A Delta source that is another pipeline's state chains the two.
+    by_state = {spec.state_path.rstrip("/"): spec for spec in specs.values()}
+    for spec in specs.values():
+        upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
+        dags[spec.name] = build_dag(spec, upstream)
         if spec.maintenance.schedule:
             dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec)
     if errors:

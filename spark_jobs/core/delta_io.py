@@ -66,6 +66,7 @@ def ensure_table(
     *,
     name: str | None = None,
     description: str | None = None,
+    configuration: dict[str, str] | None = None,
 ) -> DeltaTable:
     """The table at `path`, created empty first if it does not exist.
 
@@ -90,6 +91,7 @@ def ensure_table(
             mode="ignore",
             name=name,
             description=description,
+            configuration=configuration,
             storage_options=storage_options,
             commit_properties=CommitProperties(max_commit_retries=0),
         )

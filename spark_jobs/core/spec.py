@@ -29,6 +29,8 @@ __all__ = [
     "IDENTIFIER",
     "PIPELINE_NAME",
     "SPARK_MASTER",
+    "CHANGE_COLUMNS",
+    "DeltaSourceSpec",
     "FilesSourceSpec",
     "PipelineSpec",
     "SchemaField",
@@ -212,10 +214,39 @@ class FilesSourceSpec(_Model):
         return parse_schema(self.schema_)
 
 
+class DeltaSourceSpec(_Model):
+    """An upstream Delta table; each of its versions is consumed exactly once."""
+
+    type: Literal["delta"]
+    path: str = Field(min_length=1)
+    #: `changes`: the change data feed (inserts, updates with pre/post
+    #: images, deletes); `appends`: the rows appended by append-only versions.
+    read: Literal["changes", "appends"] = "changes"
+    #: Versions the pipeline still needs but the table no longer has (its log
+    #: was cleaned up): stop (`fail`), or record them as skipped and go on.
+    on_data_loss: Literal["fail", "skip"] = "fail"
+
+    @property
+    def format(self) -> str:
+        return f"delta {self.read}"
+
+    @property
+    def fields(self) -> list[SchemaField]:
+        """Declared columns: none (the batch has the table's own columns)."""
+        return []
+
+
+#: The `batch` view's columns that `read: changes` adds to the table's.
+CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
+
+
 class StateSpec(_Model):
     path: str = Field(min_length=1)
     keys: list[str] = Field(min_length=1)
     merge: dict[str, Literal["sum", "min", "max", "first", "last"]] = Field(min_length=1)
+    #: Write Delta's change data feed (`delta.enableChangeDataFeed`), so that
+    #: a downstream pipeline can read this state's changes (`source.type: delta`).
+    change_feed: bool = False
 
     @field_validator("keys")
     @classmethod
@@ -267,6 +298,8 @@ class MaintenanceSpec(_Model):
 class BatchLimits(_Model):
     max_files: int | None = Field(default=None, ge=1)
     max_records: int | None = Field(default=None, ge=1)
+    #: Delta sources: at most this many upstream versions a batch.
+    max_versions: int | None = Field(default=None, ge=1)
 
 
 def _check_cron(schedule: str | None) -> str | None:
@@ -330,7 +363,7 @@ class EngineSpec(_Model):
 class PipelineSpec(_Model):
     name: str
     description: str = ""
-    source: FilesSourceSpec
+    source: FilesSourceSpec | DeltaSourceSpec = Field(discriminator="type")
     transform: str = Field(min_length=1)
     state: StateSpec
     checkpoint: str = Field(min_length=1)
@@ -397,7 +430,8 @@ class PipelineSpec(_Model):
 
     @property
     def archive_path(self) -> str | None:
-        return self.resolve(self.source.archive) if self.source.archive else None
+        archive = self.source.archive if isinstance(self.source, FilesSourceSpec) else None
+        return self.resolve(archive) if archive else None
 
     @property
     def checkpoint_path(self) -> str:
@@ -456,6 +490,8 @@ def _at(lines: dict[tuple[str, ...], int], loc: tuple[str, ...], problem: str) -
 
 def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     loc = tuple("schema" if p == "schema_" else str(p) for p in error["loc"])
+    if loc[:1] == ("source",) and loc[1:2] in (("files",), ("delta",)):
+        loc = loc[:1] + loc[2:]  # the source type's tag, which pydantic puts in the path
     field = ".".join(loc)
     message = error["msg"].removeprefix("Value error, ")
     kind = error["type"]
@@ -465,8 +501,14 @@ def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
         message = "is not a known field (check the spelling; see docs/spec.md)"
     elif kind == "literal_error" and field == "source.format":
         message = f"{error.get('input')!r} is not a format; use json, csv or parquet"
+    elif kind == "union_tag_not_found":
+        message = "is required: write `type: files` or `type: delta`"
+        loc = loc + ("type",)
+    elif kind == "union_tag_invalid":
+        message = f"type {error.get('input', {}).get('type')!r} is not a source type; use files or delta"
+        loc = loc + ("type",)
     elif kind == "literal_error" and field == "source.type":
-        message = f"{error.get('input')!r} is not a source type; use files"
+        message = f"{error.get('input')!r} is not a source type; use files or delta"
     return _at(lines, loc, message)
 
 
@@ -504,7 +546,7 @@ def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) ->
     lines = _line_index(text)
     problems = []
     locations = [(("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)]
-    if spec.source.archive:
+    if isinstance(spec.source, FilesSourceSpec) and spec.source.archive:
         locations.append((("source", "archive"), spec.source.archive))
     for loc, raw in locations:
         problem = check_location(raw, spec.resolve(raw), roots)

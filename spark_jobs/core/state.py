@@ -37,7 +37,7 @@ from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
-__all__ = ["BATCH_COLUMN", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
+__all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
 
 _E = TypeVar("_E", bound=MicrobatchError)
 
@@ -91,6 +91,10 @@ def merge_expression(column: str, rule: str) -> str:
     raise ValueError(f"unknown merge rule {rule!r}")
 
 
+#: The Delta table property that makes every commit write its row changes.
+CHANGE_FEED = "delta.enableChangeDataFeed"
+
+
 class StateTable:
     """The keyed state of one pipeline: commits batches, restores, and reads its own history."""
 
@@ -113,6 +117,7 @@ class StateTable:
             schema,
             name=self.spec.name,
             description=self.spec.description or None,
+            configuration={CHANGE_FEED: "true"} if self.spec.state.change_feed else None,
         )
 
     def commit_batch(self, table: DeltaTable, updates: pa.Table, metadata: CommitMetadata) -> tuple[int, int]:
@@ -208,6 +213,10 @@ class StateTable:
         if widened:
             with self._changing_columns(f"widening column(s) {', '.join(widened)}"):
                 self._widen(table, existing, widened)
+        if self.spec.state.change_feed and table.metadata().configuration.get(CHANGE_FEED) != "true":
+            # Turned on in the spec of an existing state: the feed starts with this batch.
+            with self._changing_columns("turning its change data feed on"):
+                table.alter.set_table_properties({CHANGE_FEED: "true"})
         return aligned
 
     def _widen(self, table: DeltaTable, existing: pa.Schema, widened: dict[str, pa.DataType]) -> None:

@@ -21,10 +21,11 @@ import pyarrow as pa
 from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
-from spark_jobs.engine import s3_read
+from spark_jobs.engine import delta_read, s3_read
 from spark_jobs.engine.session import connect_session, default_session
 from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
+from spark_jobs.sources.delta import DeltaManifest
 from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest
 from spark_jobs.storage.s3 import endpoint_url, is_s3, region
 
@@ -91,6 +92,10 @@ class SparkCompute:
         """Analyse the transform over an empty `batch` (no job runs)."""
         from pyspark.sql import functions as F
 
+        if spec.source.type == "delta":
+            empty = self.spark.createDataFrame(delta_read.batch_schema(spec.source_path, spec.source.read).empty_table())
+            check_result_columns(spec, self._transform(spec, empty).columns)
+            return
         # An empty typed frame built in the JVM (createDataFrame([]) goes through Python).
         empty = self.spark.range(0).select(*[F.lit(None).cast(f.type).alias(f.name) for f in spec.source.fields])
         columns = self._transform(spec, empty).columns
@@ -101,6 +106,8 @@ class SparkCompute:
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         from pyspark.sql import functions as F
 
+        if isinstance(batch.manifest, DeltaManifest):
+            return self._process_versions(spec, batch.manifest)
         manifest = _files_manifest(spec, batch)
         parsed = None
         try:
@@ -130,6 +137,23 @@ class SparkCompute:
             if parsed is not None:
                 parsed.unpersist()
         return ComputeResult(validate_updates(spec, updates), quarantine, records_in)
+
+    def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
+        """A Delta source's batch: its rows come typed, so nothing is quarantined;
+        the driver reads them (see `spark_jobs.engine.delta_read`)."""
+        try:
+            rows = delta_read.read_versions(manifest)
+        except Exception as exc:
+            raise SourceError(
+                f"pipeline {spec.name}: cannot read versions {manifest.first}..{manifest.last} of source table "
+                f"{manifest.uri}: {first_line(exc)}. If a VACUUM of that table removed their files, the "
+                "versions are lost: rewind to the last committed batch (`microbatch rewind SPEC --to-batch K`) "
+                "and set `source.on_data_loss: skip` only if losing them is acceptable. Nothing was committed.",
+                pipeline=spec.name,
+                path=manifest.uri,
+            ) from exc
+        updates = self._transform(spec, self.spark.createDataFrame(rows)).toArrow()
+        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), rows.num_rows)
 
     # -- internals ------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Source
+from spark_jobs.sources.delta import DeltaSource
 from spark_jobs.sources.files import FilesSource, LocalLister
 from spark_jobs.sources.s3 import S3Lister
 from spark_jobs.storage.s3 import is_s3
@@ -22,6 +23,10 @@ __all__ = ["BatchRange", "Caps", "Lag", "Source", "make_source"]
 def make_source(spec: PipelineSpec) -> Source:
     """The source for a spec's `source:` block."""
     path = spec.source_path
+    if spec.source.type == "delta":
+        return DeltaSource(
+            path, read=spec.source.read, on_data_loss=spec.source.on_data_loss, max_versions=spec.batch.max_versions
+        )
     lister = S3Lister(path) if is_s3(path) else LocalLister(path)
     return FilesSource(
         lister,

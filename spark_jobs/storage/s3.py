@@ -38,7 +38,7 @@ from urllib.parse import unquote
 
 from spark_jobs.errors import SourceError
 
-__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "exists", "is_s3", "region", "reset", "s3_client"]
+__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "exists", "is_s3", "read_bytes", "region", "reset", "s3_client"]
 
 S3_SCHEME = "s3://"
 
@@ -140,3 +140,16 @@ def exists(uri: str) -> bool:
     except Exception:  # noqa: BLE001 - missing (404) or unreadable: either way not there for us
         return False
     return True
+
+
+def read_bytes(uri: str) -> bytes:
+    """A whole file (a path, ``file://`` URI or ``s3://`` object); FileNotFoundError if missing."""
+    if not is_s3(uri):
+        with open(unquote(uri.removeprefix("file://")), "rb") as handle:
+            return handle.read()
+    location = S3Location.parse(uri)
+    client = s3_client()
+    try:
+        return client.get_object(Bucket=location.bucket, Key=unquote(location.key))["Body"].read()
+    except client.exceptions.NoSuchKey as exc:
+        raise FileNotFoundError(uri) from exc

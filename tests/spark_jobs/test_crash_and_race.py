@@ -169,6 +169,7 @@ def _race_rounds(spec_path: Path, rounds: int, runners: int = 8) -> None:
     assert len(lineage) == rounds  # ...and one batch per round
 
 
+@pytest.mark.slow  # 2.4 min; `test_four_runs_at_once_over_a_backlog` and the chaos test race runs in `make test`
 def test_eight_runs_at_once(spec_path):
     _race_rounds(spec_path, rounds=2)
 

@@ -24,7 +24,7 @@ def test_example_dags_import_without_errors(monkeypatch):
     seconds = time.perf_counter() - start
     print(f"parsed {len(bag.dag_ids)} DAGs in {seconds:.3f} s")  # a figure, not an assert
     assert bag.import_errors == {}
-    assert {"clicks_per_user", "clicks_per_user_downstream"} <= set(bag.dag_ids)
+    assert {"clicks_per_user", "clicks_per_user_downstream", "clicks_per_domain"} <= set(bag.dag_ids)
     dag = bag.dags["clicks_per_user"]
     assert dag.max_active_runs == 1
     assert "microbatch" in dag.tags
@@ -68,3 +68,13 @@ def test_duplicate_pipeline_names_are_reported(tmp_path, monkeypatch):
     bag = _dagbag(monkeypatch, tmp_path)
     assert "same" in bag.dag_ids
     assert "names must be unique" in next(iter(bag.import_errors.values()))
+
+
+def test_a_pipeline_reading_another_pipelines_state_is_scheduled_on_its_asset(monkeypatch):
+    """The example chain: clicks_per_domain's Delta source is clicks_per_user's state."""
+    monkeypatch.delenv("MICROBATCH_PIPELINES_DIR", raising=False)
+    bag = _dagbag(monkeypatch)
+    chained = bag.dags["clicks_per_domain"]
+    assert type(chained.timetable).__name__ == "AssetTriggeredTimetable"
+    assert [a.name for a in chained.timetable.asset_condition.objects] == ["microbatch.clicks_per_user.state"]
+    assert type(bag.dags["clicks_per_user"].timetable).__name__ == "CronDataIntervalTimetable"

@@ -1,0 +1,270 @@
+"""An upstream Delta table as a source: each version consumed exactly once.
+
+The offset is the last version consumed (``{"version": v}``; -1 before the
+first batch), and a batch is the versions ``(v, v_end]``: Delta versions are
+the table's own log of commits, as a Kafka partition's offsets are its log.
+Two ways to read them (`source.read`):
+
+* ``changes``: the table's change data feed (inserts, deletes, and updates
+  as pre- and post-images), with `_change_type`, `_commit_version` and
+  `_commit_timestamp` columns. The feed must be on (the table property
+  ``delta.enableChangeDataFeed``); a pipeline's state table turns it on with
+  ``state.change_feed: true``, which is how pipelines are chained.
+* ``appends``: the rows the versions appended, for append-only tables; a
+  version that did anything else (an UPDATE, a DELETE, an OPTIMIZE) is
+  refused by number and operation, because its effect is not rows to add.
+
+Data intervals bound a batch by commit time: a run for ``[start, end)``
+takes the versions committed before ``end``. A table whose latest version is
+behind the ledger's offset was recreated and is refused. A version the
+pipeline still needs but can no longer read (its log entry removed by a log
+cleanup, or a file it needs removed by a VACUUM) follows `on_data_loss`:
+``fail`` stops with exit 2 naming the versions, ``skip`` records the lost
+versions in the batch's manifest (so the ledger says what was skipped) and
+goes on after them, as Spark's ``failOnDataLoss=false`` does. Checking a
+version reads its log entry and checks its files exist: the cost is the
+batch's, never the table's age.
+
+Planning reads only the table's log (no data, no JVM), so a run with nothing
+new never starts Spark.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+
+from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
+from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
+from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
+
+__all__ = ["APPEND_OPERATIONS", "DeltaManifest", "DeltaSource", "VersionOffsets"]
+
+log = logging.getLogger("microbatch")
+
+#: Operations whose only effect is rows added (delta-rs and Spark spell them so).
+APPEND_OPERATIONS = ("WRITE", "STREAMING UPDATE", "CREATE TABLE", "CREATE TABLE AS SELECT", "CREATE OR REPLACE TABLE")
+#: Operations that change no rows (a batch may span them).
+_NO_DATA_OPERATIONS = ("SET TBLPROPERTIES", "VACUUM START", "VACUUM END", "ADD CONSTRAINT", "DROP CONSTRAINT", "UPGRADE PROTOCOL", "ADD COLUMNS")
+
+
+@dataclass(frozen=True)
+class VersionOffsets:
+    """The last upstream version consumed (-1: none yet)."""
+
+    version: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+
+@dataclass(frozen=True)
+class DeltaManifest:
+    """The versions one batch reads, and those it had to skip."""
+
+    uri: str
+    read: str  # "changes" | "appends"
+    first: int
+    last: int
+    #: [first, last] ranges of versions lost upstream and skipped (`on_data_loss: skip`).
+    skipped: tuple[tuple[int, int], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "read": self.read, "first": self.first, "last": self.last, "skipped": [list(r) for r in self.skipped]}
+
+    def inputs(self) -> list[str]:
+        return [f"{self.uri}@v{self.first}" + (f"..v{self.last}" if self.last != self.first else "")]
+
+    def describe(self) -> str:
+        count = self.last - self.first + 1
+        lost = sum(b - a + 1 for a, b in self.skipped)
+        return f"{count} version(s) ({self.first}..{self.last})" + (f", {lost} lost version(s) skipped" if lost else "")
+
+    def units(self) -> list[tuple[str, str]]:
+        return []  # the versions are the offsets: nothing to look up
+
+
+class DeltaSource:
+    """Plans batches of versions of an upstream Delta table."""
+
+    unit = "versions"
+
+    def __init__(self, uri: str, *, read: str, on_data_loss: str, max_versions: int | None) -> None:
+        self.uri = uri
+        self.read = read
+        self.on_data_loss = on_data_loss
+        self.max_versions = max_versions
+
+    @property
+    def origin(self) -> VersionOffsets:
+        return VersionOffsets(-1)
+
+    def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
+        first, last = manifest.get("first", 0), manifest.get("last", -1)
+        skipped = tuple((a, b) for a, b in manifest.get("skipped", []))
+        return BatchRange(
+            VersionOffsets(start.get("version", -1)),
+            VersionOffsets(end.get("version", -1)),
+            DeltaManifest(manifest.get("uri", self.uri), manifest.get("read", self.read), first, last, skipped),
+        )
+
+    def table(self) -> DeltaTable:
+        """The upstream table at its latest version, or `SourceError` naming it."""
+        try:
+            return DeltaTable(self.uri, storage_options=delta_storage_options(self.uri))
+        except TableNotFoundError as exc:
+            raise SourceError(
+                f"source table {self.uri} is not a Delta table (or does not exist yet); create it, or fix "
+                "source.path in the spec. Nothing was planned.",
+                path=self.uri,
+            ) from exc
+        except Exception as exc:
+            raise SourceError(f"cannot open source table {self.uri}: {first_line(exc)}", path=self.uri) from exc
+
+    def _after(self, lineage: Lineage, latest: int) -> int:
+        after = int(lineage.end.get("version", -1))
+        if latest < after:
+            raise SourceChangedError(
+                f"source table {self.uri} is at version {latest}, behind version {after} this pipeline already "
+                "consumed: the table was deleted and recreated (or replaced). Nothing was read. Point "
+                "source.path back at the original table, or start the pipeline over with a new checkpoint "
+                "and state.",
+                path=self.uri,
+            )
+        return after
+
+    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
+        table = self.table()
+        latest = table.version()
+        after = self._after(lineage, latest)
+        end = self._bound(table, after, latest, until) if until is not None else latest
+        return Lag(max(end - after, 0), self.unit)
+
+    def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
+        table = self.table()
+        latest = table.version()
+        after = self._after(lineage, latest)
+        if latest <= after:
+            return None
+        end = latest if until is None else self._bound(table, after, latest, until)
+        if end <= after:
+            return None
+        first, skipped = self._skip_lost(table, after + 1, end)
+        if self.max_versions is not None:
+            end = min(end, first + self.max_versions - 1)
+        # A batch reads a contiguous range: it ends before the next lost version (the next batch meets it).
+        last = first - 1
+        while last < end and not self._lost(table, last + 1):
+            last += 1
+        if first <= last:
+            if self.read == "changes":
+                self._check_change_feed(table, first)
+            else:
+                self._check_appends(table, first, last)
+        offset_end = last if first <= last else skipped[-1][1]
+        return BatchRange(VersionOffsets(after), VersionOffsets(offset_end), DeltaManifest(self.uri, self.read, first, last, skipped))
+
+    def verify(self, batch: BatchRange) -> None:
+        """The planned versions must still be readable (their log entries and files there)."""
+        manifest: DeltaManifest = batch.manifest  # type: ignore[assignment]
+        table = self.table()
+        gone = [v for v in range(manifest.first, manifest.last + 1) if self._lost(table, v)]
+        if gone:
+            raise SourceChangedError(
+                f"source table {self.uri} can no longer give versions {gone[0]}..{gone[-1]} of this planned "
+                "batch (a log cleanup or a VACUUM removed them since it was planned). A replay must read "
+                "exactly what was planned; nothing was read or written. Rewind to the last committed batch "
+                "(`microbatch rewind SPEC --to-batch K`): the next run plans afresh and `source.on_data_loss` "
+                "decides about the lost versions.",
+                path=self.uri,
+            )
+
+    def after_commit(self, lineage: Lineage) -> int:
+        return 0  # versions are the upstream table's: nothing to release
+
+    # -- checks -------------------------------------------------------------------
+
+    def _skip_lost(self, table: DeltaTable, wanted: int, end: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Where reading can start: `wanted`, or past the lost versions from it (per `on_data_loss`)."""
+        first = wanted
+        while first <= end and self._lost(table, first):
+            first += 1
+        if first == wanted:
+            return wanted, ()
+        lost = (wanted, first - 1)
+        if self.on_data_loss == "fail":
+            raise DataLossError(
+                f"source table {self.uri} can no longer give versions {lost[0]}..{lost[1]}, which this "
+                "pipeline has not consumed (a log cleanup or a VACUUM removed their log entries or files). "
+                "Nothing was read. Set `source.on_data_loss: skip` to record them in the ledger as lost and go "
+                "on, or recompute from a source that still has them.",
+                path=self.uri,
+            )
+        log.warning("source %s: versions %d..%d are gone upstream; skipped (on_data_loss: skip)", self.uri, *lost)
+        return first, (lost,)
+
+    def _lost(self, table: DeltaTable, version: int) -> bool:
+        """Whether `version` can no longer be read: its log entry is gone, or a
+        file it needs (for changes: its change files, or the files it added
+        and removed; for appends: the files it added) was vacuumed."""
+        root = table.table_uri.rstrip("/")
+        try:
+            entry = read_bytes(f"{root}/_delta_log/{version:020d}.json").decode()
+        except FileNotFoundError:
+            return True
+        actions = [json.loads(line) for line in entry.splitlines() if line.strip()]
+        changes = [a["cdc"]["path"] for a in actions if "cdc" in a]
+        if self.read == "changes" and changes:
+            needed = changes
+        else:
+            kinds = ("add", "remove") if self.read == "changes" else ("add",)
+            needed = [a[k]["path"] for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
+        return not all(exists(f"{root}/{path}") for path in needed)
+
+    def _bound(self, table: DeltaTable, after: int, end: int, until: datetime) -> int:
+        """The last version in (after, end] committed before `until` (after: none)."""
+        limit_ms = int(until.timestamp() * 1000)
+        last = after
+        # The newest commits back to `after`: what a batch may span, never the whole history.
+        for info in sorted(table.history(table.version() - after), key=lambda i: int(i["version"])):
+            version = int(info["version"])
+            if after < version <= end and int(info["timestamp"]) < limit_ms:
+                last = version
+        return last
+
+    def _check_change_feed(self, table: DeltaTable, first: int) -> None:
+        configuration = table.metadata().configuration
+        if str(configuration.get("delta.enableChangeDataFeed", "false")).lower() != "true":
+            raise SourceRefusedError(
+                f"source table {self.uri} does not write a change data feed, which `source.read: changes` "
+                "reads. Set the table property delta.enableChangeDataFeed = true (for a pipeline's state: "
+                "`state.change_feed: true`), or read an append-only table with `source.read: appends`. "
+                "Nothing was planned.",
+                path=self.uri,
+            )
+
+    def _check_appends(self, table: DeltaTable, first: int, end: int) -> None:
+        for info in table.history(table.version() - first + 1):
+            version = int(info["version"])
+            if not first <= version <= end:
+                continue
+            operation = str(info.get("operation", "")).upper()
+            mode = str((info.get("operationParameters") or {}).get("mode", "Append"))
+            if operation in _NO_DATA_OPERATIONS:
+                continue
+            if operation not in APPEND_OPERATIONS or (operation == "WRITE" and mode.lower() != "append"):
+                raise SourceRefusedError(
+                    f"source table {self.uri}: version {version} is a {operation}"
+                    f"{f' ({mode})' if operation == 'WRITE' else ''}, not an append, and `source.read: appends` "
+                    "reads append-only tables. Turn the table's change data feed on and use "
+                    "`source.read: changes` to follow updates and deletes, or rewind past it. Nothing was planned.",
+                    path=self.uri,
+                )
+
+

@@ -1,0 +1,206 @@
+"""A Delta table as a source (issue 12): versions as offsets, the change feed
+or appends, data intervals, data loss, and a chained pair of pipelines.
+
+The planning tests are JVM-free (real Delta tables written by delta-rs in
+`tmp_path`); the chain runs the real protocol with Spark."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from spark_jobs.core.delta_io import read_all
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.errors import DataLossError, SourceChangedError, SourceRefusedError, exit_code
+from spark_jobs.sources.base import Caps
+from spark_jobs.sources.delta import DeltaSource
+from tests.conftest import BatchesLineage, assert_exact, crash_at, oracle_spec_dict, write_spec
+
+SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int64())])
+
+
+def _table(path: Path, *, change_feed: bool = True) -> str:
+    DeltaTable.create(str(path), SCHEMA, configuration={"delta.enableChangeDataFeed": "true"} if change_feed else None)
+    return str(path)
+
+
+def _append(uri: str, rows: dict[str, int]) -> None:
+    write_deltalake(uri, pa.table({"k": list(rows), "v": list(rows.values())}, schema=SCHEMA), mode="append")
+
+
+def _source(uri: str, read: str = "changes", on_data_loss: str = "fail", max_versions: int | None = None) -> DeltaSource:
+    return DeltaSource(uri, read=read, on_data_loss=on_data_loss, max_versions=max_versions)
+
+
+def _span(batch) -> tuple[int, int]:
+    return batch.manifest.first, batch.manifest.last
+
+
+def test_versions_are_offsets_capped_and_planned_once(tmp_path):
+    uri = _table(tmp_path / "up")
+    for i in range(4):
+        _append(uri, {f"k{i}": i})
+    source = _source(uri, max_versions=3)
+    first = source.plan(BatchesLineage())
+    assert _span(first) == (0, 2) and first.start.to_dict() == {"version": -1} and first.end.to_dict() == {"version": 2}
+    second = source.plan(BatchesLineage(first))
+    assert _span(second) == (3, 4)
+    assert source.plan(BatchesLineage(first, second)) is None
+    assert source.lag(BatchesLineage(first)).count == 2 and source.lag(BatchesLineage(first)).unit == "versions"
+
+
+def test_a_data_interval_bounds_the_batch_by_commit_time(tmp_path):
+    uri = _table(tmp_path / "up")
+    _append(uri, {"a": 1})
+    time.sleep(0.05)
+    cut = datetime.now(timezone.utc)
+    time.sleep(0.05)
+    _append(uri, {"b": 2})
+    source = _source(uri)
+    bounded = source.plan(BatchesLineage(), until=cut)
+    assert _span(bounded) == (0, 1), "versions committed before the interval's end only"
+    assert source.plan(BatchesLineage(bounded), until=cut) is None
+    assert _span(source.plan(BatchesLineage(bounded))) == (2, 2)
+
+
+def test_a_table_without_its_change_feed_is_refused_with_the_property_to_set(tmp_path):
+    uri = _table(tmp_path / "up", change_feed=False)
+    _append(uri, {"a": 1})
+    with pytest.raises(SourceRefusedError, match="delta.enableChangeDataFeed") as caught:
+        _source(uri).plan(BatchesLineage())
+    assert exit_code(caught.value) == 2
+    assert _span(_source(uri, read="appends").plan(BatchesLineage())) == (0, 1), "appends need no feed"
+
+
+def test_appends_refuse_a_version_that_is_not_an_append_naming_it(tmp_path):
+    uri = _table(tmp_path / "up", change_feed=False)
+    _append(uri, {"a": 1})
+    DeltaTable(uri).delete("k = 'a'")
+    with pytest.raises(SourceRefusedError, match=r"version 2 is a DELETE"):
+        _source(uri, read="appends").plan(BatchesLineage(), caps=Caps())
+
+
+def test_a_recreated_table_is_refused(tmp_path):
+    uri = _table(tmp_path / "up")
+    for i in range(3):
+        _append(uri, {f"k{i}": i})
+    consumed = _source(uri).plan(BatchesLineage())
+    for f in Path(uri, "_delta_log").iterdir():
+        f.unlink()
+    _table(Path(uri))
+    with pytest.raises(SourceChangedError, match="recreated"):
+        _source(uri).plan(BatchesLineage(consumed))
+
+
+def test_vacuumed_versions_fail_by_default_and_are_recorded_when_skipped(tmp_path):
+    uri = _table(tmp_path / "up")
+    _append(uri, {"a": 1})
+    DeltaTable(uri).delete("k = 'a'")  # version 2 removes the file version 1 added
+    _append(uri, {"b": 2})
+    DeltaTable(uri).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    # Version 0 (the create) reads; version 1's file is gone: the first batch ends before it.
+    batch = _source(uri).plan(BatchesLineage())
+    assert _span(batch) == (0, 0)
+    with pytest.raises(DataLossError, match=r"versions 1\.\.1,") as caught:
+        _source(uri).plan(BatchesLineage(batch))
+    assert exit_code(caught.value) == 2
+    after = _source(uri, on_data_loss="skip").plan(BatchesLineage(batch))
+    # Version 2's deletion is still in its change files; version 3 appended
+    # (then the VACUUM's own two commits, which change no rows).
+    latest = DeltaTable(uri).version()
+    assert _span(after) == (2, latest) and after.manifest.skipped == ((1, 1),)
+    assert after.start.to_dict() == {"version": 0} and after.end.to_dict() == {"version": latest}
+    assert after.manifest.to_dict()["skipped"] == [[1, 1]], "the ledger records what was skipped"
+
+
+def test_a_planned_range_vacuumed_before_its_replay_is_refused(tmp_path):
+    uri = _table(tmp_path / "up")
+    _append(uri, {"a": 1})
+    planned = _source(uri).plan(BatchesLineage())
+    DeltaTable(uri).delete("k = 'a'")
+    DeltaTable(uri).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    with pytest.raises(SourceChangedError, match="rewind"):
+        _source(uri).verify(planned)
+
+
+# -- chained pipelines, with Spark ---------------------------------------------------
+
+DOWNSTREAM_TRANSFORM = """
+SELECT substr(user_id, -1, 1) AS bucket,
+       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN events
+                WHEN _change_type IN ('delete', 'update_preimage') THEN -events ELSE 0 END) AS events,
+       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN amount
+                WHEN _change_type IN ('delete', 'update_preimage') THEN -amount ELSE 0 END) AS amount
+FROM batch GROUP BY substr(user_id, -1, 1)
+"""
+
+
+def _chain(tmp_path: Path) -> tuple[Path, Path]:
+    base = oracle_spec_dict()
+    upstream = write_spec(tmp_path, oracle_spec_dict(state={**base["state"], "change_feed": True}), "upstream.yaml")
+    downstream = write_spec(
+        tmp_path,
+        {
+            "name": "buckets",
+            "source": {"type": "delta", "path": "lake/state", "read": "changes"},
+            "transform": DOWNSTREAM_TRANSFORM,
+            "state": {"path": "lake/buckets", "keys": ["bucket"], "merge": {"events": "sum", "amount": "sum"}},
+            "checkpoint": "lake/_checkpoints/buckets",
+            "batch": {"max_versions": 2},
+        },
+        "downstream.yaml",
+    )
+    return upstream, downstream
+
+
+def _assert_chain_exact(upstream: Path, downstream: Path) -> None:
+    assert_exact(upstream)
+    users = read_all(DeltaTable(load_spec(upstream).state_path)).to_pylist()
+    expected: dict[str, tuple[int, float]] = {}
+    for row in users:
+        events, amount = expected.get(row["user_id"][-1], (0, 0.0))
+        expected[row["user_id"][-1]] = (events + row["events"], amount + row["amount"])
+    got = {r["bucket"]: (r["events"], r["amount"]) for r in read_all(DeltaTable(load_spec(downstream).state_path)).to_pylist()}
+    assert set(got) == set(expected)
+    for bucket, (events, amount) in expected.items():
+        assert got[bucket][0] == events, f"bucket {bucket}: {got[bucket]} != {expected[bucket]}"
+        assert got[bucket][1] == pytest.approx(amount), f"bucket {bucket}"
+
+
+def test_a_chained_pipeline_follows_its_upstream_state_exactly_through_crashes(tmp_path, compute):
+    upstream, downstream = _chain(tmp_path)
+
+    def run(spec_path: Path) -> str:
+        return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
+
+    landing = tmp_path / "landing"
+    write_wave(landing, 0, files=2, records_per_file=50, users=30)
+    assert run(upstream) == "committed"
+    assert run(downstream) == "committed"
+    # Updates of existing users arrive as pre/post images downstream.
+    write_wave(landing, 1, files=2, records_per_file=50, users=30)
+    assert run(upstream) == "committed"
+    with crash_at("after_state_commit"):
+        run(downstream)
+    write_wave(landing, 2, files=1, records_per_file=50, users=30)
+    with crash_at("after_plan"):
+        run(upstream)
+    assert run(upstream) == "committed"
+    while run(downstream) == "committed":
+        pass
+    _assert_chain_exact(upstream, downstream)
+    spec = load_spec(downstream)
+    from spark_jobs.core.ledger import OffsetLedger
+
+    lineage = OffsetLedger(spec.ledger_path, spec.name).load().lineage()
+    assert [r.batch_id for r in lineage] == list(range(1, len(lineage) + 1))
+    for previous, row in zip(lineage, lineage[1:]):
+        assert row.start_offsets == previous.end_offsets
+    assert lineage[-1].end_offsets == {"version": DeltaTable(load_spec(upstream).state_path).version()}

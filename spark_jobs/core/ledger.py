@@ -19,10 +19,11 @@ from enum import StrEnum
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
-from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all
+from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, in_range, small_files, is_commit_conflict, open_table, read_all, read_pruned
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
@@ -342,10 +343,16 @@ class OffsetLedger:
         known = [self._known[(position, s)] for s in statuses if (position, s) in self._known]
         if known or table is None:
             return known
-        # Only integers enter the query text; the pipeline and status are
-        # filtered here, so no name ever becomes SQL.
-        where = f"epoch = {int(position.epoch)} AND batch_id = {int(position.batch_id)}"
-        found = [r for r in self._rows(read_all(table, where=where)) if r.status in statuses]
+        e, b = int(position.epoch), int(position.batch_id)
+        records = read_pruned(
+            table,
+            lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", b, b),
+            (pc.field("epoch") == e) & (pc.field("batch_id") == b),
+            # Only integers enter the query text; the pipeline and status are
+            # filtered here, so no name ever becomes SQL.
+            where=f"epoch = {e} AND batch_id = {b}",
+        )
+        found = [r for r in self._rows(records) if r.status in statuses]
         self._known.update(((r.position, r.status), r) for r in found)
         return found
 
@@ -353,8 +360,14 @@ class OffsetLedger:
         """The `committed` rows of `epoch` with `after` < batch id <= `upto`, in order."""
         if table is None:
             return []
-        where = f"epoch = {int(epoch)} AND batch_id > {int(after)} AND batch_id <= {int(upto)}"
-        rows = [r for r in self._rows(read_all(table, where=where)) if r.status is RowStatus.COMMITTED]
+        e, lo, hi = int(epoch), int(after), int(upto)
+        records = read_pruned(
+            table,
+            lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", lo + 1, hi),
+            (pc.field("epoch") == e) & (pc.field("batch_id") > lo) & (pc.field("batch_id") <= hi),
+            where=f"epoch = {e} AND batch_id > {lo} AND batch_id <= {hi}",
+        )
+        rows = [r for r in self._rows(records) if r.status is RowStatus.COMMITTED]
         return sorted(rows, key=lambda r: r.batch_id)
 
     def _rows(self, records: pa.Table) -> list[LedgerRow]:
@@ -396,7 +409,7 @@ class OffsetLedger:
         """
         try:
             table = self.snapshot()
-            if table is None or len(table.file_uris()) < COMPACT_AT_FILES:
+            if table is None or small_files(table) < COMPACT_AT_FILES:
                 return False
             table.optimize.compact(target_size=SMALL_FILE_BYTES)
         except Exception as exc:  # noqa: BLE001 - it runs after the batch committed: never fail the run

@@ -12,17 +12,24 @@ So the units a batch consumed (files, by name and version) also go to a
 unit, which answers "which of these names were consumed?" by reading only
 the rows of those names. It is a cache of the ledger, never the truth:
 
-* it carries a fence (``microbatch.consumed``) whose position P says "these
-  rows are the units of lineage(P)", written in the same commit as its rows;
+* its rows and its fence (``microbatch.consumed/<pipeline>/<ledger id>``)
+  name the offset ledger they belong to (its Delta table id), and the
+  fence's position P says "these rows are the units of lineage(P)", written
+  in the same commit as the rows: a checkpoint started over is a new ledger,
+  whose lineage the old rows are not;
 * a batch is added after its ledger row (step 5 of the protocol), a rewind
   rebuilds it for the new epoch, and `microbatch maintain` brings it up to
-  date (and builds it for a pipeline that had none);
-* a lookup at head H uses it only when it stands at H, or earlier in H's
-  epoch (then the missing batches' manifests are read from the ledger, by
-  position: within an epoch, lineage(H) is lineage(P) plus the batches
-  after P). Otherwise (no index yet, or one from before a rewind) the
-  lookup derives the answer from the whole lineage, which is slow but
-  right, and the next write brings the index back.
+  date (building it for a pipeline that had none) and rewrites it sorted by
+  name, so that a lookup reads only the files whose name range holds a
+  name it asks about;
+* a lookup at head H uses it when it stands in H's epoch: at H; before H
+  (the batches it lacks are read from the ledger, by position: within an
+  epoch, lineage(H) is lineage(P) plus the batches after P); or after H (a
+  run recorded a batch since this view was read: a superset, which is what
+  the head holds by now). Otherwise (no index for this ledger yet, or one
+  from before a rewind), or if reading it fails, the lookup derives the
+  answer from the whole lineage, which is slow but right, and the next
+  committing run brings the index back.
 
 Writing it is best effort: a run whose index write fails has committed its
 batch all the same, and the next lookup reads the batches the index lacks
@@ -31,6 +38,7 @@ from the ledger.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -39,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all
+from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all, read_pruned, small_files
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import COMPACT_AT_FILES, LedgerRow, LedgerView, RowStatus, scoped
 from spark_jobs.core.sql_text import pipeline_literal, string_literal
@@ -54,6 +62,10 @@ CONSUMED_FENCE = "microbatch.consumed"
 SCHEMA = pa.schema(
     [
         ("pipeline", pa.string()),
+        #: The offset ledger's Delta table id: an index belongs to one ledger
+        #: (a checkpoint started over gets a new ledger, and the old rows are
+        #: no longer its lineage's).
+        ("ledger", pa.string()),
         ("epoch", pa.int64()),
         ("batch_id", pa.int64()),
         ("key", pa.string()),
@@ -61,21 +73,23 @@ SCHEMA = pa.schema(
     ]
 )
 
-#: Lookups of more keys than this read the index's key column whole instead
-#: of naming each key in the query (a listing that large costs more itself).
-_NAMED_LOOKUP_LIMIT = 500
+#: String statistics this long may be truncated: a truncated maximum is a
+#: prefix, below the true maximum, so it cannot bound a lookup.
+_STATS_CHARS = 32
 
 Versions = dict[str, set[str]]
 
 
 class ConsumedIndex:
-    """The consumed units of one pipeline's lineage, at ``<checkpoint>/consumed``."""
+    """The consumed units of one pipeline's lineage in one ledger, at ``<checkpoint>/consumed``."""
 
     def __init__(self, path: str, pipeline: str) -> None:
         self.path = path
         self.pipeline = pipeline
-        self.fence = scoped(CONSUMED_FENCE, pipeline)
         self._table: DeltaTable | None = None
+
+    def fence(self, ledger: str) -> str:
+        return scoped(CONSUMED_FENCE, f"{self.pipeline}/{ledger}")
 
     def open(self) -> DeltaTable | None:
         """The index at its latest version (one handle, brought up to date; see `OffsetLedger.snapshot`)."""
@@ -90,62 +104,95 @@ class ConsumedIndex:
             table = self._table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} consumed index")
         return table
 
-    def position(self, table: DeltaTable | None) -> Position | None:
-        """The lineage position the index holds (None: it holds nothing for this pipeline)."""
+    def position(self, table: DeltaTable | None, ledger: str) -> Position | None:
+        """The lineage position of `ledger` the index holds (None: nothing for it)."""
         if table is None:
             return None
-        at = transaction_position(table, self.fence)
+        at = transaction_position(table, self.fence(ledger))
         return None if at == ORIGIN else at
 
-    def lookup(self, table: DeltaTable, keys: Collection[str]) -> Versions:
-        """The versions of `keys` the index holds."""
-        if len(keys) > _NAMED_LOOKUP_LIMIT:
-            rows = read_all(table, where=f"pipeline = {pipeline_literal(self.pipeline)}", columns=("key", "version"))
-        else:
-            # Names go into the query as quoted literals (quotes doubled) so
-            # that Delta's file statistics narrow the read to the files that
-            # may hold them.
-            named = ", ".join(string_literal(k) for k in keys)
-            where = f"pipeline = {pipeline_literal(self.pipeline)} AND key IN ({named})"
-            rows = read_all(table, where=where, columns=("key", "version"))
-        # (DataFusion hands strings over as string views, which not every
-        # Arrow kernel takes: plain strings first.)
-        names, versions = (rows.column(c).cast(pa.string()) for c in ("key", "version"))
-        wanted = pc.is_in(names, value_set=pa.array(list(keys), pa.string()))
+    def lookup(self, table: DeltaTable, ledger: str, keys: set[str]) -> Versions:
+        """The versions of `keys` the index holds for `ledger`.
+
+        Reads only the files whose key statistics may hold one of `keys`:
+        after `sort`, one or two files a key, however many came before.
+        """
+        wanted = sorted(keys)
+
+        def may_hold(action: dict[str, Any]) -> bool:
+            if action.get("min.pipeline") not in (None, self.pipeline) and action.get("min.pipeline") == action.get("max.pipeline"):
+                return False
+            lo, hi = action.get("min.key"), action.get("max.key")
+            if hi is not None and len(hi) >= _STATS_CHARS:
+                hi = None
+            first = 0 if lo is None else bisect.bisect_left(wanted, lo)
+            return first < len(wanted) and (hi is None or wanted[first] <= hi)
+
+        rows = read_pruned(
+            table,
+            may_hold,
+            (pc.field("pipeline") == self.pipeline) & (pc.field("ledger") == ledger)
+            & pc.field("key").isin(pa.array(wanted, pa.string())),
+            where=f"pipeline = {pipeline_literal(self.pipeline)} AND ledger = {string_literal(ledger)} AND "
+            f"key IN ({', '.join(string_literal(k) for k in wanted)})",
+            columns=("pipeline", "ledger", "key", "version"),
+        )
         found: Versions = {}
-        for key, version in zip(names.filter(wanted).to_pylist(), versions.filter(wanted).to_pylist()):
-            found.setdefault(key, set()).add(version)
+        if rows.num_rows:
+            for key, version in zip(rows.column("key").to_pylist(), rows.column("version").to_pylist()):
+                found.setdefault(key, set()).add(version)
         return found
 
-    def append(self, table: DeltaTable | None, rows: list[LedgerRow], at: Position, units: _Units) -> bool:
+    def append(self, table: DeltaTable | None, ledger: str, rows: list[LedgerRow], at: Position, units: _Units) -> bool:
         """Add the units of `rows` (the lineage's batches after the index's
         position, up to `at`), fenced at `at`. False if another run got there first."""
         table = self._ensure(table)
-        if (self.position(table) or ORIGIN) >= at:
+        if (self.position(table, ledger) or ORIGIN) >= at:
             return False
-        return self._write(table, rows, at, units, mode="append")
+        return self._write(table, ledger, self._rows(ledger, rows, units), at, mode="append")
 
-    def rebuild(self, table: DeltaTable | None, rows: list[LedgerRow], at: Position, units: _Units) -> bool:
-        """Replace this pipeline's rows with the units of `rows` (the whole
-        lineage of `at`), fenced at `at`."""
+    def rebuild(self, table: DeltaTable | None, ledger: str, rows: list[LedgerRow], at: Position, units: _Units) -> bool:
+        """Replace this pipeline's rows (of any ledger) with the units of
+        `rows` (the whole lineage of `at`), sorted by key, fenced at `at`."""
         table = self._ensure(table)
-        if (self.position(table) or ORIGIN) >= at:
+        if (self.position(table, ledger) or ORIGIN) >= at:
             return False
-        return self._write(table, rows, at, units, mode="overwrite")
+        data = self._rows(ledger, rows, units)
+        return self._write(table, ledger, data.sort_by("key"), at, mode="overwrite")
 
-    def _write(self, table: DeltaTable, rows: list[LedgerRow], at: Position, units: _Units, *, mode: str) -> bool:
+    def sort(self, ledger: str) -> bool:
+        """Rewrite this pipeline's rows sorted by key in files of about
+        `SMALL_FILE_BYTES` (maintenance): each file then holds a narrow range
+        of names, and a lookup reads only the files whose range holds a name
+        it asks about. Fenced at the position it read, which it does not
+        move: a batch appended meanwhile makes it fail (tried next time)."""
+        table = self.open()
+        at = self.position(table, ledger)
+        if table is None or at is None:
+            return False
+        rows = read_all(table, where=f"pipeline = {pipeline_literal(self.pipeline)} AND ledger = {string_literal(ledger)}")
+        data = pa.table({name: rows.column(name).cast(SCHEMA.field(name).type) for name in SCHEMA.names}, schema=SCHEMA)
+        return self._write(table, ledger, data.sort_by("key"), at, mode="overwrite")
+
+    def _rows(self, ledger: str, rows: list[LedgerRow], units: _Units) -> pa.Table:
         columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
         for row in rows:
             for key, version in units(row):
                 columns["pipeline"].append(self.pipeline)
+                columns["ledger"].append(ledger)
                 columns["epoch"].append(row.epoch)
                 columns["batch_id"].append(row.batch_id)
                 columns["key"].append(key)
                 columns["version"].append(version)
-        props = commit_properties(self.fence, at, {"microbatch.event": "consumed"})
-        extra: dict[str, Any] = {"predicate": f"pipeline = {pipeline_literal(self.pipeline)}"} if mode == "overwrite" else {}
+        return pa.table(columns, schema=SCHEMA)
+
+    def _write(self, table: DeltaTable, ledger: str, data: pa.Table, at: Position, *, mode: str) -> bool:
+        props = commit_properties(self.fence(ledger), at, {"microbatch.event": "consumed"})
+        extra: dict[str, Any] = {}
+        if mode == "overwrite":
+            extra = {"predicate": f"pipeline = {pipeline_literal(self.pipeline)}", "target_file_size": SMALL_FILE_BYTES}
         try:
-            write_deltalake(table, pa.table(columns, schema=SCHEMA), mode=mode, commit_properties=props, **extra)
+            write_deltalake(table, data, mode=mode, commit_properties=props, **extra)
         except Exception as exc:
             if is_commit_conflict(exc):
                 return False
@@ -155,14 +202,8 @@ class ConsumedIndex:
     def compact(self) -> None:
         """Merge the small files of recent batches (bigger files are left alone)."""
         table = self.open()
-        if table is not None and len(table.file_uris()) >= COMPACT_AT_FILES:
+        if table is not None and small_files(table) >= COMPACT_AT_FILES:
             table.optimize.compact(target_size=SMALL_FILE_BYTES)
-
-    def sort(self, table: DeltaTable) -> None:
-        """Rewrite the index sorted by key (maintenance): each file then holds
-        a narrow range of names, and a lookup reads only the files whose range
-        holds a name it asks about, however many names came before."""
-        table.optimize.z_order(["key"], target_size=SMALL_FILE_BYTES)
 
 
 class _Units:
@@ -189,19 +230,32 @@ class LedgerLineage:
         head = self.view.head
         return head.end_offsets if head is not None else self.source.origin.to_dict()
 
+    @property
+    def ledger(self) -> str | None:
+        """The ledger's table id (None: no ledger yet)."""
+        return self.view.table.metadata().id if self.view.table is not None else None
+
     def consumed(self, keys: Collection[str]) -> Versions:
         """Of `keys`, those a batch of the lineage consumed, with the versions consumed."""
         wanted = set(keys)
         if not wanted:
             return {}
-        table = self.index.open()
-        at = self.index.position(table)
+        ledger = self.ledger
         head = self.view.position
-        if table is not None and at is not None and at.epoch == head.epoch and at <= head:
-            found = self.index.lookup(table, wanted)
-            for row in self._tail(at):
-                _add(found, self._units(row), wanted)
-            return found
+        try:
+            table = self.index.open() if ledger is not None else None
+            at = self.index.position(table, ledger) if ledger is not None else None
+            if table is not None and ledger is not None and at is not None and at.epoch == head.epoch:
+                # Within an epoch the lineage only grows: an index ahead of
+                # this view (a run recorded a batch since) holds a superset,
+                # which is what the head holds by now; one behind lacks the
+                # batches after it, read from the ledger.
+                found = self.index.lookup(table, ledger, wanted)
+                for row in self._tail(at):
+                    _add(found, self._units(row), wanted)
+                return found
+        except Exception as exc:  # noqa: BLE001 - the index is a cache: the ledger answers
+            log.warning("consumed index not read (%s); the ledger answers instead", exc)
         found = {}
         for row in self.view.lineage():
             _add(found, self._units(row), wanted)
@@ -209,24 +263,33 @@ class LedgerLineage:
 
     def record(self) -> None:
         """Bring the index to the ledger's head: add the batches it lacks, or
-        rebuild it if it belongs to another epoch (or does not exist yet).
-        Best effort: a failure leaves lookups slower, never wrong."""
+        rebuild it if it belongs to another epoch or ledger (or does not
+        exist yet). Best effort: a failure leaves lookups slower, never wrong."""
         head = self.view.position
+        ledger = self.ledger
+        if ledger is None:
+            return
         try:
             table = self.index.open()
-            at = self.index.position(table)
+            at = self.index.position(table, ledger)
             if at is not None and at >= head:
                 return
             if at is not None and at.epoch == head.epoch:
-                self.index.append(table, self._tail(at), head, self._units)
+                self.index.append(table, ledger, self._tail(at), head, self._units)
             elif table is not None or self._head_units():
-                # No index yet (a pipeline older than it), or one of an
-                # earlier epoch: derive it once from the whole lineage. A
-                # source whose batches consume no units never gets one.
-                self.index.rebuild(table, self.view.lineage(), head, self._units)
+                # No index for this ledger yet (a pipeline older than it, or a
+                # checkpoint started over), or one of an earlier epoch: derive
+                # it once from the whole lineage. A source whose batches
+                # consume no units never gets one.
+                self.index.rebuild(table, ledger, self.view.lineage(), head, self._units)
             self.index.compact()
         except Exception as exc:  # noqa: BLE001 - the index is a cache of the ledger
             log.warning("consumed index not updated this time (%s); lookups read the ledger until it is", exc)
+
+    def sort(self) -> None:
+        """`ConsumedIndex.sort` for this ledger (maintenance)."""
+        if self.ledger is not None and not self.index.sort(self.ledger):
+            log.info("consumed index not sorted this time (a batch landed meanwhile, or there is none)")
 
     def _head_units(self) -> bool:
         head = self.view.head

@@ -80,7 +80,8 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         state.create_checkpoint()
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
-    p.lineage(view).record()
+    lineage = p.lineage(view)
+    lineage.record()
     for name, path in (("ledger", p.ledger.path), ("quarantine", p.quarantine.path), ("consumed", p.consumed.path)):
         table = open_table(path)
         if table is None:
@@ -89,9 +90,10 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         # readers of older snapshots until the next maintenance removes it.
         removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
         if name == "consumed":
-            p.consumed.sort(table)
+            lineage.sort()
         else:
             table.optimize.compact(target_size=SMALL_FILE_BYTES)
+        table.update_incremental()
         table.create_checkpoint()
         # Log entries older than the table's log retention (Delta's default:
         # 30 days) and behind the checkpoint go, so the log stays bounded too.

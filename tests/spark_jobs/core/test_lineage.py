@@ -38,7 +38,9 @@ def _index(spec_path: Path) -> tuple[object, list[str]]:
     table = p.consumed.open()
     if table is None:
         return None, []
-    return p.consumed.position(table), sorted(read_all(table).column("key").to_pylist())
+    ledger = p.ledger.load().table.metadata().id
+    rows = [r for r in read_all(table).to_pylist() if r["pipeline"] == spec.name and r["ledger"] == ledger]
+    return p.consumed.position(table, ledger), sorted(r["key"] for r in rows)
 
 
 def _consumed_names(spec_path: Path) -> list[str]:
@@ -168,7 +170,7 @@ def test_a_listing_of_many_files_is_looked_up_in_bulk(tmp_path):
     write_wave(landing, 0, files=700, records_per_file=1)
     assert _run(spec_path) == "committed"
     assert _run(spec_path) == "committed"
-    assert _run(spec_path) == "no_new_data", "700 listed names (over the named-lookup limit) all found"
+    assert _run(spec_path) == "no_new_data", "700 listed names all found"
     assert_exact(spec_path)
 
 
@@ -202,6 +204,59 @@ def test_the_index_is_per_pipeline_in_a_shared_checkpoint(tmp_path):
     rows = read_all(table).to_pylist()
     assert sorted(r["key"] for r in rows if r["pipeline"] == "second") == _consumed_names(second)
     assert not [r for r in rows if r["pipeline"] == "first"], "first was rewound to 0: nothing consumed"
-    assert table.transaction_version(f"{CONSUMED_FENCE}/second") is not None
+    second_ledger = OffsetLedger(load_spec(second).ledger_path, "second").load().table.metadata().id
+    assert table.transaction_version(f"{CONSUMED_FENCE}/second/{second_ledger}") is not None
     assert _run(first) == "committed"
     assert_exact(first) and assert_exact(second)
+
+
+def test_an_index_left_from_a_checkpoint_started_over_is_not_trusted(spec_path):
+    """Deleting the ledger and the state to start over (the index left in
+    place) reads every file again: the old rows belong to the old ledger."""
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=6, records_per_file=10)
+    while _run(spec_path) == "committed":
+        pass
+    spec = load_spec(spec_path)
+    shutil.rmtree(spec.ledger_path)
+    shutil.rmtree(spec.state_path)
+    while _run(spec_path, max_files=1) == "committed":
+        pass
+    assert _index(spec_path)[1] == _consumed_names(spec_path)
+    assert len(_consumed_names(spec_path)) == 6
+    assert_exact(spec_path)
+
+
+def test_maintain_sorts_the_index_by_name(spec_path):
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=8, records_per_file=5)
+    while _run(spec_path) == "committed":
+        pass
+    maintain(load_spec(spec_path))
+    table = open_table(load_spec(spec_path).consumed_path)
+    keys = read_all(table).column("key").to_pylist()
+    assert keys == sorted(keys) and len(keys) == 8
+    assert _run(spec_path) == "no_new_data"
+    write_wave(landing, 1, files=1, records_per_file=5)
+    assert _run(spec_path) == "committed"
+    assert_exact(spec_path)
+
+
+def test_an_index_that_cannot_be_read_is_answered_by_the_ledger(spec_path, monkeypatch, caplog):
+    from spark_jobs.core.lineage import ConsumedIndex
+
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=4, records_per_file=10)
+    while _run(spec_path) == "committed":
+        pass
+
+    def unreadable(*args, **kwargs):
+        raise OSError("index file vanished")
+
+    monkeypatch.setattr(ConsumedIndex, "lookup", unreadable)
+    assert _run(spec_path) == "no_new_data", "the ledger says every file was consumed"
+    assert "consumed index not read (index file vanished)" in caplog.text
+    write_wave(landing, 1, files=1, records_per_file=10)
+    assert _run(spec_path) == "committed"
+    monkeypatch.undo()
+    assert_exact(spec_path)

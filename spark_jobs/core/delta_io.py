@@ -122,17 +122,19 @@ def read_all(table: DeltaTable, *, where: str | None = None, columns: tuple[str,
 def read_pruned(
     table: DeltaTable,
     keep: Callable[[dict[str, Any]], bool],
-    rows: pc.Expression,
+    rows: Callable[[pa.Table], pa.ChunkedArray],
     *,
     where: str,
     columns: tuple[str, ...] = (),
 ) -> pa.Table:
-    """The rows matching `rows` of the snapshot's files that `keep` keeps.
+    """The rows `rows` selects (a boolean mask of a file's rows) of the
+    snapshot's files that `keep` keeps.
 
     `keep` sees each file's add action with its statistics (``min.<col>``,
     ``max.<col>``, None when unknown) and drops the files that cannot hold
     a wanted row; the kept Parquet files are read with pyarrow, filtered by
-    `rows`. This is the hot path of every run (the ledger's head, the
+    `rows` with compute kernels (an Arrow expression would import
+    pyarrow.dataset, half a second). This is the hot path of every run (the ledger's head, the
     consumed index), and it stays off DataFusion, whose first query in a
     process costs about half a second. Reading a snapshot's add files is
     reading the table when it needs no reader features (no deletion
@@ -148,10 +150,11 @@ def read_pruned(
     for action in pa.table(table.get_add_actions(flatten=True)).to_pylist():
         if not keep(action):
             continue
-        data = _plain(pq.read_table(io.BytesIO(read_bytes(f"{root}/{action['path']}"))))
+        data = _plain(pq.ParquetFile(io.BytesIO(read_bytes(f"{root}/{action['path']}"))).read())
+        data = data.filter(rows(data))
         if columns:
             data = data.select([c for c in columns if c in data.column_names])
-        parts.append(data.filter(rows))
+        parts.append(data)
     if not parts:
         return pa.table({c: pa.array([], pa.null()) for c in columns}) if columns else pa.table({})
     return pa.concat_tables(parts, promote_options="permissive")

@@ -347,7 +347,7 @@ class OffsetLedger:
         records = read_pruned(
             table,
             lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", b, b),
-            (pc.field("epoch") == e) & (pc.field("batch_id") == b),
+            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.equal(t["batch_id"], b)),
             # Only integers enter the query text; the pipeline and status are
             # filtered here, so no name ever becomes SQL.
             where=f"epoch = {e} AND batch_id = {b}",
@@ -364,7 +364,7 @@ class OffsetLedger:
         records = read_pruned(
             table,
             lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", lo + 1, hi),
-            (pc.field("epoch") == e) & (pc.field("batch_id") > lo) & (pc.field("batch_id") <= hi),
+            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.and_(pc.greater(t["batch_id"], lo), pc.less_equal(t["batch_id"], hi))),
             where=f"epoch = {e} AND batch_id > {lo} AND batch_id <= {hi}",
         )
         rows = [r for r in self._rows(records) if r.status is RowStatus.COMMITTED]

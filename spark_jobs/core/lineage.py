@@ -131,8 +131,10 @@ class ConsumedIndex:
         rows = read_pruned(
             table,
             may_hold,
-            (pc.field("pipeline") == self.pipeline) & (pc.field("ledger") == ledger)
-            & pc.field("key").isin(pa.array(wanted, pa.string())),
+            lambda t: pc.and_(
+                pc.and_(pc.equal(t["pipeline"], self.pipeline), pc.equal(t["ledger"], ledger)),
+                pc.is_in(t["key"], value_set=pa.array(wanted, pa.string())),
+            ),
             where=f"pipeline = {pipeline_literal(self.pipeline)} AND ledger = {string_literal(ledger)} AND "
             f"key IN ({', '.join(string_literal(k) for k in wanted)})",
             columns=("pipeline", "ledger", "key", "version"),

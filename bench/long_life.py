@@ -46,7 +46,6 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
-import yaml
 from deltalake import write_deltalake
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +199,7 @@ def fast_forward(folder: Path, spec_path: Path, age: int, files: int) -> None:
                               manifest=manifest_of(age), position=head, pipeline=spec.name, pipeline_id=pipeline_id,
                               spec=identity.to_dict(), spec_fingerprint=identity.fingerprint, run_id=f"ff-{age}", attempt=1,
                               records_in=files, records_quarantined=0, duration_ms=100, commit_token="bench")
-    version, keys = state.commit_batch(table, updates.slice(0, files), metadata)
+    state.commit_batch(table, updates.slice(0, files), metadata)
     commit = state.find_commit(state.open(), head)
     rows.append(LedgerRow.from_commit(commit))
     flush(True)

@@ -26,10 +26,10 @@ from spark_jobs.errors import SpecError
 from spark_jobs.storage.roots import check_location, parse_roots, roots_from_env
 
 __all__ = [
+    "CHANGE_COLUMNS",
     "IDENTIFIER",
     "PIPELINE_NAME",
     "SPARK_MASTER",
-    "CHANGE_COLUMNS",
     "DeltaSourceSpec",
     "FilesSourceSpec",
     "PipelineSpec",

@@ -19,7 +19,7 @@ from spark_jobs.core.ledger import OffsetLedger, RowStatus, _to_arrow
 from spark_jobs.core.lineage import CONSUMED_FENCE
 from spark_jobs.core.maintain import maintain
 from spark_jobs.core.pipeline import Pipeline
-from spark_jobs.core.protocol import RunOptions, reconcile, run_batch
+from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
@@ -49,6 +49,15 @@ def _consumed_names(spec_path: Path) -> list[str]:
     return sorted(f["name"] for r in view.lineage() for f in r.manifest["files"])
 
 
+def _drain(spec_path: Path, wave: int, files: int, records: int = 10) -> Path:
+    """Land a wave of files and run until nothing is new; the landing folder."""
+    landing = spec_path.parent / "landing"
+    write_wave(landing, wave, files=files, records_per_file=records)
+    while _run(spec_path) == "committed":
+        pass
+    return landing
+
+
 @pytest.fixture
 def spec_path(tmp_path) -> Path:
     return write_spec(tmp_path, oracle_spec_dict(batch={"max_files": 2}))
@@ -73,9 +82,7 @@ def test_runs_never_read_the_whole_ledger(spec_path, monkeypatch):
 
 
 def test_the_index_follows_the_ledger_and_holds_exactly_the_consumed_files(spec_path):
-    write_wave(spec_path.parent / "landing", 0, files=5, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    _drain(spec_path, 0, files=5, records=10)
     at, keys = _index(spec_path)
     spec = load_spec(spec_path)
     assert at == OffsetLedger(spec.ledger_path, spec.name).load().position
@@ -102,10 +109,7 @@ def test_an_index_left_behind_by_a_crash_is_not_trusted_past_its_position(spec_p
 
 def test_a_missing_index_is_rebuilt_from_the_ledger(spec_path):
     """A pipeline older than the index (or whose index was deleted) loses nothing."""
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=4, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    landing = _drain(spec_path, 0, files=4, records=10)
     shutil.rmtree(Path(load_spec(spec_path).consumed_path))
     assert _run(spec_path) == "no_new_data"
     write_wave(landing, 1, files=1, records_per_file=10)
@@ -118,10 +122,7 @@ def test_a_missing_index_is_rebuilt_from_the_ledger(spec_path):
 
 
 def test_a_rewind_rebuilds_the_index_for_its_epoch(spec_path):
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=6, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    _drain(spec_path, 0, files=6, records=10)
     spec = load_spec(spec_path)
     rewind(spec, 1, run_id="test")
     at, keys = _index(spec_path)
@@ -134,10 +135,7 @@ def test_a_rewind_rebuilds_the_index_for_its_epoch(spec_path):
 
 def test_an_index_from_an_earlier_epoch_is_not_used(spec_path, monkeypatch):
     """If the rebuild after a rewind fails, lookups read the lineage instead."""
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=4, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    _drain(spec_path, 0, files=4, records=10)
     from spark_jobs.core.lineage import ConsumedIndex
 
     monkeypatch.setattr(ConsumedIndex, "rebuild", lambda *a, **k: False)
@@ -176,9 +174,7 @@ def test_a_listing_of_many_files_is_looked_up_in_bulk(tmp_path):
 
 def test_a_ledger_without_fences_is_read_in_full(spec_path):
     """Rows written without fences (a ledger older than them) still give the head."""
-    write_wave(spec_path.parent / "landing", 0, files=4, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    _drain(spec_path, 0, files=4, records=10)
     spec = load_spec(spec_path)
     view = OffsetLedger(spec.ledger_path, spec.name).load()
     copy = spec_path.parent / "unfenced"
@@ -213,10 +209,7 @@ def test_the_index_is_per_pipeline_in_a_shared_checkpoint(tmp_path):
 def test_an_index_left_from_a_checkpoint_started_over_is_not_trusted(spec_path):
     """Deleting the ledger and the state to start over (the index left in
     place) reads every file again: the old rows belong to the old ledger."""
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=6, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    _drain(spec_path, 0, files=6, records=10)
     spec = load_spec(spec_path)
     shutil.rmtree(spec.ledger_path)
     shutil.rmtree(spec.state_path)
@@ -228,10 +221,7 @@ def test_an_index_left_from_a_checkpoint_started_over_is_not_trusted(spec_path):
 
 
 def test_maintain_sorts_the_index_by_name(spec_path):
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=8, records_per_file=5)
-    while _run(spec_path) == "committed":
-        pass
+    landing = _drain(spec_path, 0, files=8, records=5)
     maintain(load_spec(spec_path))
     table = open_table(load_spec(spec_path).consumed_path)
     keys = read_all(table).column("key").to_pylist()
@@ -245,10 +235,7 @@ def test_maintain_sorts_the_index_by_name(spec_path):
 def test_an_index_that_cannot_be_read_is_answered_by_the_ledger(spec_path, monkeypatch, caplog):
     from spark_jobs.core.lineage import ConsumedIndex
 
-    landing = spec_path.parent / "landing"
-    write_wave(landing, 0, files=4, records_per_file=10)
-    while _run(spec_path) == "committed":
-        pass
+    landing = _drain(spec_path, 0, files=4, records=10)
 
     def unreadable(*args, **kwargs):
         raise OSError("index file vanished")

@@ -18,14 +18,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import CommitProperties, DeltaTable, QueryBuilder
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from spark_jobs.errors import StorageError
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 __all__ = [
+    "COMPACTION_WRITER",
     "SMALL_FILE_BYTES",
+    "Stats",
     "describe_os_error",
     "ensure_table",
     "in_range",
@@ -43,6 +45,9 @@ __all__ = [
 #: that size, a cost that grows with the pipeline's age; and a read by
 #: position decodes a whole file that may hold the row.
 SMALL_FILE_BYTES = 2 * 1024 * 1024
+#: How those tables' compactions write: row groups of at most 1,024 rows, so
+#: that a read by position decodes one small group (see `read_pruned`).
+COMPACTION_WRITER = WriterProperties(max_row_group_size=1024, compression="ZSTD")
 
 #: What a storage error means for the pipeline, unless the caller knows better.
 RERUN_SAFE = (
@@ -119,24 +124,30 @@ def read_all(table: DeltaTable, *, where: str | None = None, columns: tuple[str,
     return pa.table(QueryBuilder().register("t", table).execute(sql).read_all())
 
 
+#: A column's (min, max) in a file or row group, (None, None) when unknown.
+Stats = Callable[[str], tuple[Any, Any]]
+
+
 def read_pruned(
     table: DeltaTable,
-    keep: Callable[[dict[str, Any]], bool],
+    keep: Callable[[Stats], bool],
     rows: Callable[[pa.Table], pa.ChunkedArray],
     *,
     where: str,
     columns: tuple[str, ...] = (),
 ) -> pa.Table:
     """The rows `rows` selects (a boolean mask of a file's rows) of the
-    snapshot's files that `keep` keeps.
+    snapshot's files and row groups that `keep` keeps.
 
-    `keep` sees each file's add action with its statistics (``min.<col>``,
-    ``max.<col>``, None when unknown) and drops the files that cannot hold
-    a wanted row; the kept Parquet files are read with pyarrow, filtered by
-    `rows` with compute kernels (an Arrow expression would import
-    pyarrow.dataset, half a second). This is the hot path of every run (the ledger's head, the
-    consumed index), and it stays off DataFusion, whose first query in a
-    process costs about half a second. Reading a snapshot's add files is
+    `keep` sees a column's statistics (for a file, from its add action; for
+    a row group, from the Parquet footer) and drops what cannot hold a
+    wanted row; what is kept is read with pyarrow and filtered by `rows`
+    with compute kernels (an Arrow expression would import pyarrow.dataset,
+    half a second). This is the hot path of every run (the ledger's head,
+    the consumed index), and it stays off DataFusion, whose first query in a
+    process costs about half a second; the files these tables are compacted
+    into hold small row groups (`COMPACTION_WRITER`), so a row is found by
+    decoding one group, not a file. Reading a snapshot's add files is
     reading the table when it needs no reader features (no deletion
     vectors, no column mapping: what delta-rs writes for our tables); a
     table that does is read through `read_all(where=...)`, which must mean
@@ -148,14 +159,17 @@ def read_pruned(
     root = table.table_uri.rstrip("/")
     parts = []
     for action in pa.table(table.get_add_actions(flatten=True)).to_pylist():
-        if not keep(action):
+        if not keep(lambda c, a=action: (a.get(f"min.{c}"), a.get(f"max.{c}"))):
             continue
         # Single-threaded, like everything else on this path: pyarrow's
         # thread pools still alive beside delta-rs's at interpreter exit
         # aborted 1 run in 12 here ("terminate called without an active
         # exception", exit 134); none in 36 without them.
-        handle = io.BytesIO(read_bytes(f"{root}/{action['path']}"))
-        data = _plain(pq.ParquetFile(handle, pre_buffer=False).read(use_threads=False))
+        parquet = pq.ParquetFile(io.BytesIO(read_bytes(f"{root}/{action['path']}")), pre_buffer=False)
+        groups = [i for i in range(parquet.num_row_groups) if keep(_group_stats(parquet, i))]
+        if not groups:
+            continue
+        data = _plain(parquet.read_row_groups(groups, use_threads=False))
         data = data.filter(rows(data))
         if columns:
             data = data.select([c for c in columns if c in data.column_names])
@@ -163,6 +177,25 @@ def read_pruned(
     if not parts:
         return pa.table({c: pa.array([], pa.null()) for c in columns}) if columns else pa.table({})
     return pa.concat_tables(parts, promote_options="permissive")
+
+
+def _group_stats(parquet: pq.ParquetFile, group: int) -> Stats:
+    names = parquet.schema_arrow.names
+    metadata = parquet.metadata.row_group(group)
+
+    def stats(column: str) -> tuple[Any, Any]:
+        if column not in names:
+            return None, None
+        found = metadata.column(names.index(column)).statistics
+        return (found.min, found.max) if found is not None and found.has_min_max else (None, None)
+
+    return stats
+
+
+def in_range(stats: Stats, column: str, low: Any, high: Any) -> bool:
+    """Whether statistics allow a value of `column` in [low, high] (unknown: yes)."""
+    lo, hi = stats(column)
+    return (hi is None or hi >= low) and (lo is None or lo <= high)
 
 
 def _plain(data: pa.Table) -> pa.Table:
@@ -180,12 +213,6 @@ def small_files(table: DeltaTable) -> int:
     compaction would merge (files it already made are left out of the count)."""
     sizes = pa.table(table.get_add_actions(flatten=True)).column("size_bytes")
     return int(pc.sum(pc.less(sizes, SMALL_FILE_BYTES // 2)).as_py() or 0)
-
-
-def in_range(action: dict[str, Any], column: str, low: Any, high: Any) -> bool:
-    """Whether a file's statistics allow a value of `column` in [low, high] (unknown: yes)."""
-    lo, hi = action.get(f"min.{column}"), action.get(f"max.{column}")
-    return (hi is None or hi >= low) and (lo is None or lo <= high)
 
 
 @contextmanager

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
-from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, in_range, small_files, is_commit_conflict, open_table, read_all, read_pruned
+from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, ensure_table, in_range, small_files, is_commit_conflict, open_table, read_all, read_pruned
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
@@ -346,7 +346,7 @@ class OffsetLedger:
         e, b = int(position.epoch), int(position.batch_id)
         records = read_pruned(
             table,
-            lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", b, b),
+            lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", b, b),
             lambda t: pc.and_(pc.equal(t["epoch"], e), pc.equal(t["batch_id"], b)),
             # Only integers enter the query text; the pipeline and status are
             # filtered here, so no name ever becomes SQL.
@@ -363,7 +363,7 @@ class OffsetLedger:
         e, lo, hi = int(epoch), int(after), int(upto)
         records = read_pruned(
             table,
-            lambda f: in_range(f, "epoch", e, e) and in_range(f, "batch_id", lo + 1, hi),
+            lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", lo + 1, hi),
             lambda t: pc.and_(pc.equal(t["epoch"], e), pc.and_(pc.greater(t["batch_id"], lo), pc.less_equal(t["batch_id"], hi))),
             where=f"epoch = {e} AND batch_id > {lo} AND batch_id <= {hi}",
         )
@@ -411,7 +411,7 @@ class OffsetLedger:
             table = self.snapshot()
             if table is None or small_files(table) < COMPACT_AT_FILES:
                 return False
-            table.optimize.compact(target_size=SMALL_FILE_BYTES)
+            table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
         except Exception as exc:  # noqa: BLE001 - it runs after the batch committed: never fail the run
             log.warning("offset ledger not compacted this time (%s); a later run tries again", exc)
             return False

@@ -47,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.core.delta_io import SMALL_FILE_BYTES, ensure_table, is_commit_conflict, open_table, read_all, read_pruned, small_files
+from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, Stats, ensure_table, is_commit_conflict, open_table, read_all, read_pruned, small_files
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import COMPACT_AT_FILES, LedgerRow, LedgerView, RowStatus, scoped
 from spark_jobs.core.sql_text import pipeline_literal, string_literal
@@ -119,12 +119,11 @@ class ConsumedIndex:
         """
         wanted = sorted(keys)
 
-        def may_hold(action: dict[str, Any]) -> bool:
-            if action.get("min.pipeline") not in (None, self.pipeline) and action.get("min.pipeline") == action.get("max.pipeline"):
+        def may_hold(stats: Stats) -> bool:
+            lo, hi = _bounds(stats, "pipeline")
+            if not ((lo is None or lo <= self.pipeline) and (hi is None or self.pipeline <= hi)):
                 return False
-            lo, hi = action.get("min.key"), action.get("max.key")
-            if hi is not None and len(hi) >= _STATS_CHARS:
-                hi = None
+            lo, hi = _bounds(stats, "key")
             first = 0 if lo is None else bisect.bisect_left(wanted, lo)
             return first < len(wanted) and (hi is None or wanted[first] <= hi)
 
@@ -192,7 +191,11 @@ class ConsumedIndex:
         props = commit_properties(self.fence(ledger), at, {"microbatch.event": "consumed"})
         extra: dict[str, Any] = {}
         if mode == "overwrite":
-            extra = {"predicate": f"pipeline = {pipeline_literal(self.pipeline)}", "target_file_size": SMALL_FILE_BYTES}
+            extra = {
+                "predicate": f"pipeline = {pipeline_literal(self.pipeline)}",
+                "target_file_size": SMALL_FILE_BYTES,
+                "writer_properties": COMPACTION_WRITER,
+            }
         try:
             write_deltalake(table, data, mode=mode, commit_properties=props, **extra)
         except Exception as exc:
@@ -205,7 +208,7 @@ class ConsumedIndex:
         """Merge the small files of recent batches (bigger files are left alone)."""
         table = self.open()
         if table is not None and small_files(table) >= COMPACT_AT_FILES:
-            table.optimize.compact(target_size=SMALL_FILE_BYTES)
+            table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
 
 
 class _Units:
@@ -305,6 +308,13 @@ class LedgerLineage:
         if head.batch_id - at.batch_id == 1 and self.view.head is not None and self.view.head.status is RowStatus.COMMITTED:
             return [self.view.head]
         return self.view.ledger.committed_between(self.view.table, head.epoch, at.batch_id, head.batch_id)
+
+
+def _bounds(stats: Stats, column: str) -> tuple[Any, Any]:
+    """A string column's statistics as bounds: a maximum that may have been
+    truncated (a prefix, below the true maximum) bounds nothing."""
+    lo, hi = stats(column)
+    return lo, (None if hi is not None and len(hi) >= _STATS_CHARS else hi)
 
 
 def _add(found: Versions, units: Iterable[tuple[str, str]], keys: set[str]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from deltalake import DeltaTable
 
 from spark_jobs.core.commits import METADATA_KEY
-from spark_jobs.core.delta_io import SMALL_FILE_BYTES, open_table
+from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, open_table
 from spark_jobs.core.ledger import LedgerView
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -92,7 +92,7 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         if name == "consumed":
             lineage.sort()
         else:
-            table.optimize.compact(target_size=SMALL_FILE_BYTES)
+            table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
         table.update_incremental()
         table.create_checkpoint()
         # Log entries older than the table's log retention (Delta's default:

@@ -69,10 +69,15 @@ def test_runs_never_read_the_whole_ledger(spec_path, monkeypatch):
     for _ in range(3):
         assert _run(spec_path) == "committed"
 
-    def whole_read(self, table):
-        raise AssertionError("a run read the whole offset ledger")
+    from spark_jobs.core import ledger
 
-    monkeypatch.setattr(OffsetLedger, "read", whole_read)
+    def read_all(table, *, where=None, columns=()):
+        if where is None:
+            raise AssertionError("a run read the whole offset ledger")
+        return real_read_all(table, where=where, columns=columns)
+
+    real_read_all = ledger.read_all
+    monkeypatch.setattr(ledger, "read_all", read_all)
     assert _run(spec_path) == "no_new_data"
     write_wave(landing, 1, files=1, records_per_file=10)
     assert _run(spec_path) == "committed"

@@ -10,14 +10,13 @@ versions added for ``read: appends``. A batch spans at most
 from __future__ import annotations
 
 import io
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.spec import CHANGE_COLUMNS
-from spark_jobs.sources.delta import DeltaManifest
+from spark_jobs.sources.delta import DeltaManifest, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 __all__ = ["batch_schema", "read_versions"]
@@ -62,22 +61,24 @@ def _plain(field: pa.Field) -> pa.Field:
 
 
 def _appended(manifest: DeltaManifest) -> pa.Table:
-    """The rows of the data files versions first..last added (the source checked they only add)."""
-    after = _table(manifest.uri, manifest.last)
-    before = set(_table(manifest.uri, manifest.first - 1).file_uris()) if manifest.first > 0 else set()
-    schema = pa.schema(after.schema().to_arrow())
-    partitions = after.metadata().partition_columns
-    actions = pa.table(after.get_add_actions(flatten=True)).to_pylist()
-    root = after.table_uri.rstrip("/")
-    old = {unquote(b) for b in before}
+    """The rows of the data files versions first..last added (the source
+    checked they only add): read from each version's own log entry, so no
+    file of an earlier version and no file an OPTIMIZE rewrote is read."""
+    table = _table(manifest.uri, manifest.last)
+    schema = pa.schema(table.schema().to_arrow())
+    root = table.table_uri.rstrip("/")
     parts = []
-    for action in actions:
-        uri = f"{root}/{action['path']}"
-        if unquote(uri) in old:
-            continue
-        data = pq.read_table(io.BytesIO(read_bytes(uri)))
-        for column in partitions:
-            value = action.get(f"partition.{column}")
-            data = data.append_column(column, pa.array([value] * data.num_rows).cast(schema.field(column).type))
-        parts.append(data.select(schema.names).cast(schema))
+    for version in range(manifest.first, manifest.last + 1):
+        for action in version_actions(table.table_uri, version) or []:
+            add = action.get("add")
+            if add is None or not add.get("dataChange", True):
+                continue
+            data = pq.read_table(io.BytesIO(read_bytes(f"{root}/{add['path']}")))
+            for column, value in (add.get("partitionValues") or {}).items():
+                data = data.append_column(column, pa.array([value] * data.num_rows, pa.string()).cast(schema.field(column).type))
+            # Columns added to the table after the file was written read as null.
+            for field in schema:
+                if field.name not in data.column_names:
+                    data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
+            parts.append(data.select(schema.names).cast(schema))
     return pa.concat_tables(parts) if parts else schema.empty_table()

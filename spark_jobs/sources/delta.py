@@ -11,8 +11,9 @@ Two ways to read them (`source.read`):
   ``delta.enableChangeDataFeed``); a pipeline's state table turns it on with
   ``state.change_feed: true``, which is how pipelines are chained.
 * ``appends``: the rows the versions appended, for append-only tables; a
-  version that did anything else (an UPDATE, a DELETE, an OPTIMIZE) is
-  refused by number and operation, because its effect is not rows to add.
+  version that removed or rewrote rows (an UPDATE, a DELETE, an overwrite)
+  is refused by number and operation, because its effect is not rows to
+  add. (An OPTIMIZE changes no data: it is passed over.)
 
 Data intervals bound a batch by commit time: a run for ``[start, end)``
 takes the versions committed before ``end``. A table whose latest version is
@@ -44,24 +45,22 @@ from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, So
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 
-__all__ = ["APPEND_OPERATIONS", "DeltaManifest", "DeltaSource", "VersionOffsets"]
+__all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
 
 log = logging.getLogger("microbatch")
 
-#: Operations whose only effect is rows added (delta-rs and Spark spell them so).
-APPEND_OPERATIONS = ("WRITE", "STREAMING UPDATE", "CREATE TABLE", "CREATE TABLE AS SELECT", "CREATE OR REPLACE TABLE")
-#: Operations that change no rows (a batch may span them).
-_NO_DATA_OPERATIONS = ("SET TBLPROPERTIES", "VACUUM START", "VACUUM END", "ADD CONSTRAINT", "DROP CONSTRAINT", "UPGRADE PROTOCOL", "ADD COLUMNS")
 
 
 @dataclass(frozen=True)
 class VersionOffsets:
-    """The last upstream version consumed (-1: none yet)."""
+    """The last upstream version consumed (-1: none yet), of which table (its
+    Delta id: a table deleted and recreated at the same path is another)."""
 
     version: int
+    table: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version}
+        return {"version": self.version, **({"table": self.table} if self.table else {})}
 
 
 @dataclass(frozen=True)
@@ -109,8 +108,8 @@ class DeltaSource:
         first, last = manifest.get("first", 0), manifest.get("last", -1)
         skipped = tuple((a, b) for a, b in manifest.get("skipped", []))
         return BatchRange(
-            VersionOffsets(start.get("version", -1)),
-            VersionOffsets(end.get("version", -1)),
+            VersionOffsets(start.get("version", -1), start.get("table")),
+            VersionOffsets(end.get("version", -1), end.get("table")),
             DeltaManifest(manifest.get("uri", self.uri), manifest.get("read", self.read), first, last, skipped),
         )
 
@@ -127,12 +126,13 @@ class DeltaSource:
         except Exception as exc:
             raise SourceError(f"cannot open source table {self.uri}: {first_line(exc)}", path=self.uri) from exc
 
-    def _after(self, lineage: Lineage, latest: int) -> int:
+    def _after(self, lineage: Lineage, table: DeltaTable, latest: int) -> int:
         after = int(lineage.end.get("version", -1))
-        if latest < after:
+        consumed_from = lineage.end.get("table")
+        if latest < after or (consumed_from is not None and consumed_from != table.metadata().id):
             raise SourceChangedError(
-                f"source table {self.uri} is at version {latest}, behind version {after} this pipeline already "
-                "consumed: the table was deleted and recreated (or replaced). Nothing was read. Point "
+                f"source table {self.uri} (version {latest}) is not the table whose versions up to {after} this "
+                "pipeline consumed: it was deleted and recreated (or replaced). Nothing was read. Point "
                 "source.path back at the original table, or start the pipeline over with a new checkpoint "
                 "and state.",
                 path=self.uri,
@@ -142,14 +142,14 @@ class DeltaSource:
     def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
         table = self.table()
         latest = table.version()
-        after = self._after(lineage, latest)
+        after = self._after(lineage, table, latest)
         end = self._bound(table, after, latest, until) if until is not None else latest
         return Lag(max(end - after, 0), self.unit)
 
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         table = self.table()
         latest = table.version()
-        after = self._after(lineage, latest)
+        after = self._after(lineage, table, latest)
         if latest <= after:
             return None
         end = latest if until is None else self._bound(table, after, latest, until)
@@ -164,11 +164,16 @@ class DeltaSource:
             last += 1
         if first <= last:
             if self.read == "changes":
-                self._check_change_feed(table, first)
+                self._check_change_feed(table, first, last)
             else:
                 self._check_appends(table, first, last)
         offset_end = last if first <= last else skipped[-1][1]
-        return BatchRange(VersionOffsets(after), VersionOffsets(offset_end), DeltaManifest(self.uri, self.read, first, last, skipped))
+        table_id = table.metadata().id
+        return BatchRange(
+            VersionOffsets(after, lineage.end.get("table")),
+            VersionOffsets(offset_end, table_id),
+            DeltaManifest(self.uri, self.read, first, last, skipped),
+        )
 
     def verify(self, batch: BatchRange) -> None:
         """The planned versions must still be readable (their log entries and files there)."""
@@ -213,18 +218,16 @@ class DeltaSource:
         """Whether `version` can no longer be read: its log entry is gone, or a
         file it needs (for changes: its change files, or the files it added
         and removed; for appends: the files it added) was vacuumed."""
-        root = table.table_uri.rstrip("/")
-        try:
-            entry = read_bytes(f"{root}/_delta_log/{version:020d}.json").decode()
-        except FileNotFoundError:
+        actions = version_actions(table.table_uri, version)
+        if actions is None:
             return True
-        actions = [json.loads(line) for line in entry.splitlines() if line.strip()]
         changes = [a["cdc"]["path"] for a in actions if "cdc" in a]
         if self.read == "changes" and changes:
             needed = changes
         else:
             kinds = ("add", "remove") if self.read == "changes" else ("add",)
             needed = [a[k]["path"] for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
+        root = table.table_uri.rstrip("/")
         return not all(exists(f"{root}/{path}") for path in needed)
 
     def _bound(self, table: DeltaTable, after: int, end: int, until: datetime) -> int:
@@ -238,33 +241,51 @@ class DeltaSource:
                 last = version
         return last
 
-    def _check_change_feed(self, table: DeltaTable, first: int) -> None:
-        configuration = table.metadata().configuration
-        if str(configuration.get("delta.enableChangeDataFeed", "false")).lower() != "true":
+    def _check_change_feed(self, table: DeltaTable, first: int, last: int) -> None:
+        """Every version of the batch must have been written with the feed on:
+        for an earlier one, delta-rs reads each rewritten file as a delete and
+        an insert of every row in it."""
+        feed = _feeds(DeltaTable(self.uri, version=first, storage_options=delta_storage_options(self.uri)).metadata().configuration)
+        off = None if feed else first
+        for version in range(first + 1, last + 1):
+            for action in version_actions(table.table_uri, version) or []:
+                if "metaData" in action:
+                    feed = _feeds(action["metaData"].get("configuration") or {})
+            if not feed and off is None:
+                off = version
+        if off is not None:
             raise SourceRefusedError(
-                f"source table {self.uri} does not write a change data feed, which `source.read: changes` "
-                "reads. Set the table property delta.enableChangeDataFeed = true (for a pipeline's state: "
-                "`state.change_feed: true`), or read an append-only table with `source.read: appends`. "
-                "Nothing was planned.",
+                f"source table {self.uri}: version {off} was written without a change data feed, which "
+                "`source.read: changes` reads. Set the table property delta.enableChangeDataFeed = true (for a "
+                "pipeline's state: `state.change_feed: true`); versions written before that cannot be read as "
+                "changes (start a new pipeline on the table after it, or read an append-only table with "
+                "`source.read: appends`). Nothing was planned.",
                 path=self.uri,
             )
 
     def _check_appends(self, table: DeltaTable, first: int, end: int) -> None:
-        for info in table.history(table.version() - first + 1):
-            version = int(info["version"])
-            if not first <= version <= end:
-                continue
-            operation = str(info.get("operation", "")).upper()
-            mode = str((info.get("operationParameters") or {}).get("mode", "Append"))
-            if operation in _NO_DATA_OPERATIONS:
-                continue
-            if operation not in APPEND_OPERATIONS or (operation == "WRITE" and mode.lower() != "append"):
+        """Each version may only add rows: no file removed with a data change
+        (an OPTIMIZE's removes change no data, and its adds are not read)."""
+        for version in range(first, end + 1):
+            actions = version_actions(table.table_uri, version) or []
+            if any(a["remove"].get("dataChange", True) for a in actions if "remove" in a):
+                operation = next((a["commitInfo"].get("operation") for a in actions if "commitInfo" in a), "a commit")
                 raise SourceRefusedError(
-                    f"source table {self.uri}: version {version} is a {operation}"
-                    f"{f' ({mode})' if operation == 'WRITE' else ''}, not an append, and `source.read: appends` "
-                    "reads append-only tables. Turn the table's change data feed on and use "
-                    "`source.read: changes` to follow updates and deletes, or rewind past it. Nothing was planned.",
+                    f"source table {self.uri}: version {version} ({operation}) removed or rewrote rows, and "
+                    "`source.read: appends` reads append-only tables. Turn the table's change data feed on and "
+                    "use `source.read: changes` to follow updates and deletes. Nothing was planned.",
                     path=self.uri,
                 )
 
 
+def _feeds(configuration: dict[str, Any]) -> bool:
+    return str(configuration.get("delta.enableChangeDataFeed", "false")).lower() == "true"
+
+
+def version_actions(table_uri: str, version: int) -> list[dict[str, Any]] | None:
+    """The actions of one version's log entry, None if the entry is gone."""
+    try:
+        entry = read_bytes(f"{table_uri.rstrip('/')}/_delta_log/{version:020d}.json").decode()
+    except FileNotFoundError:
+        return None
+    return [json.loads(line) for line in entry.splitlines() if line.strip()]

@@ -137,8 +137,13 @@ def exists(uri: str) -> bool:
     location = S3Location.parse(uri)
     try:
         s3_client().head_object(Bucket=location.bucket, Key=unquote(location.key))
-    except Exception:  # noqa: BLE001 - missing (404) or unreadable: either way not there for us
-        return False
+    except Exception as exc:
+        # Only "not found" means missing: throttling or a credentials error
+        # must not pass for a deleted file (a lost version, an unrestorable batch).
+        status = getattr(exc, "response", {}).get("Error", {}).get("Code")
+        if status in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
     return True
 
 

@@ -49,7 +49,9 @@ def test_versions_are_offsets_capped_and_planned_once(tmp_path):
         _append(uri, {f"k{i}": i})
     source = _source(uri, max_versions=3)
     first = source.plan(BatchesLineage())
-    assert _span(first) == (0, 2) and first.start.to_dict() == {"version": -1} and first.end.to_dict() == {"version": 2}
+    table_id = DeltaTable(uri).metadata().id
+    assert _span(first) == (0, 2) and first.start.to_dict() == {"version": -1}
+    assert first.end.to_dict() == {"version": 2, "table": table_id}, "the offset names the table it counts in"
     second = source.plan(BatchesLineage(first))
     assert _span(second) == (3, 4)
     assert source.plan(BatchesLineage(first, second)) is None
@@ -83,7 +85,7 @@ def test_appends_refuse_a_version_that_is_not_an_append_naming_it(tmp_path):
     uri = _table(tmp_path / "up", change_feed=False)
     _append(uri, {"a": 1})
     DeltaTable(uri).delete("k = 'a'")
-    with pytest.raises(SourceRefusedError, match=r"version 2 is a DELETE"):
+    with pytest.raises(SourceRefusedError, match=r"version 2 \(DELETE\) removed or rewrote rows"):
         _source(uri, read="appends").plan(BatchesLineage(), caps=Caps())
 
 
@@ -116,7 +118,7 @@ def test_vacuumed_versions_fail_by_default_and_are_recorded_when_skipped(tmp_pat
     # (then the VACUUM's own two commits, which change no rows).
     latest = DeltaTable(uri).version()
     assert _span(after) == (2, latest) and after.manifest.skipped == ((1, 1),)
-    assert after.start.to_dict() == {"version": 0} and after.end.to_dict() == {"version": latest}
+    assert after.start.version == 0 and after.end.version == latest
     assert after.manifest.to_dict()["skipped"] == [[1, 1]], "the ledger records what was skipped"
 
 
@@ -203,4 +205,45 @@ def test_a_chained_pipeline_follows_its_upstream_state_exactly_through_crashes(t
     assert [r.batch_id for r in lineage] == list(range(1, len(lineage) + 1))
     for previous, row in zip(lineage, lineage[1:]):
         assert row.start_offsets == previous.end_offsets
-    assert lineage[-1].end_offsets == {"version": DeltaTable(load_spec(upstream).state_path).version()}
+    assert lineage[-1].end_offsets["version"] == DeltaTable(load_spec(upstream).state_path).version()
+
+
+def test_appends_read_exactly_the_rows_each_range_added(tmp_path):
+    from spark_jobs.engine.delta_read import read_versions
+
+    uri = str(tmp_path / "up")
+    write_deltalake(uri, pa.table({"k": ["a"], "v": [1]}, schema=SCHEMA))  # created by a plain write
+    _append(uri, {"b": 2})
+    DeltaTable(uri).optimize.compact()  # rewrites files, changes no data: passed over
+    _append(uri, {"c": 3})
+    source = _source(uri, read="appends", max_versions=2)
+    first = source.plan(BatchesLineage())
+    second = source.plan(BatchesLineage(first))
+    assert _span(first) == (0, 1) and _span(second) == (2, 3)
+    assert sorted(read_versions(first.manifest).column("k").to_pylist()) == ["a", "b"]
+    assert read_versions(second.manifest).column("k").to_pylist() == ["c"]
+    write_deltalake(uri, pa.table({"k": ["z"], "v": [9]}, schema=SCHEMA), mode="overwrite")
+    with pytest.raises(SourceRefusedError, match=r"version 4 \(WRITE\) removed or rewrote rows"):
+        source.plan(BatchesLineage(first, second))
+
+
+def test_versions_written_before_the_change_feed_was_on_are_refused(tmp_path):
+    uri = _table(tmp_path / "up", change_feed=False)
+    _append(uri, {"a": 1})
+    DeltaTable(uri).alter.set_table_properties({"delta.enableChangeDataFeed": "true"})
+    _append(uri, {"b": 2})
+    with pytest.raises(SourceRefusedError, match="version 0 was written without a change data feed"):
+        _source(uri).plan(BatchesLineage())
+
+
+def test_a_table_recreated_past_the_consumed_version_is_refused(tmp_path):
+    uri = _table(tmp_path / "up")
+    _append(uri, {"a": 1})
+    consumed = _source(uri).plan(BatchesLineage())
+    for f in Path(uri, "_delta_log").iterdir():
+        f.unlink()
+    _table(Path(uri))
+    for i in range(4):
+        _append(uri, {f"n{i}": i})
+    with pytest.raises(SourceChangedError, match="recreated"):
+        _source(uri).plan(BatchesLineage(consumed))

@@ -160,6 +160,16 @@ def test_example_pipeline_is_the_local_one_on_s3():
     assert {k: v for k, v in s3["state"].items() if k != "path"} == {k: v for k, v in local["state"].items() if k != "path"}
 
 
+def test_chained_example_pipeline_is_the_local_one_on_s3():
+    local = yaml.safe_load((ROOT / "dags" / "pipelines" / "clicks_per_domain.yaml").read_text())
+    s3 = yaml.safe_load((DOCKER / "pipelines" / "clicks_per_domain_s3.yaml").read_text())
+    upstream = yaml.safe_load((DOCKER / "pipelines" / "clicks_per_user_s3.yaml").read_text())
+    assert s3["source"]["path"] == upstream["state"]["path"], "the chain reads the S3 upstream's state"
+    assert s3["state"]["path"] == "s3://microbatch/lake/clicks_per_domain"
+    for key in ["transform", "batch"]:
+        assert s3[key] == local[key], f"docker/pipelines/clicks_per_domain_s3.yaml: {key} differs from the local spec"
+
+
 # -- hadolint ---------------------------------------------------------------------
 
 

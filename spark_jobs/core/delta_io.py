@@ -35,6 +35,7 @@ __all__ = [
     "open_table",
     "read_all",
     "read_pruned",
+    "refreshed",
     "small_files",
     "storage_errors",
 ]
@@ -70,6 +71,16 @@ def open_table(path: str) -> DeltaTable | None:
         return DeltaTable(path, storage_options=delta_storage_options(path))
     except TableNotFoundError:
         return None
+
+
+def refreshed(table: DeltaTable | None, path: str) -> DeltaTable | None:
+    """`table` brought to the latest version by reading only the commits since
+    (milliseconds), or the table at `path` opened (reading its checkpoint) if
+    there is no handle yet; None if there is no table."""
+    if table is None:
+        return open_table(path)
+    table.update_incremental()
+    return table
 
 
 def ensure_table(

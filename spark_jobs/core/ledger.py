@@ -23,7 +23,17 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, Field, write_deltalake
 
 from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
-from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, ensure_table, in_range, small_files, is_commit_conflict, open_table, read_all, read_pruned
+from spark_jobs.core.delta_io import (
+    COMPACTION_WRITER,
+    SMALL_FILE_BYTES,
+    ensure_table,
+    in_range,
+    is_commit_conflict,
+    read_all,
+    read_pruned,
+    refreshed,
+    small_files,
+)
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
@@ -306,10 +316,7 @@ class OffsetLedger:
         on the snapshot it commits from, which is the latest, so a view's
         older head can never let a stale row in.
         """
-        if self._table is None:
-            self._table = open_table(self.path)
-        else:
-            self._table.update_incremental()
+        self._table = refreshed(self._table, self.path)
         return self._table
 
     def load(self) -> LedgerView:
@@ -325,9 +332,7 @@ class OffsetLedger:
         if table is None:
             return LedgerView(None, self, None, [])
         at = transaction_position(table, scoped(COMMIT_FENCE, self.pipeline))
-        if at == ORIGIN:
-            return LedgerView.of_rows(table, self, self.read(table))
-        found = self.at(table, at, (RowStatus.COMMITTED, RowStatus.REWOUND))
+        found = self.at(table, at, (RowStatus.COMMITTED, RowStatus.REWOUND)) if at != ORIGIN else []
         if not found:
             return LedgerView.of_rows(table, self, self.read(table))
         return LedgerView(table, self, found[0])
@@ -341,34 +346,32 @@ class OffsetLedger:
     def at(self, table: DeltaTable | None, position: Position, statuses: tuple[RowStatus, ...]) -> list[LedgerRow]:
         """The rows of `position` with one of `statuses` (Delta skips the files that cannot hold them)."""
         known = [self._known[(position, s)] for s in statuses if (position, s) in self._known]
-        if known or table is None:
+        if known:
             return known
-        e, b = int(position.epoch), int(position.batch_id)
-        records = read_pruned(
-            table,
-            lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", b, b),
-            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.equal(t["batch_id"], b)),
-            # Only integers enter the query text; the pipeline and status are
-            # filtered here, so no name ever becomes SQL.
-            where=f"epoch = {e} AND batch_id = {b}",
-        )
-        found = [r for r in self._rows(records) if r.status in statuses]
+        found = [r for r in self._batches(table, position.epoch, position.batch_id, position.batch_id) if r.status in statuses]
         self._known.update(((r.position, r.status), r) for r in found)
         return found
 
     def committed_between(self, table: DeltaTable | None, epoch: int, after: int, upto: int) -> list[LedgerRow]:
         """The `committed` rows of `epoch` with `after` < batch id <= `upto`, in order."""
+        rows = [r for r in self._batches(table, epoch, after + 1, upto) if r.status is RowStatus.COMMITTED]
+        return sorted(rows, key=lambda r: r.batch_id)
+
+    def _batches(self, table: DeltaTable | None, epoch: int, first: int, last: int) -> list[LedgerRow]:
+        """This pipeline's rows of `epoch` with `first` <= batch id <= `last`
+        (Delta and Parquet statistics skip the files and row groups that cannot hold them)."""
         if table is None:
             return []
-        e, lo, hi = int(epoch), int(after), int(upto)
+        e, lo, hi = int(epoch), int(first), int(last)
         records = read_pruned(
             table,
-            lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", lo + 1, hi),
-            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.and_(pc.greater(t["batch_id"], lo), pc.less_equal(t["batch_id"], hi))),
-            where=f"epoch = {e} AND batch_id > {lo} AND batch_id <= {hi}",
+            lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", lo, hi),
+            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.and_(pc.greater_equal(t["batch_id"], lo), pc.less_equal(t["batch_id"], hi))),
+            # Only integers enter the query text; the pipeline and status are
+            # filtered here, so no name ever becomes SQL.
+            where=f"epoch = {e} AND batch_id >= {lo} AND batch_id <= {hi}",
         )
-        rows = [r for r in self._rows(records) if r.status is RowStatus.COMMITTED]
-        return sorted(rows, key=lambda r: r.batch_id)
+        return self._rows(records)
 
     def _rows(self, records: pa.Table) -> list[LedgerRow]:
         return [LedgerRow.from_record(r, path=self.path) for r in records.to_pylist() if r["pipeline"] == self.pipeline]

@@ -47,7 +47,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, Stats, ensure_table, is_commit_conflict, open_table, read_all, read_pruned, small_files
+from spark_jobs.core.delta_io import (
+    COMPACTION_WRITER,
+    SMALL_FILE_BYTES,
+    Stats,
+    ensure_table,
+    is_commit_conflict,
+    read_all,
+    read_pruned,
+    refreshed,
+    small_files,
+)
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import COMPACT_AT_FILES, LedgerRow, LedgerView, RowStatus, scoped
 from spark_jobs.core.sql_text import pipeline_literal, string_literal
@@ -93,10 +103,7 @@ class ConsumedIndex:
 
     def open(self) -> DeltaTable | None:
         """The index at its latest version (one handle, brought up to date; see `OffsetLedger.snapshot`)."""
-        if self._table is None:
-            self._table = open_table(self.path)
-        else:
-            self._table.update_incremental()
+        self._table = refreshed(self._table, self.path)
         return self._table
 
     def _ensure(self, table: DeltaTable | None) -> DeltaTable:

@@ -94,12 +94,10 @@ class SparkCompute:
 
         if spec.source.type == "delta":
             empty = self.spark.createDataFrame(delta_read.batch_schema(spec.source_path, spec.source.read).empty_table())
-            check_result_columns(spec, self._transform(spec, empty).columns)
-            return
-        # An empty typed frame built in the JVM (createDataFrame([]) goes through Python).
-        empty = self.spark.range(0).select(*[F.lit(None).cast(f.type).alias(f.name) for f in spec.source.fields])
-        columns = self._transform(spec, empty).columns
-        check_result_columns(spec, columns)
+        else:
+            # An empty typed frame built in the JVM (createDataFrame([]) goes through Python).
+            empty = self.spark.range(0).select(*[F.lit(None).cast(f.type).alias(f.name) for f in spec.source.fields])
+        check_result_columns(spec, self._transform(spec, empty).columns)
 
     # -- a batch ------------------------------------------------------------------
 

@@ -99,6 +99,8 @@ class DeltaSource:
         self.read = read
         self.on_data_loss = on_data_loss
         self.max_versions = max_versions
+        #: Log entries read (a version's entry never changes; one that is gone stays gone).
+        self._log: dict[int, list[dict[str, Any]] | None] = {}
 
     @property
     def origin(self) -> VersionOffsets:
@@ -214,11 +216,18 @@ class DeltaSource:
         log.warning("source %s: versions %d..%d are gone upstream; skipped (on_data_loss: skip)", self.uri, *lost)
         return first, (lost,)
 
+    def _actions(self, table: DeltaTable, version: int) -> list[dict[str, Any]] | None:
+        """A version's log entry, read once per source (a run): planning reads
+        it to check the version is there, then for what the version did."""
+        if version not in self._log:
+            self._log[version] = version_actions(table.table_uri, version)
+        return self._log[version]
+
     def _lost(self, table: DeltaTable, version: int) -> bool:
         """Whether `version` can no longer be read: its log entry is gone, or a
         file it needs (for changes: its change files, or the files it added
         and removed; for appends: the files it added) was vacuumed."""
-        actions = version_actions(table.table_uri, version)
+        actions = self._actions(table, version)
         if actions is None:
             return True
         changes = [a["cdc"]["path"] for a in actions if "cdc" in a]
@@ -248,7 +257,7 @@ class DeltaSource:
         feed = _feeds(DeltaTable(self.uri, version=first, storage_options=delta_storage_options(self.uri)).metadata().configuration)
         off = None if feed else first
         for version in range(first + 1, last + 1):
-            for action in version_actions(table.table_uri, version) or []:
+            for action in self._actions(table, version) or []:
                 if "metaData" in action:
                     feed = _feeds(action["metaData"].get("configuration") or {})
             if not feed and off is None:
@@ -267,7 +276,7 @@ class DeltaSource:
         """Each version may only add rows: no file removed with a data change
         (an OPTIMIZE's removes change no data, and its adds are not read)."""
         for version in range(first, end + 1):
-            actions = version_actions(table.table_uri, version) or []
+            actions = self._actions(table, version) or []
             if any(a["remove"].get("dataChange", True) for a in actions if "remove" in a):
                 operation = next((a["commitInfo"].get("operation") for a in actions if "commitInfo" in a), "a commit")
                 raise SourceRefusedError(

@@ -283,7 +283,17 @@ def _table(title: str | None, headers: list[str], rows: list[list[Any]]) -> None
 
 
 def _compact(offsets: dict[str, Any] | None) -> str:
-    return json.dumps(offsets, separators=(",", ":")) if offsets else ""
+    """Offsets as people read them: ``12 files``, ``v7`` (a Delta version),
+    ``clicks 0:40 1:38`` (a topic's partitions and next offsets)."""
+    if not offsets:
+        return ""
+    if set(offsets) == {"files"}:
+        return f"{offsets['files']} files"
+    if "version" in offsets and set(offsets) <= {"version", "table"}:
+        return f"v{offsets['version']}"
+    if all(isinstance(v, dict) for v in offsets.values()):
+        return "; ".join(f"{topic} " + " ".join(f"{p}:{n}" for p, n in sorted(parts.items(), key=lambda i: int(i[0]))) for topic, parts in offsets.items())
+    return json.dumps(offsets, separators=(",", ":"))
 
 
 def _time(value: Any) -> str:

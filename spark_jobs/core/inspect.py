@@ -48,7 +48,9 @@ class PipelineStatus:
             "end_offsets": self.end_offsets,
             "state_version": self.head.state_version if self.head else None,
             "committed_at": committed_at.isoformat() if committed_at else None,
-            "lag": {"count": self.lag.count, "unit": self.lag.unit} if self.lag else None,
+            "lag": {"count": self.lag.count, "unit": self.lag.unit, "future": self.lag.future, "parts": dict(self.lag.detail)}
+            if self.lag
+            else None,
             "note": self.note,
             "oldest_rewindable": self.oldest_rewindable,
         }

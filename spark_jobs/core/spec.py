@@ -32,6 +32,9 @@ __all__ = [
     "SPARK_MASTER",
     "DeltaSourceSpec",
     "FilesSourceSpec",
+    "KAFKA_COLUMNS",
+    "KAFKA_COLUMN_TYPES",
+    "KafkaSourceSpec",
     "PipelineSpec",
     "SchemaField",
     "load_spec",
@@ -236,6 +239,94 @@ class DeltaSourceSpec(_Model):
         return []
 
 
+#: librdkafka settings the job sets itself: a spec, variable or connection may not.
+_KAFKA_OWN_SETTINGS = frozenset(
+    {"bootstrap.servers", "group.id", "isolation.level", "enable.auto.commit", "enable.partition.eof", "auto.offset.reset"}
+)
+#: Settings that hold secrets: never in a spec (use MICROBATCH_KAFKA_* or a connection).
+KAFKA_SECRET_SETTINGS = frozenset(
+    {"sasl.password", "sasl.username", "ssl.key.password", "ssl.key.pem", "ssl.keystore.password", "sasl.oauthbearer.client.secret", "sasl.oauthbearer.config"}
+)
+
+
+class KafkaSourceSpec(_Model):
+    """A Kafka topic; each record (partition and offset) is consumed exactly once."""
+
+    type: Literal["kafka"]
+    bootstrap_servers: str = Field(min_length=1)
+    topic: str = Field(pattern=r"^[A-Za-z0-9._\-]{1,249}$")
+    #: How each record's value is parsed: one JSON object, one CSV line, or text (a `value` column).
+    format: Literal["json", "csv", "text"]
+    schema_: str | None = Field(default=None, alias="schema", min_length=1)
+    csv: CsvOptions = CsvOptions(header=False)
+    #: Where a pipeline starts on the topic's partitions (later partitions are read from their start).
+    starting_offsets: Literal["earliest", "latest"] = "earliest"
+    #: Records the pipeline still needs but retention deleted: stop (`fail`), or record the loss and go on.
+    on_data_loss: Literal["fail", "skip"] = "fail"
+    #: Values longer than this (UTF-8 bytes) are quarantined unparsed.
+    max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
+    #: Extra librdkafka settings (security.protocol, sasl.mechanism, ...): no secrets.
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    #: In Airflow: a connection of the apache-kafka provider whose extra holds settings (and secrets).
+    airflow_conn_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,250}$")
+
+    @model_validator(mode="after")
+    def _schema_fits_format(self) -> KafkaSourceSpec:
+        if self.format == "text":
+            if self.schema_ is not None and [(f.name, f.type) for f in parse_schema(self.schema_)] != [("value", "STRING")]:
+                raise ValueError("format text has one STRING column `value`: leave `schema` out (or write 'value STRING')")
+        elif self.schema_ is None:
+            raise ValueError(f"format {self.format} needs `schema` (e.g. 'event_id STRING, amount_cents BIGINT')")
+        if self.csv.header:
+            raise ValueError("a Kafka record is one CSV line with no header: leave csv.header out (or false)")
+        return self
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            clash = [f.name for f in parse_schema(value) if f.name.lower() in KAFKA_COLUMNS]
+            if clash:
+                raise ValueError(f"{clash} clash with the columns the Kafka source adds ({', '.join(KAFKA_COLUMNS)}); rename them")
+        return value
+
+    @field_validator("options")
+    @classmethod
+    def _options_not_ours_nor_secret(cls, options: dict[str, Any]) -> dict[str, Any]:
+        for name in options:
+            if name in _KAFKA_OWN_SETTINGS:
+                raise ValueError(f"option {name!r} is set by the job (bootstrap_servers is its own field); remove it")
+            if name in KAFKA_SECRET_SETTINGS:
+                raise ValueError(
+                    f"option {name!r} is a secret and a spec holds none: set MICROBATCH_KAFKA_"
+                    f"{name.upper().replace('.', '_')} in the environment, or use an Airflow connection "
+                    "(source.airflow_conn_id)"
+                )
+        return options
+
+    @property
+    def path(self) -> str:
+        """Where the records live, as a location: ``kafka://<topic>`` (the servers may change, the topic may not)."""
+        return f"kafka://{self.topic}"
+
+    @property
+    def fields(self) -> list[SchemaField]:
+        if self.format == "text":
+            return [SchemaField("value", "STRING", True)]
+        return parse_schema(self.schema_ or "")
+
+
+#: The `batch` view's columns a Kafka source adds to the value's fields, with their types.
+KAFKA_COLUMN_TYPES = (
+    ("_kafka_topic", "STRING"),
+    ("_kafka_partition", "INT"),
+    ("_kafka_offset", "BIGINT"),
+    ("_kafka_timestamp", "TIMESTAMP"),
+    ("_kafka_key", "STRING"),
+)
+KAFKA_COLUMNS = tuple(name for name, _ in KAFKA_COLUMN_TYPES)
+
+
 #: The `batch` view's columns that `read: changes` adds to the table's.
 CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
 
@@ -363,7 +454,7 @@ class EngineSpec(_Model):
 class PipelineSpec(_Model):
     name: str
     description: str = ""
-    source: FilesSourceSpec | DeltaSourceSpec = Field(discriminator="type")
+    source: FilesSourceSpec | DeltaSourceSpec | KafkaSourceSpec = Field(discriminator="type")
     transform: str = Field(min_length=1)
     state: StateSpec
     checkpoint: str = Field(min_length=1)
@@ -490,7 +581,7 @@ def _at(lines: dict[tuple[str, ...], int], loc: tuple[str, ...], problem: str) -
 
 def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     loc = tuple("schema" if p == "schema_" else str(p) for p in error["loc"])
-    if loc[:1] == ("source",) and loc[1:2] in (("files",), ("delta",)):
+    if loc[:1] == ("source",) and loc[1:2] in (("files",), ("delta",), ("kafka",)):
         loc = loc[:1] + loc[2:]  # the source type's tag, which pydantic puts in the path
     field = ".".join(loc)
     message = error["msg"].removeprefix("Value error, ")
@@ -500,15 +591,15 @@ def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     elif kind == "extra_forbidden":
         message = "is not a known field (check the spelling; see docs/spec.md)"
     elif kind == "literal_error" and field == "source.format":
-        message = f"{error.get('input')!r} is not a format; use json, csv or parquet"
+        message = f"{error.get('input')!r} is not a format; use {(error.get('ctx') or {}).get('expected', 'json, csv or parquet')}"
     elif kind == "union_tag_not_found":
-        message = "is required: write `type: files` or `type: delta`"
+        message = "is required: write `type: files`, `type: delta` or `type: kafka`"
         loc = loc + ("type",)
     elif kind == "union_tag_invalid":
-        message = f"type {error.get('input', {}).get('type')!r} is not a source type; use files or delta"
+        message = f"type {error.get('input', {}).get('type')!r} is not a source type; use files, delta or kafka"
         loc = loc + ("type",)
     elif kind == "literal_error" and field == "source.type":
-        message = f"{error.get('input')!r} is not a source type; use files or delta"
+        message = f"{error.get('input')!r} is not a source type; use files, delta or kafka"
     return _at(lines, loc, message)
 
 
@@ -545,7 +636,9 @@ def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) ->
         raise SpecError(spec.spec_path, [f"storage roots: {exc}"]) from None
     lines = _line_index(text)
     problems = []
-    locations = [(("source", "path"), spec.source.path), (("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)]
+    locations = [(("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)]
+    if not isinstance(spec.source, KafkaSourceSpec):  # a topic is not a storage location
+        locations.insert(0, (("source", "path"), spec.source.path))
     if isinstance(spec.source, FilesSourceSpec) and spec.source.archive:
         locations.append((("source", "archive"), spec.source.archive))
     for loc, raw in locations:
@@ -579,7 +672,7 @@ def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str
     def problem(loc: tuple[str, ...], text: str) -> None:
         found.append(_at(lines, loc, text))
 
-    others = [(("state", "path"), state), (("checkpoint",), checkpoint)]
+    others = [(("state", "path"), state), (("checkpoint",), checkpoint)] if not isinstance(spec.source, KafkaSourceSpec) else []
     if spec.archive_path:
         # Archived files moved to a folder the source lists would be new files, read again.
         others.append((("source", "archive"), spec.archive_path))

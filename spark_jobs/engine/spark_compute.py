@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 
 from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
-from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.spec import KAFKA_COLUMN_TYPES, KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
-from spark_jobs.engine import delta_read, s3_read
+from spark_jobs.engine import delta_read, kafka_read, s3_read
 from spark_jobs.engine.session import connect_session, default_session
 from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
 from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest
+from spark_jobs.sources.kafka import KafkaManifest
 from spark_jobs.storage.s3 import endpoint_url, is_s3, region
 
 if TYPE_CHECKING:
@@ -96,21 +98,49 @@ class SparkCompute:
             empty = self.spark.createDataFrame(delta_read.batch_schema(spec.source_path, spec.source.read).empty_table())
         else:
             # An empty typed frame built in the JVM (createDataFrame([]) goes through Python).
-            empty = self.spark.range(0).select(*[F.lit(None).cast(f.type).alias(f.name) for f in spec.source.fields])
+            columns = [(f.name, f.type) for f in spec.source.fields]
+            columns += list(KAFKA_COLUMN_TYPES) if spec.source.type == "kafka" else []
+            empty = self.spark.range(0).select(*[F.lit(None).cast(kind).alias(name) for name, kind in columns])
         check_result_columns(spec, self._transform(spec, empty).columns)
 
     # -- a batch ------------------------------------------------------------------
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
-        from pyspark.sql import functions as F
-
         if isinstance(batch.manifest, DeltaManifest):
             return self._process_versions(spec, batch.manifest)
-        manifest = _files_manifest(spec, batch)
+        if isinstance(batch.manifest, KafkaManifest):
+            records = batch.manifest
+            return self._process_records(
+                spec,
+                lambda: self._read_kafka(spec, records),
+                extra=KAFKA_COLUMNS,
+                explain=lambda exc: _explain_kafka(spec, records, exc),
+            )
+        files = _files_manifest(spec, batch)
+        return self._process_records(
+            spec,
+            lambda: self._read(spec, [spark_path(uri) for uri in files.uris]),
+            name_files=lambda quarantine: _name_files_as_planned(quarantine, files),
+            explain=lambda exc: _explain(spec, files, exc),
+        )
+
+    def _process_records(
+        self,
+        spec: PipelineSpec,
+        read: Callable[[], DataFrame],
+        *,
+        explain: Callable[[Exception], Exception],
+        extra: tuple[str, ...] = (),
+        name_files: Callable[[pa.Table], pa.Table] = lambda quarantine: quarantine,
+    ) -> ComputeResult:
+        """Parse, quarantine and transform records read as `read` says (files or
+        Kafka records); `extra` columns (the source's own) pass to `batch`."""
+        from pyspark.sql import functions as F
+
         parsed = None
         try:
             # Inside the try: reading a Parquet schema already opens the files.
-            parsed = self._read(spec, [spark_path(uri) for uri in manifest.uris]).cache()
+            parsed = read().cache()
             records_in = parsed.count()
             cut = F.length("_raw") > F.col("_keep")
             bad = parsed.where(F.col("_reason").isNotNull()).select(
@@ -124,13 +154,13 @@ class SparkCompute:
                 .otherwise(F.col("_reason"))
                 .alias("reason"),
             )
-            quarantine = _name_files_as_planned(bad.toArrow().cast(QUARANTINE_COLUMNS), manifest)
+            quarantine = name_files(bad.toArrow().cast(QUARANTINE_COLUMNS))
             valid = parsed.where(F.col("_reason").isNull()).select(
-                *[F.col(spark_identifier(f.name)) for f in spec.source.fields]
+                *[F.col(spark_identifier(f.name)) for f in spec.source.fields], *extra
             )
             updates = self._transform(spec, valid).toArrow()
         except Exception as exc:
-            raise _explain(spec, manifest, exc) from exc
+            raise explain(exc) from exc
         finally:
             if parsed is not None:
                 parsed.unpersist()
@@ -173,8 +203,6 @@ class SparkCompute:
     def _read_text(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
         from pyspark.sql import functions as F
 
-        fields = spec.source.fields
-        limit = spec.source.max_line_bytes
         # Spark decodes text as UTF-8, replacing bytes that are not UTF-8 with
         # U+FFFD, and `split` works on the decoded text: validity can only be
         # tested on the whole file, before the split. In a file that is not
@@ -191,14 +219,45 @@ class SparkCompute:
         )
         # Whitespace-only lines (tabs included) are not records.
         lines = lines.where(F.col("_raw").rlike("\\S")).withColumn("_line", F.col("_pos") + 1)
+        lines = lines.withColumn("_utf8", F.col("_utf8_file") | ~F.col("_raw").contains("\ufffd"))
+        checks: list[Column] = []
+        if spec.source.format == "csv" and spec.source.csv.header:
+            lines, header_reason = self._csv_header(lines, spec)
+            checks.append(header_reason)
+        return self._parse(spec, lines, checks)
+
+    def _read_kafka(self, spec: PipelineSpec, manifest: KafkaManifest) -> DataFrame:
+        """A Kafka batch's records as lines: each record's value is one record,
+        named ``kafka://topic/partition`` and its offset in quarantine."""
+        from pyspark.sql import functions as F
+
+        settings = manifest.client.settings if manifest.client is not None else {}
+        fetched = kafka_read.records(self.spark, manifest.topic, manifest.ranges, settings)
+        text = F.col("value").cast("string")
+        valid = F.expr("is_valid_utf8(CAST(value AS STRING))")
+        lines = fetched.select(
+            F.concat(F.lit(f"kafka://{manifest.topic}/"), F.col("_kafka_partition").cast("string")).alias("_file"),
+            F.col("_kafka_offset").alias("_line"),
+            # Bytes that are not UTF-8 are shown as U+FFFD in quarantine, as for files.
+            F.when(valid, text).otherwise(F.expr("make_valid_utf8(CAST(value AS STRING))")).alias("_raw"),
+            F.coalesce(valid, F.lit(True)).alias("_utf8"),
+            *KAFKA_COLUMNS,
+        )
+        null_value = F.when(F.col("_raw").isNull(), F.lit("record has no value (null, e.g. a tombstone); not parsed"))
+        return self._parse(spec, lines, [null_value], extra=KAFKA_COLUMNS)
+
+    def _parse(self, spec: PipelineSpec, lines: DataFrame, checks: list[Column], extra: tuple[str, ...] = ()) -> DataFrame:
+        """Typed fields and a reason from lines (`_file`, `_line`, `_raw`, `_utf8`)."""
+        from pyspark.sql import functions as F
+
+        fields = spec.source.fields
+        limit = spec.source.max_line_bytes
         lines = lines.withColumn("_bytes", F.octet_length("_raw"))
         too_long = F.col("_bytes") > F.lit(limit)
-        not_utf8 = ~F.col("_utf8_file") & F.col("_raw").contains("\ufffd")
+        not_utf8 = ~F.col("_utf8")
         # Over-long and undecodable lines are not parsed at all.
         parse_input = F.when(~too_long & ~not_utf8, F.col("_raw"))
-        text_schema = ", ".join(f"{spark_identifier(f.name)} STRING" for f in fields) + ", `_corrupt` STRING"
-        options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt"}
-        checks: list[Column] = [
+        checks = [
             F.when(
                 too_long,
                 F.concat(
@@ -211,7 +270,15 @@ class SparkCompute:
                 not_utf8,
                 F.lit("line is not valid UTF-8 (the bytes that are not were replaced by U+FFFD in raw); not parsed"),
             ),
+            *checks,
         ]
+        if spec.source.format == "text":
+            value = parse_input.alias("value")
+            reason = F.coalesce(*checks)
+            keep = F.when(too_long, F.lit(LONG_LINE_RAW_CHARS)).otherwise(F.lit(MAX_RAW_CHARS))
+            return lines.select("_file", "_line", "_raw", value, reason.alias("_reason"), keep.alias("_keep"), *extra)
+        text_schema = ", ".join(f"{spark_identifier(f.name)} STRING" for f in fields) + ", `_corrupt` STRING"
+        options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt"}
         if spec.source.format == "json":
             record = F.from_json(parse_input, text_schema, options)
             shape_reason = "malformed JSON: not a JSON object on one line"
@@ -220,9 +287,6 @@ class SparkCompute:
             options["sep"] = csv.delimiter
             record = F.from_csv(parse_input, text_schema, options)
             shape_reason = f"malformed CSV: expected {len(fields)} columns separated by {csv.delimiter!r}"
-            if csv.header:
-                lines, header_reason = self._csv_header(lines, spec)
-                checks.append(header_reason)
         parsed = lines.withColumn("_r", record)
         checks.append(F.when(F.col("_r").isNull() | F.col("_r._corrupt").isNotNull(), F.lit(shape_reason)))
         typed: list[Column] = []
@@ -246,7 +310,7 @@ class SparkCompute:
         checks.extend(self._value_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
         reason = F.coalesce(*checks)
         keep = F.when(too_long, F.lit(LONG_LINE_RAW_CHARS)).otherwise(F.lit(MAX_RAW_CHARS))
-        return parsed.select("_file", "_line", "_raw", *typed, reason.alias("_reason"), keep.alias("_keep"))
+        return parsed.select("_file", "_line", "_raw", *typed, reason.alias("_reason"), keep.alias("_keep"), *extra)
 
     @staticmethod
     def _csv_header(lines: DataFrame, spec: PipelineSpec) -> tuple[DataFrame, Column]:
@@ -427,6 +491,22 @@ def _by_file():
     from pyspark.sql import Window
 
     return Window.partitionBy("_file")
+
+
+def _explain_kafka(spec: PipelineSpec, manifest: KafkaManifest, exc: Exception) -> Exception:
+    """A failed Kafka batch: a fetch that could not finish names its partition and offsets."""
+    if isinstance(exc, (TransformError, SourceError)):
+        return exc
+    found = re.search(r"cannot read (kafka://\S+)[^\n]*", str(exc))
+    if found:
+        return SourceError(
+            f"pipeline {spec.name}: {found.group(0).strip()}. Nothing was consumed and nothing committed; a retry "
+            "replays exactly the planned offsets. If retention deleted them, rewind to the last committed batch "
+            "(`microbatch rewind SPEC --to-batch K`): the next run plans afresh and `source.on_data_loss` decides.",
+            pipeline=spec.name,
+            path=found.group(1),
+        )
+    return ComputeError(f"pipeline {spec.name}: the batch failed in Spark: {first_line(exc, 500)}", pipeline=spec.name)
 
 
 def _explain(spec: PipelineSpec, manifest: FilesManifest, exc: Exception) -> Exception:

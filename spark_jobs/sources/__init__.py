@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Source
 from spark_jobs.sources.delta import DeltaSource
 from spark_jobs.sources.files import FilesSource, LocalLister
+from spark_jobs.sources.kafka import KafkaClient, KafkaSource
 from spark_jobs.sources.s3 import S3Lister
 from spark_jobs.storage.s3 import is_s3
 
@@ -22,6 +23,9 @@ __all__ = ["BatchRange", "Caps", "Lag", "Source", "make_source"]
 
 def make_source(spec: PipelineSpec) -> Source:
     """The source for a spec's `source:` block."""
+    if spec.source.type == "kafka":
+        client = KafkaClient.for_source(spec.source, spec.name)
+        return KafkaSource(spec.source, client, max_records=spec.batch.max_records)
     path = spec.source_path
     if spec.source.type == "delta":
         return DeltaSource(

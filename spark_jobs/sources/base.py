@@ -89,10 +89,17 @@ class Lag:
     #: Of `count`, how much is dated in the future (a clock or copy gone
     #: wrong): a run bounded by a data interval does not take it until then.
     future: int = 0
+    #: Where it waits, for sources with parts (a Kafka topic's partitions):
+    #: (part, count) pairs, parts with nothing waiting left out.
+    detail: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         text = f"{self.count:,} {self.unit}"
-        return f"{text} ({self.future:,} dated in the future)" if self.future else text
+        if self.future:
+            text += f" ({self.future:,} dated in the future)"
+        if self.detail:
+            text += " (" + ", ".join(f"{part}: {n:,}" for part, n in self.detail) + ")"
+        return text
 
 
 class Lineage(Protocol):

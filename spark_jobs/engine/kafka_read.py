@@ -1,0 +1,143 @@
+"""Reading a batch's Kafka offset ranges on the Spark executors, with confluent-kafka.
+
+Spark's Kafka connector ships as JARs this project cannot fetch, so records
+are fetched by Python on the executors instead, the way `s3_read` fetches
+objects: the planned ranges become a small DataFrame of tasks (one per
+partition range, large ranges split), and each task assigns its range to a
+consumer and reads it (`mapInArrow`). The driver never handles records.
+
+A range ``[start, end)`` is complete when the consumer's position reaches
+``end``, not when ``end - start`` records arrived: under ``read_committed``
+the offsets of transaction markers and aborted records are never delivered.
+The consumer reports its position by the next record it delivers (at or
+past ``end``: the range is done, that record belongs to a later batch) or by
+reaching the partition's end (``enable.partition.eof``); a partition that
+ends before ``end`` lost records after the plan, which fails the task.
+
+Executors need confluent-kafka and pyarrow, not this package: the module is
+pickled by value. The consumer settings (`KafkaClient.settings`, secrets
+included) travel inside the task, as Spark's own Kafka parameters do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["MAX_TASK_OFFSETS", "RECORD_SCHEMA", "records", "split"]
+
+#: A range longer than this is read by several tasks.
+MAX_TASK_OFFSETS = 50_000
+#: Records handed to Spark per Arrow batch.
+_CHUNK = 10_000
+#: A task fails if its consumer delivers nothing for this long while its range is unfinished.
+STALL_TIMEOUT_S = 120.0
+
+#: Columns of the fetched records: the Kafka columns of the `batch` view, and the raw value.
+RECORD_SCHEMA = (
+    "_kafka_topic STRING, _kafka_partition INT, _kafka_offset BIGINT, _kafka_timestamp TIMESTAMP, "
+    "_kafka_key STRING, value BINARY"
+)
+
+
+def split(ranges: tuple[tuple[int, int, int], ...], most: int = MAX_TASK_OFFSETS) -> list[tuple[int, int, int]]:
+    """The ranges cut into pieces of at most `most` offsets."""
+    return [(p, a, min(a + most, end)) for p, start, end in ranges for a in range(start, end, most)]
+
+
+def records(spark: SparkSession, topic: str, ranges: tuple[tuple[int, int, int], ...], settings: Mapping[str, Any]) -> DataFrame:
+    """The records of `ranges` of `topic`, fetched on the executors (`RECORD_SCHEMA`)."""
+    _pickle_by_value()
+    tasks = split(ranges)
+    frame = spark.createDataFrame(tasks, "partition INT, start BIGINT, end BIGINT")
+    return frame.repartition(max(1, len(tasks))).mapInArrow(_fetch(topic, dict(settings)), RECORD_SCHEMA)
+
+
+def _pickle_by_value() -> None:
+    import sys
+
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _fetch(topic: str, settings: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def fetch(tasks: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from confluent_kafka import Consumer
+
+        consumer = Consumer(settings)
+        try:
+            for task in tasks:
+                for partition, start, end in zip(*(task.column(i).to_pylist() for i in range(3))):
+                    yield from _read_range(consumer, topic, partition, start, end)
+        finally:
+            consumer.close()
+
+    return fetch
+
+
+def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int) -> Iterator[pa.RecordBatch]:
+    import time
+
+    import pyarrow as pa
+    from confluent_kafka import KafkaError, TopicPartition
+
+    where = f"kafka://{topic}/{partition}"
+    consumer.assign([TopicPartition(topic, partition, start)])
+    offsets: list[int] = []
+    stamps: list[int] = []
+    keys: list[str | None] = []
+    values: list[bytes | None] = []
+    position, last_progress = start, time.monotonic()
+
+    def chunk() -> pa.RecordBatch:
+        batch = pa.RecordBatch.from_arrays(
+            [
+                pa.array([topic] * len(offsets), pa.string()),
+                pa.array([partition] * len(offsets), pa.int32()),
+                pa.array(offsets, pa.int64()),
+                pa.array(stamps, pa.timestamp("ms", tz="UTC")).cast(pa.timestamp("us", tz="UTC")),
+                pa.array(keys, pa.string()),
+                pa.array(values, pa.binary()),
+            ],
+            names=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_kafka_timestamp", "_kafka_key", "value"],
+        )
+        for column in (offsets, stamps, keys, values):
+            column.clear()
+        return batch
+
+    while position < end:
+        message = consumer.poll(1.0)
+        if message is None:
+            if time.monotonic() - last_progress > STALL_TIMEOUT_S:
+                raise OSError(f"cannot read {where} offsets {position}..{end - 1}: no record for {STALL_TIMEOUT_S:.0f} s")
+            continue
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                if message.offset() < end:
+                    raise OSError(
+                        f"cannot read {where} offsets {message.offset()}..{end - 1}: the partition ends at "
+                        f"{message.offset()} (deleted or recreated since the batch was planned)"
+                    )
+                break
+            raise OSError(f"cannot read {where} at offset {position}: {error.str()}")
+        offset = message.offset()
+        if offset >= end:
+            break  # a later batch's record: the range is done
+        if offset < start:
+            raise OSError(f"cannot read {where}: asked for offset {start}, got {offset}")
+        key = message.key()
+        offsets.append(offset)
+        stamps.append(message.timestamp()[1])
+        keys.append(key.decode("utf-8", "replace") if key is not None else None)
+        values.append(message.value())
+        position, last_progress = offset + 1, time.monotonic()
+        if len(offsets) >= _CHUNK:
+            yield chunk()
+    if offsets:
+        yield chunk()

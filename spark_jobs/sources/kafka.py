@@ -1,0 +1,434 @@
+"""A Kafka topic as a source: each record consumed exactly once, by partition and offset.
+
+The offset is, per partition, the next offset to read
+(``{"<topic>": {"<partition>": <next offset>}}``), and a batch is a set of
+half-open ranges ``[start, end)``, one per partition with records waiting,
+planned on the driver from the partitions' watermarks. The ranges are the
+manifest: a replay reads exactly them. Records are fetched on Spark's
+executors (`spark_jobs.engine.kafka_read`).
+
+Planning (driver, librdkafka, no JVM):
+
+* **Where each partition starts.** A partition the ledger knows starts at
+  its recorded offset. At the pipeline's first batch, every partition starts
+  at `starting_offsets`: ``earliest`` (the low watermark) or ``latest`` (the
+  high watermark; that first batch then reads nothing and only pins the
+  offsets, because "latest" must be fixed once, not re-read by every run).
+  A partition added to the topic later is read from its start, as Spark's
+  Kafka source does: its records all arrived after the pipeline began.
+* **Where it ends.** At the partition's last stable offset: the consumer
+  uses ``isolation.level=read_committed``, whose watermark stops before any
+  open transaction, so a batch never plans into a transaction that may
+  still abort. A data interval ``[start, end)`` bounds each partition by
+  ``offsets_for_times(end)``: the records a scheduled or backfill run takes
+  are those the broker had timestamped before the interval's end, and a
+  re-run of the interval finds them consumed.
+* **Caps.** `batch.max_records` is shared across the partitions with records
+  waiting: each gets an equal share, a partition needing less gives the
+  rest to the others, and a remainder goes to the partitions furthest
+  behind (so none starves). Offsets count records plus transaction markers,
+  so a batch never holds more records than the cap; a batch that moves no
+  offset is never planned.
+* **Refusals.** Records the ledger still needs but retention deleted (the
+  low watermark passed the recorded offset) follow `on_data_loss`: ``fail``
+  stops with exit 2 naming the partitions and offsets; ``skip`` records the
+  lost ranges in the batch's manifest and goes on, like Spark's
+  ``failOnDataLoss=false``. A recorded offset beyond the high watermark, or
+  a recorded partition the topic no longer has, means the topic was deleted
+  or recreated: refused. An unreachable broker is `SourceError` (exit 1,
+  retryable) and nothing is written.
+
+Settings: `source.options` (no secrets), then a connection's settings (the
+Airflow operator's `kafka_conn_id` or `source.airflow_conn_id`, handed in by
+`connection_settings`), then ``MICROBATCH_KAFKA_<SETTING>`` variables (e.g.
+``MICROBATCH_KAFKA_SASL_PASSWORD`` for ``sasl.password``), each over the
+last. The resolved settings travel to the executors inside the task, as
+Spark's own Kafka parameters do; they are never written to the ledger, a
+log or an error (`KafkaClient`'s repr names the settings, not their values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
+from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
+
+if TYPE_CHECKING:
+    from confluent_kafka import Consumer
+
+    from spark_jobs.core.spec import KafkaSourceSpec
+
+__all__ = [
+    "ENV_PREFIX",
+    "KafkaClient",
+    "KafkaManifest",
+    "KafkaSource",
+    "PartitionOffsets",
+    "connection_settings",
+    "fair_shares",
+]
+
+log = logging.getLogger("microbatch")
+
+#: ``MICROBATCH_KAFKA_SASL_PASSWORD=...`` sets ``sasl.password``.
+ENV_PREFIX = "MICROBATCH_KAFKA_"
+#: How long a metadata or watermark request may take before the broker counts as unreachable.
+REQUEST_TIMEOUT_S = 10.0
+
+#: A connection's settings for the runs inside `connection_settings` (set by the Airflow glue).
+_CONNECTION: ContextVar[Mapping[str, Any] | None] = ContextVar("microbatch_kafka_connection", default=None)
+
+
+@contextlib.contextmanager
+def connection_settings(settings: Mapping[str, Any] | None) -> Iterator[None]:
+    """Runs inside use these librdkafka settings (an Airflow connection's
+    extra) over the spec's options; environment variables still win."""
+    token = _CONNECTION.set(dict(settings) if settings else None)
+    try:
+        yield
+    finally:
+        _CONNECTION.reset(token)
+
+
+@dataclass(frozen=True)
+class KafkaClient:
+    """The librdkafka settings one pipeline's consumers use. Holds secrets: its
+    repr lists the setting names only."""
+
+    settings: Mapping[str, Any] = field(repr=False)
+
+    @classmethod
+    def for_source(cls, source: KafkaSourceSpec, pipeline: str) -> KafkaClient:
+        settings: dict[str, Any] = {"bootstrap.servers": source.bootstrap_servers, **source.options}
+        settings.update(_CONNECTION.get() or {})
+        settings.update(
+            {name[len(ENV_PREFIX):].lower().replace("_", "."): value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}
+        )
+        # The job's own: offsets live in the ledger, never in a consumer group.
+        settings.update(
+            {
+                "group.id": f"microbatch-{pipeline}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+            }
+        )
+        # Callbacks (a connection may name one) cannot travel to executors.
+        return cls({k: v for k, v in settings.items() if isinstance(v, (str, int, float, bool))})
+
+    @property
+    def servers(self) -> str:
+        return str(self.settings.get("bootstrap.servers", "?"))
+
+    def __repr__(self) -> str:
+        return f"KafkaClient(servers={self.servers!r}, settings={sorted(self.settings)})"
+
+    def consumer(self) -> Consumer:
+        """A consumer with these settings, or `SourceRefusedError` naming a
+        setting librdkafka does not accept (never its value: it may be a secret)."""
+        from confluent_kafka import Consumer, KafkaException
+
+        try:
+            return Consumer(dict(self.settings), logger=_quiet)
+        except KafkaException as exc:
+            problem = re.sub(r'value "[^"]*"', "value", first_line(exc))
+            raise SourceRefusedError(
+                f"Kafka settings for {self.servers} are not accepted: {problem}. Fix source.options, the "
+                f"{ENV_PREFIX}* variables or the Airflow connection; nothing was read or written.",
+            ) from exc
+
+
+class _QuietLogger:
+    """librdkafka's log lines go to our logger at debug level (they repeat
+    connection failures many times a second)."""
+
+    def log(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        log.debug("librdkafka: " + msg, *args)
+
+
+_quiet = _QuietLogger()
+
+
+@dataclass(frozen=True)
+class PartitionOffsets:
+    """Per partition of one topic, the next offset to read."""
+
+    topic: str
+    next: Mapping[int, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.topic: {str(p): n for p, n in sorted(self.next.items())}} if self.next else {}
+
+    @classmethod
+    def from_dict(cls, topic: str, data: Mapping[str, Any]) -> PartitionOffsets:
+        return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()})
+
+
+@dataclass(frozen=True)
+class KafkaManifest:
+    """The offset ranges one batch reads, and those retention had deleted (skipped)."""
+
+    topic: str
+    #: (partition, start, end): offsets ``start <= o < end``, one per partition read.
+    ranges: tuple[tuple[int, int, int], ...]
+    #: (partition, start, end) ranges deleted by retention and skipped (`on_data_loss: skip`).
+    skipped: tuple[tuple[int, int, int], ...] = ()
+    #: How to reach the topic (set by the source; never stored).
+    client: KafkaClient | None = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topic": self.topic, "ranges": [list(r) for r in self.ranges], "skipped": [list(r) for r in self.skipped]}
+
+    def inputs(self) -> list[str]:
+        return [f"kafka://{self.topic}/{p} [{s}, {e})" for p, s, e in self.ranges]
+
+    def describe(self) -> str:
+        offsets = sum(e - s for _, s, e in self.ranges)
+        text = f"{offsets:,} offset(s) in {len(self.ranges)} partition(s)"
+        lost = sum(e - s for _, s, e in self.skipped)
+        return text + (f", {lost:,} deleted offset(s) skipped" if lost else "")
+
+    def units(self) -> list[tuple[str, str]]:
+        return []  # the offsets say what was consumed
+
+
+@dataclass(frozen=True)
+class _Partition:
+    """One partition as the broker reports it now (read_committed watermarks)."""
+
+    low: int
+    high: int
+
+
+class KafkaSource:
+    """Plans batches of per-partition offset ranges of one topic."""
+
+    unit = "records"
+
+    def __init__(self, spec: KafkaSourceSpec, client: KafkaClient, *, max_records: int | None) -> None:
+        self.spec = spec
+        self.topic = spec.topic
+        self.client = client
+        self.max_records = max_records
+
+    @property
+    def origin(self) -> PartitionOffsets:
+        return PartitionOffsets(self.topic, {})
+
+    def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
+        return BatchRange(
+            PartitionOffsets.from_dict(self.topic, start),
+            PartitionOffsets.from_dict(self.topic, end),
+            KafkaManifest(
+                manifest.get("topic", self.topic),
+                tuple((int(p), int(s), int(e)) for p, s, e in manifest.get("ranges", [])),
+                tuple((int(p), int(s), int(e)) for p, s, e in manifest.get("skipped", [])),
+                self.client,
+            ),
+        )
+
+    # -- planning -------------------------------------------------------------
+
+    def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
+        known = self._known(lineage)
+        with self._connected() as consumer:
+            partitions = self._partitions(consumer, known)
+            if partitions is None:
+                return None
+            starts, skipped = self._starts(known, partitions)
+            ends = self._ends(consumer, partitions, until)
+        waiting = {p: max(ends[p] - starts[p], 0) for p in partitions}
+        cap = caps.max_records if caps.max_records is not None else self.max_records
+        shares = fair_shares(waiting, cap) if cap is not None else waiting
+        ranges = tuple((p, starts[p], starts[p] + n) for p, n in sorted(shares.items()) if n > 0)
+        end = {**known, **starts, **{p: e for p, _, e in ranges}}
+        pins = not known and self.spec.starting_offsets == "latest" and bool(end)
+        if not ranges and not skipped and not pins:
+            return None
+        return BatchRange(
+            PartitionOffsets.from_dict(self.topic, lineage.end),
+            PartitionOffsets(self.topic, end),
+            KafkaManifest(self.topic, ranges, tuple(skipped), self.client),
+        )
+
+    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
+        known = self._known(lineage)
+        with self._connected() as consumer:
+            partitions = self._partitions(consumer, known)
+            if partitions is None:
+                return Lag(0, self.unit)
+            # Lost records are not waiting: start where they could be read.
+            starts = {p: max(known.get(p, self._first(known, part)), part.low) for p, part in partitions.items()}
+            ends = self._ends(consumer, partitions, until)
+        behind = {p: max(ends[p] - starts[p], 0) for p in partitions}
+        return Lag(sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n))
+
+    def verify(self, batch: BatchRange) -> None:
+        """The planned ranges must still be there: retention may have deleted
+        their start since the plan, or the topic been recreated."""
+        manifest: KafkaManifest = batch.manifest  # type: ignore[assignment]
+        with self._connected() as consumer:
+            partitions = self._partitions(consumer, {})
+            gone = []
+            for p, start, end in manifest.ranges:
+                part = (partitions or {}).get(p)
+                if part is None or part.low > start or part.high < end:
+                    gone.append(f"{self.topic}/{p} [{start}, {end})" + (f" (now {part.low}..{part.high})" if part else " (no such partition)"))
+        if gone:
+            raise SourceChangedError(
+                f"topic {self.topic} can no longer give this planned batch's records {', '.join(gone)}: retention "
+                "deleted them since the plan, or the topic was recreated. A replay must read exactly what was "
+                "planned; nothing was read or written. Rewind to the last committed batch (`microbatch rewind "
+                "SPEC --to-batch K`): the next run plans afresh and `source.on_data_loss` decides about the loss.",
+                path=f"kafka://{self.topic}",
+            )
+
+    def after_commit(self, lineage: Lineage) -> int:
+        return 0  # the topic's retention is the broker's business
+
+    # -- internals ------------------------------------------------------------
+
+    def _known(self, lineage: Lineage) -> dict[int, int]:
+        end = lineage.end
+        others = [name for name in end if name != self.topic]
+        if others:
+            raise SourceChangedError(
+                f"the ledger's offsets are for topic(s) {others}, not {self.topic}: this checkpoint belongs to "
+                "another source. Point source.topic back, or give the pipeline a new checkpoint and state.",
+                path=f"kafka://{self.topic}",
+            )
+        return PartitionOffsets.from_dict(self.topic, end).next
+
+    @contextlib.contextmanager
+    def _connected(self) -> Iterator[Consumer]:
+        consumer = self.client.consumer()
+        try:
+            yield consumer
+        finally:
+            consumer.close()
+
+    def _unreachable(self, exc: BaseException) -> SourceError:
+        return SourceError(
+            f"cannot reach Kafka at {self.client.servers} for topic {self.topic}: {first_line(exc)}. Nothing was "
+            "read or written; the run can be retried once the brokers answer (check source.bootstrap_servers, "
+            "the network, and the security settings).",
+            path=f"kafka://{self.topic}",
+        )
+
+    def _partitions(self, consumer: Consumer, known: Mapping[int, int]) -> dict[int, _Partition] | None:
+        """The topic's partitions with their watermarks; None if the topic does
+        not exist yet and the pipeline has read nothing from it."""
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        try:
+            metadata = consumer.list_topics(self.topic, timeout=REQUEST_TIMEOUT_S)
+        except KafkaException as exc:
+            raise self._unreachable(exc) from exc
+        topic = metadata.topics.get(self.topic)
+        missing = topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART)
+        if missing and not known:
+            log.info("topic %s does not exist yet: nothing to read", self.topic)
+            return None
+        if missing:
+            raise SourceChangedError(
+                f"topic {self.topic} no longer exists, but this pipeline has read it up to offsets {dict(known)}. "
+                "Nothing was read. If it was deleted by mistake, restore it; to start over on a new topic, give "
+                "the pipeline a new checkpoint and state.",
+                path=f"kafka://{self.topic}",
+            )
+        if topic.error is not None:
+            raise self._unreachable(KafkaException(topic.error))
+        partitions: dict[int, _Partition] = {}
+        try:
+            for p in sorted(topic.partitions):
+                low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=REQUEST_TIMEOUT_S)
+                partitions[p] = _Partition(low, high)
+        except KafkaException as exc:
+            raise self._unreachable(exc) from exc
+        vanished = sorted(set(known) - set(partitions))
+        beyond = {p: (n, partitions[p].high) for p, n in known.items() if p in partitions and n > partitions[p].high}
+        if vanished or beyond:
+            found = [f"partition {p} is gone" for p in vanished] + [
+                f"partition {p} ends at offset {high}, but this pipeline has read it up to {n}" for p, (n, high) in sorted(beyond.items())
+            ]
+            raise SourceChangedError(
+                f"topic {self.topic} is not the topic this pipeline read ({'; '.join(found)}): it was deleted and "
+                "recreated. Nothing was read. Offsets of the old topic mean nothing in the new one: give the "
+                "pipeline a new checkpoint and state to start over on it.",
+                path=f"kafka://{self.topic}",
+            )
+        return partitions
+
+    def _first(self, known: Mapping[int, int], part: _Partition) -> int:
+        """Where a partition the ledger does not know starts."""
+        if not known and self.spec.starting_offsets == "latest":
+            return part.high
+        return part.low
+
+    def _starts(self, known: Mapping[int, int], partitions: Mapping[int, _Partition]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
+        starts = {p: known.get(p, self._first(known, part)) for p, part in partitions.items()}
+        lost = [(p, starts[p], part.low) for p, part in partitions.items() if starts[p] < part.low]
+        if lost and self.spec.on_data_loss == "fail":
+            raise DataLossError(
+                f"topic {self.topic}: records this pipeline has not consumed were deleted by retention: "
+                + ", ".join(f"partition {p} offsets {a}..{b - 1}" for p, a, b in lost)
+                + ". Nothing was read. Set `source.on_data_loss: skip` to record the loss in the ledger and go on, "
+                "or lengthen the topic's retention and recompute from a source that still has them.",
+                path=f"kafka://{self.topic}",
+            )
+        for p, a, b in lost:
+            log.warning("topic %s partition %d: offsets %d..%d were deleted by retention; skipped (on_data_loss: skip)", self.topic, p, a, b - 1)
+            starts[p] = b
+        return starts, lost
+
+    def _ends(self, consumer: Consumer, partitions: Mapping[int, _Partition], until: datetime | None) -> dict[int, int]:
+        """Each partition's last stable offset, bounded by `until` (the first
+        offset timestamped at or after it, where the broker has one)."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        ends = {p: part.high for p, part in partitions.items()}
+        if until is None or not partitions:
+            return ends
+        limit_ms = int(until.timestamp() * 1000)
+        try:
+            found = consumer.offsets_for_times([TopicPartition(self.topic, p, limit_ms) for p in partitions], timeout=REQUEST_TIMEOUT_S)
+        except KafkaException as exc:
+            raise self._unreachable(exc) from exc
+        for tp in found:
+            if tp.error is not None:
+                raise self._unreachable(KafkaException(tp.error))
+            if tp.offset >= 0:  # -1: no record at or after `until` yet, so all of them are before it
+                ends[tp.partition] = min(ends[tp.partition], tp.offset)
+        return ends
+
+
+def fair_shares(waiting: Mapping[int, int], cap: int) -> dict[int, int]:
+    """How many offsets each partition gets of `cap`: equal shares, a
+    partition needing less than its share gives the rest to the others, and
+    what cannot be split evenly goes to those furthest behind (ties: the
+    lower partition)."""
+    shares = {p: 0 for p in waiting}
+    left = cap
+    open_ = [p for p in sorted(waiting) if waiting[p] > 0]
+    while left > 0 and open_:
+        each = left // len(open_)
+        if each == 0:
+            for p in sorted(open_, key=lambda q: (-(waiting[q] - shares[q]), q))[:left]:
+                shares[p] += 1
+            break
+        for p in open_:
+            give = min(each, waiting[p] - shares[p])
+            shares[p] += give
+            left -= give
+        open_ = [p for p in open_ if shares[p] < waiting[p]]
+    return shares

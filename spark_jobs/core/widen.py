@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, QueryBuilder
 
+from spark_jobs.core.delta_io import arrow
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.errors import MergeOverflowError
@@ -224,7 +225,7 @@ def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fract
     A column holding no value gets (0, 0): it adds nothing to any sum, and
     every `SumCheck` threshold lets zero through.
     """
-    actions = pa.table(table.get_add_actions(flatten=True))
+    actions = arrow(table.get_add_actions(flatten=True))
     ranges: dict[str, tuple[Fraction, Fraction] | None] = {}
     for column in columns:
         names = [f"min.{column}", f"max.{column}", f"null_count.{column}", "num_records"]
@@ -263,7 +264,7 @@ def exact_overflow(table: DeltaTable, updates: pa.Table, keys: list[str], checks
         return None
     columns = [*keys, *(c.column for c in checks)]
     sql = f"SELECT {', '.join(_q(c) for c in columns)} FROM state WHERE {' OR '.join(conditions)}"
-    candidates = pa.table(QueryBuilder().register("state", table).execute(sql).read_all())
+    candidates = arrow(QueryBuilder().register("state", table).execute(sql).read_all())
     if candidates.num_rows == 0:
         return None
     # Positional names, so that no column name can clash in the join.

@@ -28,10 +28,12 @@ from spark_jobs.core.delta_io import (
     SMALL_FILE_BYTES,
     ensure_table,
     in_range,
+    int64s,
     is_commit_conflict,
     read_all,
     read_pruned,
     refreshed,
+    rows_of,
     small_files,
 )
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
@@ -363,10 +365,13 @@ class OffsetLedger:
         if table is None:
             return []
         e, lo, hi = int(epoch), int(first), int(last)
+        bounds = int64s([e, lo, hi])
         records = read_pruned(
             table,
             lambda stats: in_range(stats, "epoch", e, e) and in_range(stats, "batch_id", lo, hi),
-            lambda t: pc.and_(pc.equal(t["epoch"], e), pc.and_(pc.greater_equal(t["batch_id"], lo), pc.less_equal(t["batch_id"], hi))),
+            lambda t: pc.and_(
+                pc.equal(t["epoch"], bounds[0]), pc.and_(pc.greater_equal(t["batch_id"], bounds[1]), pc.less_equal(t["batch_id"], bounds[2]))
+            ),
             # Only integers enter the query text; the pipeline and status are
             # filtered here, so no name ever becomes SQL.
             where=f"epoch = {e} AND batch_id >= {lo} AND batch_id <= {hi}",
@@ -374,7 +379,7 @@ class OffsetLedger:
         return self._rows(records)
 
     def _rows(self, records: pa.Table) -> list[LedgerRow]:
-        return [LedgerRow.from_record(r, path=self.path) for r in records.to_pylist() if r["pipeline"] == self.pipeline]
+        return [LedgerRow.from_record(r, path=self.path) for r in rows_of(records) if r["pipeline"] == self.pipeline]
 
     def append(self, view: LedgerView, row: LedgerRow, app_id: str) -> bool:
         """Append `row`, fenced by `app_id` at the row's position.

@@ -57,6 +57,7 @@ from spark_jobs.core.delta_io import (
     read_pruned,
     refreshed,
     small_files,
+    strings,
 )
 from spark_jobs.core.fencing import ORIGIN, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import COMPACT_AT_FILES, LedgerRow, LedgerView, RowStatus, scoped
@@ -134,12 +135,13 @@ class ConsumedIndex:
             first = 0 if lo is None else bisect.bisect_left(wanted, lo)
             return first < len(wanted) and (hi is None or wanted[first] <= hi)
 
+        tags = strings([self.pipeline, ledger])
         rows = read_pruned(
             table,
             may_hold,
             lambda t: pc.and_(
-                pc.and_(pc.equal(t["pipeline"], self.pipeline), pc.equal(t["ledger"], ledger)),
-                pc.is_in(t["key"], value_set=pa.array(wanted, pa.string())),
+                pc.and_(pc.equal(t["pipeline"], tags[0]), pc.equal(t["ledger"], tags[1])),
+                pc.is_in(t["key"], value_set=strings(wanted)),
             ),
             where=f"pipeline = {pipeline_literal(self.pipeline)} AND ledger = {string_literal(ledger)} AND "
             f"key IN ({', '.join(string_literal(k) for k in wanted)})",

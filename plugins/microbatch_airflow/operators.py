@@ -32,7 +32,7 @@ from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
 
-__all__ = ["MaintenanceOperator", "MicroBatchOperator", "master_from_connection"]
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "kafka_settings", "master_from_connection"]
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -72,6 +72,26 @@ def master_from_connection(conn_id: str) -> str:
     return master
 
 
+def kafka_settings(spec: PipelineSpec, conn_id: str | None = None) -> dict[str, Any] | None:
+    """librdkafka settings from an Airflow connection of the apache-kafka
+    provider (its extra is the settings dict, e.g. ``{"bootstrap.servers":
+    "...", "security.protocol": "SASL_SSL", "sasl.password": "..."}``):
+    `conn_id`, else the spec's ``source.airflow_conn_id``; None for other
+    sources or without either. The job applies them over the spec's options
+    (`spark_jobs.sources.kafka.connection_settings`); they hold secrets and
+    are never logged."""
+    conn_id = conn_id or getattr(spec.source, "airflow_conn_id", None)
+    if spec.source.type != "kafka" or not conn_id:
+        return None
+    from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
+
+    conn = KafkaBaseHook.get_connection(conn_id)
+    extra = conn.extra_dejson or {}
+    if not isinstance(extra, dict):
+        raise AirflowFailException(f"connection {conn_id!r}: its extra must be a JSON object of librdkafka settings")
+    return extra
+
+
 class MicroBatchOperator(BaseOperator):
     """Run one micro-batch of the pipeline in `spec_path`.
 
@@ -82,23 +102,34 @@ class MicroBatchOperator(BaseOperator):
         (see `master_from_connection`). With neither, the spec's
         ``engine.airflow_conn_id``, then ``engine.master``, then
         ``MICROBATCH_SPARK_MASTER``, then ``local[*]`` apply.
+    :param kafka_conn_id: for a Kafka source, an Airflow connection of the
+        apache-kafka provider whose extra holds librdkafka settings and
+        secrets (see `kafka_settings`); default: ``source.airflow_conn_id``.
     """
 
     template_fields: Sequence[str] = ("spec_path",)
     ui_color = "#e8f1fb"
 
     def __init__(
-        self, *, spec_path: str, spark_master: str | None = None, spark_conn_id: str | None = None, **kwargs: Any
+        self,
+        *,
+        spec_path: str,
+        spark_master: str | None = None,
+        spark_conn_id: str | None = None,
+        kafka_conn_id: str | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.spark_master = spark_master
         self.spark_conn_id = spark_conn_id
+        self.kafka_conn_id = kafka_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
         from spark_jobs.core.outcome import Outcome
         from spark_jobs.core.protocol import RunOptions, run_batch
         from spark_jobs.engine import compute_factory
+        from spark_jobs.sources.kafka import connection_settings
 
         spec = self._spec()
         params = context.get("params") or {}
@@ -117,10 +148,11 @@ class MicroBatchOperator(BaseOperator):
         conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
         make_compute = compute_factory(spec, self.spark_master or (master_from_connection(conn_id) if conn_id else None))
         try:
-            rewind_to = params.get("rewind_to_batch")
-            if rewind_to is not None and not options.dry_run:
-                self._rewind_once(spec, int(rewind_to), options.run_id)
-            outcome = run_batch(spec, options, make_compute)
+            with connection_settings(kafka_settings(spec, self.kafka_conn_id)):
+                rewind_to = params.get("rewind_to_batch")
+                if rewind_to is not None and not options.dry_run:
+                    self._rewind_once(spec, int(rewind_to), options.run_id)
+                outcome = run_batch(spec, options, make_compute)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise

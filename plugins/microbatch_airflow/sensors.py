@@ -22,13 +22,15 @@ class NewDataSensor(BaseSensorOperator):
 
     template_fields = ("spec_path",)
 
-    def __init__(self, *, spec_path: str, deferrable: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *, spec_path: str, deferrable: bool = True, kafka_conn_id: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.deferrable = deferrable
+        #: For a Kafka source: the connection holding its settings (default: the spec's).
+        self.kafka_conn_id = kafka_conn_id
 
     def poke(self, context: Context) -> bool:
-        count = waiting(self.spec_path)
+        count = waiting(self.spec_path, self.kafka_conn_id)
         self.log.info("%d waiting", count)
         return count > 0
 
@@ -38,7 +40,7 @@ class NewDataSensor(BaseSensorOperator):
                 super().execute(context)
             return
         self.defer(
-            trigger=NewDataTrigger(spec_path=self.spec_path, poll_seconds=self.poke_interval),
+            trigger=NewDataTrigger(spec_path=self.spec_path, poll_seconds=self.poke_interval, kafka_conn_id=self.kafka_conn_id),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
         )

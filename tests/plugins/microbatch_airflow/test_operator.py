@@ -118,3 +118,37 @@ def test_the_maintenance_dag_maintains_the_pipeline(tmp_path, airflow_db, monkey
 
     assert status(spec).oldest_rewindable == 3
     assert_exact(spec_path)
+
+
+def test_a_kafka_source_takes_its_settings_and_secrets_from_an_airflow_connection(tmp_path, spark, airflow_db, dag_for, monkeypatch, capfd):
+    """The spec names a broker that does not answer and no secret; the
+    connection (the apache-kafka provider's type, its extra the settings)
+    names the real one. The secret reaches librdkafka, not XCom, logs or tables."""
+    import json
+
+    import yaml
+
+    from tests.spark_jobs.sources.test_kafka import events, produce, spec_file, start_cluster, stop_cluster
+
+    secret = "conn-secret-7d1e93aa"  # noqa: S105 - a marker to search for
+    server, servers = start_cluster()
+    try:
+        produce(servers, "conn-clicks", events(0, 40))
+        path = spec_file(tmp_path, "127.0.0.1:1", "conn-clicks")
+        spec = yaml.safe_load(path.read_text())
+        spec["source"]["airflow_conn_id"] = "kafka_clicks"
+        path.write_text(yaml.safe_dump(spec))
+        extra = {"bootstrap.servers": servers, "client.id": "microbatch-test", "sasl.password": secret}
+        monkeypatch.setenv("AIRFLOW_CONN_KAFKA_CLICKS", json.dumps({"conn_type": "kafka", "extra": extra}))
+        run = dag_for(path).test()
+        assert run.state == "success"
+        ti = _ti(run)
+        summary = ti.xcom_pull(task_ids="run_batch")
+        assert summary["status"] == "committed" and summary["records_in"] == 40
+        assert secret not in json.dumps(summary, default=str)
+        out, err = capfd.readouterr()
+        assert secret not in out + err
+        for f in tmp_path.rglob("*"):
+            assert not f.is_file() or f.suffix == ".yaml" or secret.encode() not in f.read_bytes(), f"secret in {f}"
+    finally:
+        stop_cluster(server)

@@ -47,3 +47,28 @@ def test_a_source_that_cannot_be_read_is_an_error_not_nothing_waiting(spec_path)
 
     event = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert event.payload["status"] == "error" and "source folder" in event.payload["message"]
+
+
+def test_waits_for_kafka_records_through_the_operators_connection(tmp_path, monkeypatch):
+    """A Kafka source's lag, with its settings from the connection the sensor names."""
+    import json
+
+    from tests.spark_jobs.sources.test_kafka import events, produce, spec_file, start_cluster, stop_cluster
+
+    server, servers = start_cluster()
+    try:
+        path = spec_file(tmp_path, "127.0.0.1:1", "waited")
+        monkeypatch.setenv("AIRFLOW_CONN_KAFKA_WAIT", json.dumps({"conn_type": "kafka", "extra": {"bootstrap.servers": servers}}))
+
+        async def scenario():
+            events_ = NewDataTrigger(str(path), poll_seconds=0.2, kafka_conn_id="kafka_wait").run()
+            first = asyncio.ensure_future(events_.__anext__())
+            await asyncio.sleep(1)
+            assert not first.done()  # the topic does not exist yet: nothing waits
+            await asyncio.to_thread(produce, servers, "waited", events(0, 12))
+            return await asyncio.wait_for(first, 20)
+
+        event = asyncio.run(scenario())
+        assert event.payload == {"status": "ready", "waiting": 12}
+    finally:
+        stop_cluster(server)

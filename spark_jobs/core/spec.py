@@ -591,7 +591,7 @@ def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     elif kind == "extra_forbidden":
         message = "is not a known field (check the spelling; see docs/spec.md)"
     elif kind == "literal_error" and field == "source.format":
-        message = f"{error.get('input')!r} is not a format; use {(error.get('ctx') or {}).get('expected', 'json, csv or parquet')}"
+        message = f"{error.get('input')!r} is not a format; use {str((error.get('ctx') or {}).get('expected', 'json, csv or parquet')).replace(chr(39), '')}"
     elif kind == "union_tag_not_found":
         message = "is required: write `type: files`, `type: delta` or `type: kafka`"
         loc = loc + ("type",)

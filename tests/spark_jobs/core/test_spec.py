@@ -41,7 +41,7 @@ def test_the_issue_spec_loads_as_written():
         (lambda s: s.pop("name"), "field `name`: is required"),
         (lambda s: s.update(name="Clicks-Per-User"), "not a valid pipeline name"),
         (lambda s: s["source"].update(format="xml"), "'xml' is not a format; use json, csv or parquet"),
-        (lambda s: s["source"].update(type="kafka"), "'kafka' is not a source type"),
+        (lambda s: s["source"].update(type="kinesis"), "'kinesis' is not a source type; use files, delta or kafka"),
         (lambda s: s["source"].update(schema="event_id STRING, amount MONEY"), "has type 'MONEY'"),
         (lambda s: s["source"].update(schema="event_id, amount DOUBLE"), "has no type"),
         (lambda s: s["source"].update(schema="a STRING, a INT"), "appears twice"),
@@ -272,3 +272,35 @@ def test_escaping_path_fails_on_the_cli_and_writes_nothing(tmp_path):
     assert result.returncode == 2
     assert "field `state.path`" in result.stderr and "outside the allowed storage roots" in result.stderr
     assert not (tmp_path / "lake").exists() and not (root / "ckpt").exists()
+
+
+def _kafka_spec(**source) -> dict:
+    spec = oracle_spec_dict()
+    spec["source"] = {"type": "kafka", "bootstrap_servers": "b:9092", "topic": "clicks", "format": "json", "schema": "user_id STRING, amount DOUBLE", **source}
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ({"options": {"sasl.password": "x"}}, "option 'sasl.password' is a secret and a spec holds none: set MICROBATCH_KAFKA_SASL_PASSWORD"),
+        ({"options": {"group.id": "mine"}}, "option 'group.id' is set by the job"),
+        ({"format": "text"}, "format text has one STRING column `value`"),
+        ({"schema": None}, "format json needs `schema`"),
+        ({"schema": "user_id STRING, _kafka_offset BIGINT"}, "clash with the columns the Kafka source adds"),
+        ({"csv": {"header": True}, "format": "csv"}, "a Kafka record is one CSV line with no header"),
+        ({"topic": "has space"}, "field `source.topic`"),
+        ({"format": "parquet"}, "'parquet' is not a format; use json, csv or text"),
+    ],
+)
+def test_kafka_source_mistakes_are_named(tmp_path, source, expected):
+    spec = _kafka_spec(**source)
+    spec["source"] = {k: v for k, v in spec["source"].items() if v is not None}
+    assert expected in _error_for(tmp_path, spec)
+
+
+def test_a_kafka_spec_has_no_storage_location_to_confine(tmp_path):
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump(_kafka_spec()))
+    spec = load_spec(path, storage_roots=[str(tmp_path)])
+    assert spec.source_path == "kafka://clicks" and [f.name for f in spec.source.fields] == ["user_id", "amount"]

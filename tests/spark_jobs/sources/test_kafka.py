@@ -488,3 +488,17 @@ def test_a_broker_down_mid_life_fails_retryably_with_nothing_written(tmp_path, t
     assert OffsetLedger(load_spec(path).ledger_path, "kclicks").load().position == before
     with pytest.raises(SourceError):
         make_source(load_spec(path)).plan(BatchesLineage())
+
+
+def test_the_example_spec_runs_on_a_cluster_named_by_the_environment(kafka, tmp_path, compute, monkeypatch):
+    """dags/pipelines/kafka_clicks.yaml as shipped, its brokers from MICROBATCH_KAFKA_BOOTSTRAP_SERVERS."""
+    import shutil
+
+    example = tmp_path / "kafka_clicks.yaml"
+    shutil.copy(ROOT / "dags" / "pipelines" / "kafka_clicks.yaml", example)
+    values = [json.dumps({"event_id": f"e{i}", "user_id": f"u{i % 3}", "amount_cents": i, "ts": "2026-11-23T10:00:00Z"}) for i in range(30)]
+    produce(kafka, "clicks", values)
+    monkeypatch.setenv("MICROBATCH_KAFKA_BOOTSTRAP_SERVERS", kafka)
+    assert run(example, compute) == "committed"
+    state = read_all(DeltaTable(str(tmp_path / "lakehouse" / "kafka_clicks")))
+    assert sum(state.column("events").to_pylist()) == 30 and sum(state.column("cents").to_pylist()) == sum(range(30))

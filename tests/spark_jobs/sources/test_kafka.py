@@ -502,3 +502,13 @@ def test_the_example_spec_runs_on_a_cluster_named_by_the_environment(kafka, tmp_
     assert run(example, compute) == "committed"
     state = read_all(DeltaTable(str(tmp_path / "lakehouse" / "kafka_clicks")))
     assert sum(state.column("events").to_pylist()) == 30 and sum(state.column("cents").to_pylist()) == sum(range(30))
+
+
+def test_history_and_status_show_offsets_and_lag_per_partition(kafka, tmp_path, compute):
+    produce(kafka, "hist", events(0, 12))
+    path = spec_file(tmp_path, kafka, "hist")
+    assert run(path, compute, max_records=8) == "committed"
+    history = run_cli("history", str(path))
+    assert "hist 0:2 1:2 2:2 3:2" in history.stdout, history.stdout
+    status = json.loads(run_cli("status", str(path), "--json").stdout)
+    assert status["lag"] == {"count": 4, "unit": "records", "future": 0, "parts": {"hist/0": 1, "hist/1": 1, "hist/2": 1, "hist/3": 1}}

@@ -291,8 +291,9 @@ def _compact(offsets: dict[str, Any] | None) -> str:
         return f"{offsets['files']} files"
     if "version" in offsets and set(offsets) <= {"version", "table"}:
         return f"v{offsets['version']}"
-    if all(isinstance(v, dict) for v in offsets.values()):
-        return "; ".join(f"{topic} " + " ".join(f"{p}:{n}" for p, n in sorted(parts.items(), key=lambda i: int(i[0]))) for topic, parts in offsets.items())
+    topics = {name: parts for name, parts in offsets.items() if isinstance(parts, dict)}
+    if topics and all(name.startswith("@") for name in set(offsets) - set(topics)):  # "@cluster": an id, not a position
+        return "; ".join(f"{topic} " + " ".join(f"{p}:{n}" for p, n in sorted(parts.items(), key=lambda i: int(i[0]))) for topic, parts in topics.items())
     return json.dumps(offsets, separators=(",", ":"))
 
 

@@ -240,13 +240,18 @@ class DeltaSourceSpec(_Model):
 
 
 #: librdkafka settings the job sets itself: a spec, variable or connection may not.
-_KAFKA_OWN_SETTINGS = frozenset(
-    {"bootstrap.servers", "group.id", "isolation.level", "enable.auto.commit", "enable.partition.eof", "auto.offset.reset"}
+KAFKA_OWN_SETTINGS = frozenset(
+    {
+        "bootstrap.servers",
+        "isolation.level",
+        "enable.auto.commit",
+        "enable.auto.offset.store",
+        "enable.partition.eof",
+        "auto.offset.reset",
+    }
 )
 #: Settings that hold secrets: never in a spec (use MICROBATCH_KAFKA_* or a connection).
-KAFKA_SECRET_SETTINGS = frozenset(
-    {"sasl.password", "sasl.username", "ssl.key.password", "ssl.key.pem", "ssl.keystore.password", "sasl.oauthbearer.client.secret", "sasl.oauthbearer.config"}
-)
+KAFKA_SECRET_SETTING = re.compile(r"(password|passphrase|secret|username|\.pem|oauthbearer\.config|\.key$)", re.IGNORECASE)
 
 
 class KafkaSourceSpec(_Model):
@@ -258,6 +263,7 @@ class KafkaSourceSpec(_Model):
     #: How each record's value is parsed: one JSON object, one CSV line, or text (a `value` column).
     format: Literal["json", "csv", "text"]
     schema_: str | None = Field(default=None, alias="schema", min_length=1)
+    #: `delimiter` only: a record is one line, never a header.
     csv: CsvOptions = CsvOptions(header=False)
     #: Where a pipeline starts on the topic's partitions (later partitions are read from their start).
     starting_offsets: Literal["earliest", "latest"] = "earliest"
@@ -277,7 +283,7 @@ class KafkaSourceSpec(_Model):
                 raise ValueError("format text has one STRING column `value`: leave `schema` out (or write 'value STRING')")
         elif self.schema_ is None:
             raise ValueError(f"format {self.format} needs `schema` (e.g. 'event_id STRING, amount_cents BIGINT')")
-        if self.csv.header:
+        if self.csv.header and "header" in self.csv.model_fields_set:
             raise ValueError("a Kafka record is one CSV line with no header: leave csv.header out (or false)")
         return self
 
@@ -294,9 +300,9 @@ class KafkaSourceSpec(_Model):
     @classmethod
     def _options_not_ours_nor_secret(cls, options: dict[str, Any]) -> dict[str, Any]:
         for name in options:
-            if name in _KAFKA_OWN_SETTINGS:
+            if name in KAFKA_OWN_SETTINGS:
                 raise ValueError(f"option {name!r} is set by the job (bootstrap_servers is its own field); remove it")
-            if name in KAFKA_SECRET_SETTINGS:
+            if KAFKA_SECRET_SETTING.search(name):
                 raise ValueError(
                     f"option {name!r} is a secret and a spec holds none: set MICROBATCH_KAFKA_"
                     f"{name.upper().replace('.', '_')} in the environment, or use an Airflow connection "

@@ -32,8 +32,10 @@ __all__ = ["MAX_TASK_OFFSETS", "RECORD_SCHEMA", "records", "split"]
 
 #: A range longer than this is read by several tasks.
 MAX_TASK_OFFSETS = 50_000
-#: Records handed to Spark per Arrow batch.
+#: Records handed to Spark per Arrow batch, at most, and value bytes (a
+#: batch's binary column must stay far below Arrow's 2 GiB per array).
 _CHUNK = 10_000
+_CHUNK_BYTES = 32 * 1024 * 1024
 #: A task fails if its consumer delivers nothing for this long while its range is unfinished.
 STALL_TIMEOUT_S = 120.0
 
@@ -50,11 +52,15 @@ def split(ranges: tuple[tuple[int, int, int], ...], most: int = MAX_TASK_OFFSETS
 
 
 def records(spark: SparkSession, topic: str, ranges: tuple[tuple[int, int, int], ...], settings: Mapping[str, Any]) -> DataFrame:
-    """The records of `ranges` of `topic`, fetched on the executors (`RECORD_SCHEMA`)."""
+    """The records of `ranges` of `topic`, fetched on the executors (`RECORD_SCHEMA`).
+
+    Task i reads range i: `spark.range` with one slice per range puts
+    exactly one id in each Spark partition (a repartitioned frame of the
+    ranges would not: some tasks would read two ranges, some none).
+    """
     _pickle_by_value()
     tasks = split(ranges)
-    frame = spark.createDataFrame(tasks, "partition INT, start BIGINT, end BIGINT")
-    return frame.repartition(max(1, len(tasks))).mapInArrow(_fetch(topic, dict(settings)), RECORD_SCHEMA)
+    return spark.range(0, len(tasks), 1, max(1, len(tasks))).mapInArrow(_fetch(topic, tasks, dict(settings)), RECORD_SCHEMA)
 
 
 def _pickle_by_value() -> None:
@@ -65,15 +71,17 @@ def _pickle_by_value() -> None:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _fetch(topic: str, settings: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def fetch(tasks: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _fetch(
+    topic: str, tasks: list[tuple[int, int, int]], settings: dict[str, Any]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def fetch(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from confluent_kafka import Consumer
 
         consumer = Consumer(settings)
         try:
-            for task in tasks:
-                for partition, start, end in zip(*(task.column(i).to_pylist() for i in range(3))):
-                    yield from _read_range(consumer, topic, partition, start, end)
+            for batch in ids:
+                for task in batch.column(0).to_pylist():
+                    yield from _read_range(consumer, topic, *tasks[task])
         finally:
             consumer.close()
 
@@ -110,6 +118,7 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
             column.clear()
         return batch
 
+    size = 0
     while position < end:
         message = consumer.poll(1.0)
         if message is None:
@@ -118,26 +127,36 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
             continue
         error = message.error()
         if error is not None:
-            if error.code() == KafkaError._PARTITION_EOF:
+            code = error.code()
+            if code == KafkaError._PARTITION_EOF:
                 if message.offset() < end:
                     raise OSError(
                         f"cannot read {where} offsets {message.offset()}..{end - 1}: the partition ends at "
                         f"{message.offset()} (deleted or recreated since the batch was planned)"
                     )
                 break
-            raise OSError(f"cannot read {where} at offset {position}: {error.str()}")
+            if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                # `auto.offset.reset=error`: never jump past records silently.
+                raise OSError(f"cannot read {where} offsets {position}..{end - 1}: retention deleted them ({error.str()})")
+            if error.fatal() or message.partition() == partition:
+                raise OSError(f"cannot read {where} at offset {position}: {error.str()}")
+            # A broker restarting, a connection dropped: librdkafka retries
+            # by itself; the stall timeout bounds how long that may take.
+            continue
         offset = message.offset()
         if offset >= end:
             break  # a later batch's record: the range is done
         if offset < start:
             raise OSError(f"cannot read {where}: asked for offset {start}, got {offset}")
-        key = message.key()
+        key, value = message.key(), message.value()
         offsets.append(offset)
         stamps.append(message.timestamp()[1])
         keys.append(key.decode("utf-8", "replace") if key is not None else None)
-        values.append(message.value())
+        values.append(value)
+        size += len(value) if value is not None else 0
         position, last_progress = offset + 1, time.monotonic()
-        if len(offsets) >= _CHUNK:
+        if len(offsets) >= _CHUNK or size >= _CHUNK_BYTES:
             yield chunk()
+            size, last_progress = 0, time.monotonic()  # time waiting for Spark to take it is not a stall
     if offsets:
         yield chunk()

@@ -38,11 +38,13 @@ Planning (driver, librdkafka, no JVM):
   or recreated: refused. An unreachable broker is `SourceError` (exit 1,
   retryable) and nothing is written.
 
-Settings: `source.options` (no secrets), then a connection's settings (the
-Airflow operator's `kafka_conn_id` or `source.airflow_conn_id`, handed in by
-`connection_settings`), then ``MICROBATCH_KAFKA_<SETTING>`` variables (e.g.
-``MICROBATCH_KAFKA_SASL_PASSWORD`` for ``sasl.password``), each over the
-last. The resolved settings travel to the executors inside the task, as
+Settings: `source.options` (no secrets), then ``MICROBATCH_KAFKA_<SETTING>``
+variables (e.g. ``MICROBATCH_KAFKA_SASL_PASSWORD`` for ``sasl.password``),
+then a connection's settings (the Airflow operator's `kafka_conn_id` or
+`source.airflow_conn_id`, handed in by `connection_settings`), each over the
+last: a connection named for this pipeline is more specific than a worker's
+environment. Offsets also name the cluster's id, so the same topic name on
+another cluster is refused. The resolved settings travel to the executors inside the task, as
 Spark's own Kafka parameters do; they are never written to the ledger, a
 log or an error (`KafkaClient`'s repr names the settings, not their values).
 """
@@ -53,6 +55,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -83,6 +86,12 @@ log = logging.getLogger("microbatch")
 ENV_PREFIX = "MICROBATCH_KAFKA_"
 #: How long a metadata or watermark request may take before the broker counts as unreachable.
 REQUEST_TIMEOUT_S = 10.0
+#: Settings that name callbacks (librdkafka takes functions there, not text).
+CALLBACK_SETTINGS = frozenset({"error_cb", "throttle_cb", "stats_cb", "log_cb", "oauth_cb", "on_commit", "on_delivery"})
+#: Broker answers that a retry cannot change: refused (exit 2), not retried.
+_REFUSALS = ("TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED", "CLUSTER_AUTHORIZATION_FAILED", "SASL_AUTHENTICATION_FAILED", "_AUTHENTICATION")
+#: Where offsets name the cluster they count in (topic names cannot hold "@").
+CLUSTER_KEY = "@cluster"
 
 #: A connection's settings for the runs inside `connection_settings` (set by the Airflow glue).
 _CONNECTION: ContextVar[Mapping[str, Any] | None] = ContextVar("microbatch_kafka_connection", default=None)
@@ -108,23 +117,31 @@ class KafkaClient:
 
     @classmethod
     def for_source(cls, source: KafkaSourceSpec, pipeline: str) -> KafkaClient:
-        settings: dict[str, Any] = {"bootstrap.servers": source.bootstrap_servers, **source.options}
-        settings.update(_CONNECTION.get() or {})
+        settings: dict[str, Any] = {"bootstrap.servers": source.bootstrap_servers, "group.id": f"microbatch-{pipeline}", **source.options}
         settings.update(
             {name[len(ENV_PREFIX):].lower().replace("_", "."): value for name, value in os.environ.items() if name.startswith(ENV_PREFIX)}
         )
-        # The job's own: offsets live in the ledger, never in a consumer group.
+        # A connection the operator names is the most specific choice: it wins over worker-wide variables.
+        settings.update(_CONNECTION.get() or {})
+        # Callbacks (a provider connection may name one as a dotted path)
+        # cannot be handed to librdkafka as text, nor pickled to executors.
+        dropped = sorted(k for k, v in settings.items() if k in CALLBACK_SETTINGS or not isinstance(v, (str, int, float, bool)))
+        if dropped:
+            log.warning("Kafka settings %s are callbacks, which this job cannot use; ignored", dropped)
+        settings = {k: v for k, v in settings.items() if k not in dropped}
+        # The job's own: offsets live in the ledger, never in a consumer group
+        # (`group.id` only names the consumers, for ACLs); and a fetch whose
+        # offsets retention deleted must fail, never jump elsewhere.
         settings.update(
             {
-                "group.id": f"microbatch-{pipeline}",
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "isolation.level": "read_committed",
                 "enable.partition.eof": True,
+                "auto.offset.reset": "error",
             }
         )
-        # Callbacks (a connection may name one) cannot travel to executors.
-        return cls({k: v for k, v in settings.items() if isinstance(v, (str, int, float, bool))})
+        return cls(settings)
 
     @property
     def servers(self) -> str:
@@ -140,7 +157,7 @@ class KafkaClient:
 
         try:
             return Consumer(dict(self.settings), logger=_quiet)
-        except KafkaException as exc:
+        except (KafkaException, TypeError, ValueError) as exc:
             problem = re.sub(r'value "[^"]*"', "value", first_line(exc))
             raise SourceRefusedError(
                 f"Kafka settings for {self.servers} are not accepted: {problem}. Fix source.options, the "
@@ -165,13 +182,17 @@ class PartitionOffsets:
 
     topic: str
     next: Mapping[int, int]
+    #: The id of the Kafka cluster they count in: offsets of another cluster's topic of the same name mean nothing.
+    cluster: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {self.topic: {str(p): n for p, n in sorted(self.next.items())}} if self.next else {}
+        if not self.next:
+            return {}
+        return {self.topic: {str(p): n for p, n in sorted(self.next.items())}, **({CLUSTER_KEY: self.cluster} if self.cluster else {})}
 
     @classmethod
     def from_dict(cls, topic: str, data: Mapping[str, Any]) -> PartitionOffsets:
-        return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()})
+        return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()}, data.get(CLUSTER_KEY))
 
 
 @dataclass(frozen=True)
@@ -210,6 +231,14 @@ class _Partition:
     high: int
 
 
+@dataclass(frozen=True)
+class _Topic:
+    """The topic's partitions now, and the id of the cluster that has it."""
+
+    partitions: dict[int, _Partition]
+    cluster: str | None
+
+
 class KafkaSource:
     """Plans batches of per-partition offset ranges of one topic."""
 
@@ -242,35 +271,37 @@ class KafkaSource:
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         known = self._known(lineage)
         with self._connected() as consumer:
-            partitions = self._partitions(consumer, known)
-            if partitions is None:
+            topic = self._topic(consumer, known)
+            if topic is None:
                 return None
-            starts, skipped = self._starts(known, partitions)
-            ends = self._ends(consumer, partitions, until)
-        waiting = {p: max(ends[p] - starts[p], 0) for p in partitions}
+            starts, skipped = self._starts(known, topic.partitions)
+            ends = self._ends(consumer, topic.partitions, until)
+        waiting = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
         cap = caps.max_records if caps.max_records is not None else self.max_records
         shares = fair_shares(waiting, cap) if cap is not None else waiting
         ranges = tuple((p, starts[p], starts[p] + n) for p, n in sorted(shares.items()) if n > 0)
-        end = {**known, **starts, **{p: e for p, _, e in ranges}}
-        pins = not known and self.spec.starting_offsets == "latest" and bool(end)
-        if not ranges and not skipped and not pins:
+        end = {**known.next, **starts, **{p: e for p, _, e in ranges}}
+        if not ranges and not skipped and not self._pins(known):
             return None
         return BatchRange(
             PartitionOffsets.from_dict(self.topic, lineage.end),
-            PartitionOffsets(self.topic, end),
+            PartitionOffsets(self.topic, end, topic.cluster),
             KafkaManifest(self.topic, ranges, tuple(skipped), self.client),
         )
 
     def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
         known = self._known(lineage)
         with self._connected() as consumer:
-            partitions = self._partitions(consumer, known)
-            if partitions is None:
+            topic = self._topic(consumer, known)
+            if topic is None:
                 return Lag(0, self.unit)
-            # Lost records are not waiting: start where they could be read.
-            starts = {p: max(known.get(p, self._first(known, part)), part.low) for p, part in partitions.items()}
-            ends = self._ends(consumer, partitions, until)
-        behind = {p: max(ends[p] - starts[p], 0) for p in partitions}
+            if self._pins(known):
+                # The first run pins "latest" (and reads nothing): a sensor must let it run.
+                return Lag(1, "start to pin (starting_offsets: latest)")
+            # Lost records are not waiting: start where they can be read.
+            starts = {p: max(known.next.get(p, part.low), part.low) for p, part in topic.partitions.items()}
+            ends = self._ends(consumer, topic.partitions, until)
+        behind = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
         return Lag(sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n))
 
     def verify(self, batch: BatchRange) -> None:
@@ -278,10 +309,11 @@ class KafkaSource:
         their start since the plan, or the topic been recreated."""
         manifest: KafkaManifest = batch.manifest  # type: ignore[assignment]
         with self._connected() as consumer:
-            partitions = self._partitions(consumer, {})
+            topic = self._topic(consumer, batch.start)  # type: ignore[arg-type]
+            partitions = topic.partitions if topic is not None else {}
             gone = []
             for p, start, end in manifest.ranges:
-                part = (partitions or {}).get(p)
+                part = partitions.get(p)
                 if part is None or part.low > start or part.high < end:
                     gone.append(f"{self.topic}/{p} [{start}, {end})" + (f" (now {part.low}..{part.high})" if part else " (no such partition)"))
         if gone:
@@ -298,16 +330,20 @@ class KafkaSource:
 
     # -- internals ------------------------------------------------------------
 
-    def _known(self, lineage: Lineage) -> dict[int, int]:
+    def _known(self, lineage: Lineage) -> PartitionOffsets:
         end = lineage.end
-        others = [name for name in end if name != self.topic]
+        others = [name for name in end if name not in (self.topic, CLUSTER_KEY)]
         if others:
             raise SourceChangedError(
                 f"the ledger's offsets are for topic(s) {others}, not {self.topic}: this checkpoint belongs to "
                 "another source. Point source.topic back, or give the pipeline a new checkpoint and state.",
                 path=f"kafka://{self.topic}",
             )
-        return PartitionOffsets.from_dict(self.topic, end).next
+        return PartitionOffsets.from_dict(self.topic, end)
+
+    def _pins(self, known: PartitionOffsets) -> bool:
+        """Whether the next batch pins `latest` (the pipeline's first, reading nothing)."""
+        return not known.next and self.spec.starting_offsets == "latest"
 
     @contextlib.contextmanager
     def _connected(self) -> Iterator[Consumer]:
@@ -317,7 +353,19 @@ class KafkaSource:
         finally:
             consumer.close()
 
-    def _unreachable(self, exc: BaseException) -> SourceError:
+    def _broker_error(self, exc: BaseException) -> SourceError | SourceRefusedError:
+        """An unreachable broker is retryable; a refusal of our credentials or rights is not."""
+        from confluent_kafka import KafkaError
+
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is not None and error.name() in _REFUSALS:
+            return SourceRefusedError(
+                f"Kafka at {self.client.servers} refused this job for topic {self.topic}: {error.name()} "
+                f"({first_line(exc)}). Nothing was read or written. Grant the principal read access to the topic "
+                f"(and describe on the consumer group {self.client.settings.get('group.id')!r}; set another with "
+                "source.options group.id), or fix the security settings.",
+                path=f"kafka://{self.topic}",
+            )
         return SourceError(
             f"cannot reach Kafka at {self.client.servers} for topic {self.topic}: {first_line(exc)}. Nothing was "
             "read or written; the run can be retried once the brokers answer (check source.bootstrap_servers, "
@@ -325,58 +373,79 @@ class KafkaSource:
             path=f"kafka://{self.topic}",
         )
 
-    def _partitions(self, consumer: Consumer, known: Mapping[int, int]) -> dict[int, _Partition] | None:
-        """The topic's partitions with their watermarks; None if the topic does
-        not exist yet and the pipeline has read nothing from it."""
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+    def _metadata(self, consumer: Consumer) -> Any:
+        from confluent_kafka import KafkaException
 
         try:
-            metadata = consumer.list_topics(self.topic, timeout=REQUEST_TIMEOUT_S)
+            return consumer.list_topics(self.topic, timeout=REQUEST_TIMEOUT_S)
         except KafkaException as exc:
-            raise self._unreachable(exc) from exc
-        topic = metadata.topics.get(self.topic)
-        missing = topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART)
-        if missing and not known:
-            log.info("topic %s does not exist yet: nothing to read", self.topic)
-            return None
-        if missing:
+            raise self._broker_error(exc) from exc
+
+    def _topic(self, consumer: Consumer, known: PartitionOffsets) -> _Topic | None:
+        """The topic's partitions with their watermarks, and its cluster; None
+        if the topic does not exist yet and the pipeline has read nothing from it."""
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+        def missing(metadata: Any) -> bool:
+            found = metadata.topics.get(self.topic)
+            return found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART)
+
+        metadata = self._metadata(consumer)
+        if known.cluster and metadata.cluster_id and metadata.cluster_id != known.cluster:
             raise SourceChangedError(
-                f"topic {self.topic} no longer exists, but this pipeline has read it up to offsets {dict(known)}. "
-                "Nothing was read. If it was deleted by mistake, restore it; to start over on a new topic, give "
-                "the pipeline a new checkpoint and state.",
+                f"Kafka at {self.client.servers} is cluster {metadata.cluster_id}, but this pipeline read topic "
+                f"{self.topic} on cluster {known.cluster}: its offsets mean nothing there. Nothing was read. Point "
+                "the servers back at that cluster, or give the pipeline a new checkpoint and state to start over.",
                 path=f"kafka://{self.topic}",
             )
-        if topic.error is not None:
-            raise self._unreachable(KafkaException(topic.error))
+        if missing(metadata) and known.next:
+            time.sleep(1.0)  # a broker that has not caught up answers the same: ask once more
+            metadata = self._metadata(consumer)
+        if missing(metadata):
+            if not known.next:
+                log.info("topic %s does not exist yet: nothing to read", self.topic)
+                return None
+            raise SourceChangedError(
+                f"topic {self.topic} no longer exists, but this pipeline has read it up to offsets "
+                f"{dict(known.next)}. Nothing was read. If it was deleted by mistake, restore it; to start over on "
+                "a new topic, give the pipeline a new checkpoint and state.",
+                path=f"kafka://{self.topic}",
+            )
+        found = metadata.topics[self.topic]
+        if found.error is not None:
+            raise self._broker_error(KafkaException(found.error))
         partitions: dict[int, _Partition] = {}
         try:
-            for p in sorted(topic.partitions):
+            for p in sorted(found.partitions):
                 low, high = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=REQUEST_TIMEOUT_S)
                 partitions[p] = _Partition(low, high)
         except KafkaException as exc:
-            raise self._unreachable(exc) from exc
-        vanished = sorted(set(known) - set(partitions))
-        beyond = {p: (n, partitions[p].high) for p, n in known.items() if p in partitions and n > partitions[p].high}
+            raise self._broker_error(exc) from exc
+        vanished = sorted(set(known.next) - set(partitions))
+        beyond = {p: (n, partitions[p].high) for p, n in known.next.items() if p in partitions and n > partitions[p].high}
         if vanished or beyond:
-            found = [f"partition {p} is gone" for p in vanished] + [
+            problems = [f"partition {p} is gone" for p in vanished] + [
                 f"partition {p} ends at offset {high}, but this pipeline has read it up to {n}" for p, (n, high) in sorted(beyond.items())
             ]
             raise SourceChangedError(
-                f"topic {self.topic} is not the topic this pipeline read ({'; '.join(found)}): it was deleted and "
+                f"topic {self.topic} is not the topic this pipeline read ({'; '.join(problems)}): it was deleted and "
                 "recreated. Nothing was read. Offsets of the old topic mean nothing in the new one: give the "
                 "pipeline a new checkpoint and state to start over on it.",
                 path=f"kafka://{self.topic}",
             )
-        return partitions
+        return _Topic(partitions, metadata.cluster_id or known.cluster)
 
-    def _first(self, known: Mapping[int, int], part: _Partition) -> int:
-        """Where a partition the ledger does not know starts."""
-        if not known and self.spec.starting_offsets == "latest":
-            return part.high
-        return part.low
+    def _starts(self, known: PartitionOffsets, partitions: Mapping[int, _Partition]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
+        """Where each partition's next range starts, and the ranges lost before it.
 
-    def _starts(self, known: Mapping[int, int], partitions: Mapping[int, _Partition]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
-        starts = {p: known.get(p, self._first(known, part)) for p, part in partitions.items()}
+        A partition the ledger knows starts at its offset. At the first
+        batch, all start at `starting_offsets`. A partition added later
+        starts at 0: its records all arrived after the pipeline began, so
+        any retention already deleted are lost records like any other."""
+        if not known.next:
+            edge = "high" if self.spec.starting_offsets == "latest" else "low"
+            return {p: getattr(part, edge) for p, part in partitions.items()}, []
+        starts = {p: known.next.get(p, 0) for p in partitions}
         lost = [(p, starts[p], part.low) for p, part in partitions.items() if starts[p] < part.low]
         if lost and self.spec.on_data_loss == "fail":
             raise DataLossError(
@@ -403,10 +472,10 @@ class KafkaSource:
         try:
             found = consumer.offsets_for_times([TopicPartition(self.topic, p, limit_ms) for p in partitions], timeout=REQUEST_TIMEOUT_S)
         except KafkaException as exc:
-            raise self._unreachable(exc) from exc
+            raise self._broker_error(exc) from exc
         for tp in found:
             if tp.error is not None:
-                raise self._unreachable(KafkaException(tp.error))
+                raise self._broker_error(KafkaException(tp.error))
             if tp.offset >= 0:  # -1: no record at or after `until` yet, so all of them are before it
                 ends[tp.partition] = min(ends[tp.partition], tp.offset)
         return ends

@@ -284,18 +284,25 @@ def _kafka_spec(**source) -> dict:
     ("source", "expected"),
     [
         ({"options": {"sasl.password": "x"}}, "option 'sasl.password' is a secret and a spec holds none: set MICROBATCH_KAFKA_SASL_PASSWORD"),
-        ({"options": {"group.id": "mine"}}, "option 'group.id' is set by the job"),
+        ({"options": {"auto.offset.reset": "latest"}}, "option 'auto.offset.reset' is set by the job"),
+        ({"options": {"sasl.oauthbearer.assertion.private.key.passphrase": "x"}}, "is a secret"),
         ({"format": "text"}, "format text has one STRING column `value`"),
         ({"schema": None}, "format json needs `schema`"),
         ({"schema": "user_id STRING, _kafka_offset BIGINT"}, "clash with the columns the Kafka source adds"),
         ({"csv": {"header": True}, "format": "csv"}, "a Kafka record is one CSV line with no header"),
         ({"topic": "has space"}, "field `source.topic`"),
+        ({"format": "csv", "csv": {"delimiter": ";"}}, None),
         ({"format": "parquet"}, "'parquet' is not a format; use json, csv or text"),
     ],
 )
 def test_kafka_source_mistakes_are_named(tmp_path, source, expected):
     spec = _kafka_spec(**source)
     spec["source"] = {k: v for k, v in spec["source"].items() if v is not None}
+    if expected is None:  # valid: a delimiter alone (no header is implied)
+        path = tmp_path / "ok.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        assert load_spec(path).source.csv.delimiter == ";"
+        return
     assert expected in _error_for(tmp_path, spec)
 
 

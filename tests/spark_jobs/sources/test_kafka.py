@@ -168,6 +168,16 @@ def run(path: Path, compute, **options) -> str:
 # -- planning (no JVM) -------------------------------------------------------------
 
 
+class EndsAt:
+    """A lineage ending at given offsets (ones no plan of the test made)."""
+
+    def __init__(self, end: dict) -> None:
+        self.end = end
+
+    def consumed(self, keys) -> dict:
+        return {}
+
+
 def test_fair_shares_never_exceed_the_cap_and_never_starve():
     assert fair_shares({0: 100, 1: 5, 2: 100}, 60) == {0: 28, 1: 5, 2: 27}
     assert sum(fair_shares({0: 3, 1: 3, 2: 3, 3: 3}, 2).values()) == 2
@@ -196,8 +206,10 @@ def test_batches_are_per_partition_ranges_under_the_cap(kafka, topic, tmp_path):
 def test_latest_pins_the_offsets_once_then_reads_what_came_after(kafka, topic, tmp_path):
     produce(kafka, topic, events(0, 20))
     source = make_source(load_spec(spec_file(tmp_path, kafka, topic, starting_offsets="latest")))
+    assert source.lag(BatchesLineage()).count == 1, "a sensor must let the pinning run through"
     pin = source.plan(BatchesLineage())
-    assert pin.manifest.ranges == () and pin.end.to_dict() == {topic: {"0": 5, "1": 5, "2": 5, "3": 5}}
+    assert pin.manifest.ranges == () and pin.end.to_dict()[topic] == {"0": 5, "1": 5, "2": 5, "3": 5}
+    assert source.lag(BatchesLineage(pin)).count == 0
     assert source.plan(BatchesLineage(pin)) is None, "a batch that moves no offset is never planned"
     produce(kafka, topic, events(20, 4))
     after = source.plan(BatchesLineage(pin))
@@ -209,14 +221,18 @@ def test_a_topic_not_created_yet_waits_and_a_recreated_topic_is_refused(kafka, t
     assert source.plan(BatchesLineage()) is None
     produce(kafka, topic, events(0, 40))
     consumed = source.plan(BatchesLineage())
-    # The "same" topic on a new cluster, with fewer records: its offsets mean nothing to this ledger.
+    assert consumed.end.to_dict()["@cluster"], "offsets name the cluster they count in"
+    # The "same" topic on a new cluster: its offsets mean nothing to this ledger.
     server, other = start_cluster()
     try:
-        produce(other, topic, events(0, 8))
+        produce(other, topic, events(0, 80))
         again = make_source(load_spec(spec_file(tmp_path / "again", other, topic)))
-        with pytest.raises(SourceChangedError, match="deleted and\\s+recreated") as caught:
+        with pytest.raises(SourceChangedError, match="offsets mean nothing there") as caught:
             again.plan(BatchesLineage(consumed))
         assert exit_code(caught.value) == 2
+        # Recreated on the same cluster with fewer records: offsets beyond its end.
+        with pytest.raises(SourceChangedError, match="ends at offset 20, but this pipeline has read it up to 90"):
+            again.plan(EndsAt({topic: {"0": 90, "1": 10, "2": 10, "3": 10}}))
     finally:
         stop_cluster(server)
 
@@ -316,10 +332,14 @@ def test_partitions_added_later_are_read_from_their_start(kafka, topic, tmp_path
     path = spec_file(tmp_path, kafka, topic, starting_offsets="latest")
     stand_in(monkeypatch, kafka, hidden={2, 3})
     pin = make_source(load_spec(path)).plan(BatchesLineage())
-    assert pin.end.to_dict() == {topic: {"0": 10, "1": 10}}
+    assert pin.end.to_dict()[topic] == {"0": 10, "1": 10}
     monkeypatch.undo()
     after = make_source(load_spec(path)).plan(BatchesLineage(pin))
     assert after.manifest.ranges == ((2, 0, 10), (3, 0, 10)), "new partitions from their start, known ones from the ledger"
+    # A partition added while retention already deleted some of its records: those are lost records.
+    stand_in(monkeypatch, kafka, low={3: 4})
+    with pytest.raises(DataLossError, match="partition 3 offsets 0..3"):
+        make_source(load_spec(path)).plan(BatchesLineage(pin))
 
 
 def test_secrets_from_the_environment_reach_librdkafka_and_nothing_else(kafka, topic, tmp_path, compute, monkeypatch):
@@ -339,6 +359,35 @@ def test_secrets_from_the_environment_reach_librdkafka_and_nothing_else(kafka, t
             assert not f.is_file() or secret.encode() not in f.read_bytes(), f"secret in {f}"
     for f in (tmp_path / "state").rglob("*"):
         assert not f.is_file() or secret.encode() not in f.read_bytes(), f"secret in {f}"
+
+
+def test_settings_precedence_callbacks_and_the_jobs_own(kafka, topic, tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_KAFKA_CLIENT_ID", "from-env")
+    monkeypatch.setenv("MICROBATCH_KAFKA_AUTO_OFFSET_RESET", "earliest")
+    spec = load_spec(spec_file(tmp_path, kafka, topic, options={"client.id": "from-spec", "group.id": "acl-group"}))
+    with kafka_source.connection_settings({"client.id": "from-connection", "error_cb": "my.module.cb"}):
+        settings = make_source(spec).client.settings
+    assert settings["client.id"] == "from-connection", "a named connection wins over the environment"
+    assert settings["group.id"] == "acl-group" and "error_cb" not in settings
+    assert settings["auto.offset.reset"] == "error" and settings["isolation.level"] == "read_committed"
+    assert make_source(spec).client.settings["client.id"] == "from-env"
+
+
+def test_a_fetch_whose_offsets_are_gone_fails_instead_of_jumping(kafka, topic):
+    """`auto.offset.reset=error`: asked for offsets the partition does not
+    have (what retention deleting them mid-fetch looks like), the fetch fails;
+    librdkafka's default would jump to the end and finish the range empty."""
+    from spark_jobs.engine.kafka_read import _read_range
+
+    produce(kafka, topic, events(0, 8))
+    settings = {"bootstrap.servers": kafka, "group.id": "t", "auto.offset.reset": "error", "enable.partition.eof": True}
+    consumer = kafka_source.KafkaClient(settings).consumer()
+    try:
+        assert list(_read_range(consumer, topic, 0, 0, 2))[0].num_rows == 2
+        with pytest.raises(OSError, match="retention deleted them"):
+            list(_read_range(consumer, topic, 0, 50, 60))
+    finally:
+        consumer.close()
 
 
 def test_a_run_with_nothing_new_starts_no_jvm(kafka, topic, tmp_path):

@@ -480,6 +480,7 @@ def test_kafka_chained_to_a_delta_source_is_exact_after_kills_at_both_stages(kaf
     assert dict(zip(buckets.column("bucket").to_pylist(), buckets.column("cents").to_pylist())) == expected
 
 
+@pytest.mark.slow  # the main suite's chaos test starts overlapping runs too (tests/spark_jobs/test_kafka_chaos.py)
 def test_concurrent_runs_commit_each_record_once(kafka, topic, tmp_path):
     values = events(0, 300, bad_every=17)
     produce(kafka, topic, values)
@@ -524,11 +525,11 @@ def test_text_format_and_null_values(kafka, topic, tmp_path, compute):
     assert "no value" in reasons[2] and "not valid UTF-8" in reasons[3]
 
 
-def test_a_broker_down_mid_life_fails_retryably_with_nothing_written(tmp_path, topic):
+def test_a_broker_down_mid_life_fails_retryably_with_nothing_written(tmp_path, topic, compute):
     server, servers = start_cluster()
     produce(servers, topic, events(0, 20))
     path = spec_file(tmp_path, servers, topic)
-    assert json.loads(run_cli("run", str(path), "--json").stdout)["status"] == "committed"
+    assert run(path, compute) == "committed"
     produce(servers, topic, events(20, 20))
     stop_cluster(server)
     before = OffsetLedger(load_spec(path).ledger_path, "kclicks").load().position

@@ -1,7 +1,11 @@
 """Example downstream DAG: runs whenever `clicks_per_user` commits a batch.
 
 Data-aware scheduling on the state table's asset; the triggering events carry
-the batch id, offsets and state version as extra.
+the batch id, offsets and state version as extra. The pipeline adds its
+events through an asset alias, and Airflow lists each such event under the
+asset *and* under the alias: a consumer must count each event once, by
+(pipeline, epoch, batch) as `new_batches` does, or it processes every batch
+twice.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from pathlib import Path
 
 from airflow.sdk import DAG, task
 
-from microbatch_airflow.assets import state_asset
+from microbatch_airflow.assets import new_batches, state_asset
 from microbatch_airflow.dag_factory import pipelines_dir
 from spark_jobs.core.spec import load_spec
 
@@ -27,12 +31,10 @@ if SPEC.exists():
         @task
         def report_new_batches(triggering_asset_events=None) -> list[dict]:
             """Log (and return) the batches that triggered this run."""
-            seen = []
-            for asset, events in (triggering_asset_events or {}).items():
-                for event in events:
-                    print(f"{asset.name}: batch {event.extra.get('batch_id')} "
-                          f"state version {event.extra.get('state_version')} offsets {event.extra.get('end_offsets')}")
-                    seen.append(dict(event.extra))
+            seen = new_batches(triggering_asset_events)
+            for extra in seen:
+                print(f"{extra.get('pipeline')}: batch {extra.get('batch_id')} (epoch {extra.get('epoch')}) "
+                      f"state version {extra.get('state_version')} offsets {extra.get('end_offsets')}")
             return seen
 
         report_new_batches()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from airflow.sdk import Asset, AssetAlias
 
 from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["batches_alias", "state_asset"]
+__all__ = ["batches_alias", "new_batches", "state_asset"]
 
 
 def state_asset(spec: PipelineSpec) -> Asset:
@@ -27,3 +29,19 @@ def batches_alias(spec: PipelineSpec) -> AssetAlias:
     it committed a batch.
     """
     return AssetAlias(name=f"microbatch.{spec.name}.batches", group="microbatch")
+
+
+def new_batches(triggering_asset_events: Mapping[Any, Any] | None) -> list[dict[str, Any]]:
+    """The batches (and rewinds) behind a downstream run, each once, oldest first.
+
+    Airflow lists an event added through an alias under the asset and under
+    the alias; counting both would process every batch twice. An event is
+    known by its pipeline, epoch and batch (or rewind) id.
+    """
+    found: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for events in (triggering_asset_events or {}).values():
+        for event in events:
+            extra = dict(event.extra or {})
+            key = (extra.get("pipeline"), extra.get("epoch"), extra.get("batch_id"), extra.get("rewound_to_batch"), extra.get("state_version"))
+            found.setdefault(key, extra)
+    return sorted(found.values(), key=lambda e: (e.get("state_version") or 0))

@@ -26,7 +26,7 @@ from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
 from spark_jobs.core.spec import PipelineSpec, load_spec
 
-__all__ = ["BrokenPipelineSpecs", "build_dag", "build_maintenance_dag", "dags_from_folder", "pipelines_dir", "trigger_params"]
+__all__ = ["BrokenPipelineSpecs", "build_dag", "build_maintenance_dag", "dags_from_folder", "pipelines_dir", "spec_doc", "trigger_params"]
 
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
 
@@ -47,8 +47,14 @@ def trigger_params() -> dict[str, Param]:
         "rewind_to_batch": _optional_int(
             "Rewind to batch",
             "Restore the state to this committed batch first, then process from its offsets "
-            "(0 empties the state). Use it with a backfill to recompute a range.",
+            "(0 empties the state). Manual runs only: a scheduled or backfill run refuses it.",
             0,
+        ),
+        "rewind_only": Param(
+            False,
+            type="boolean",
+            title="Rewind only",
+            description="With Rewind to batch: rewind and stop, processing nothing (then backfill to recompute).",
         ),
         "dry_run": Param(
             False,
@@ -57,6 +63,29 @@ def trigger_params() -> dict[str, Param]:
             description="Plan the batch and show its range in the log; commit nothing.",
         ),
     }
+
+
+def spec_doc(spec: PipelineSpec) -> str:
+    """The DAG's Docs: what the pipeline is (the Code tab shows the factory
+    file, which says nothing about it), with the spec as written."""
+    doc = spec.description or f"Micro-batch pipeline `{spec.name}`."
+    source = spec.source
+    lines = [
+        doc,
+        "",
+        f"* **Source**: `{source.type}` {spec.source_path} ({source.format})",
+        f"* **State**: {spec.state_path}, keys {', '.join(f'`{k}`' for k in spec.state.keys)}; merge "
+        + ", ".join(f"`{c}`: {rule}" for c, rule in spec.state.merge.items()),
+        f"* **Checkpoint**: {spec.checkpoint_path}",
+        "",
+        f"Spec `{spec.spec_path}`:",
+        "",
+    ]
+    try:
+        text = Path(spec.spec_path).read_text(encoding="utf-8")
+    except OSError:
+        text = f"transform: |\n  {spec.transform.strip()}"
+    return "\n".join(lines) + "\n```yaml\n" + text.rstrip() + "\n```\n"
 
 
 def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
@@ -68,11 +97,10 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
         schedule = CronDataIntervalTimetable(spec.schedule, timezone="UTC")
     elif upstream is not None:
         schedule = [state_asset(upstream)]
-    doc = spec.description or f"Micro-batch pipeline `{spec.name}`."
     with DAG(
         dag_id=spec.name,
         description=(spec.description.splitlines() or [""])[0][:200] or None,
-        doc_md=f"{doc}\n\nSpec: `{spec.spec_path}`\n\nTransform:\n\n```sql\n{spec.transform.strip()}\n```",
+        doc_md=spec_doc(spec),
         schedule=schedule,
         start_date=spec.start_date,
         catchup=spec.catchup,
@@ -93,6 +121,7 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
                 timeout=wait.timeout_seconds,
                 soft_fail=wait.soft_fail,
                 retries=0,
+                **({"deferrable": wait.deferrable} if wait.deferrable is not None else {}),
             ) >> batch
     return dag
 

@@ -37,6 +37,8 @@ __all__ = ["MaintenanceOperator", "MicroBatchOperator", "kafka_settings", "maste
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
 _INTERVAL_BOUND_RUN_TYPES = {"scheduled", "backfill"}
+#: What a run's conf may hold (the trigger form's fields).
+RUN_PARAMS = ("max_files", "max_records", "rewind_to_batch", "rewind_only", "dry_run")
 
 
 def master_from_connection(conn_id: str) -> str:
@@ -107,7 +109,7 @@ class MicroBatchOperator(BaseOperator):
         secrets (see `kafka_settings`); default: ``source.airflow_conn_id``.
     """
 
-    template_fields: Sequence[str] = ("spec_path",)
+    template_fields: Sequence[str] = ("spec_path", "spark_master", "spark_conn_id", "kafka_conn_id")
     ui_color = "#e8f1fb"
 
     def __init__(
@@ -134,8 +136,23 @@ class MicroBatchOperator(BaseOperator):
         spec = self._spec()
         params = context.get("params") or {}
         dag_run = context["dag_run"]
+        unknown = sorted(set(getattr(dag_run, "conf", None) or {}) - set(RUN_PARAMS))
+        if unknown:
+            raise AirflowFailException(
+                f"unknown run parameter(s) {unknown}: a run takes {', '.join(RUN_PARAMS)}. Nothing was read or written."
+            )
         run_type = str(getattr(dag_run, "run_type", "manual")).lower().rsplit(".", 1)[-1]
         bounded = run_type in _INTERVAL_BOUND_RUN_TYPES
+        rewind_to = params.get("rewind_to_batch")
+        if rewind_to is not None and bounded:
+            # Every run of a backfill would apply it (a K=0 over dates before
+            # the data empties the state and reports "no new data").
+            raise AirflowFailException(
+                f"rewind_to_batch is refused in {run_type} runs: a backfill would rewind once per interval. "
+                "Trigger one run with rewind_to_batch (and rewind_only: true), then backfill."
+            )
+        if params.get("rewind_only") and rewind_to is None:
+            raise AirflowFailException("rewind_only needs rewind_to_batch: the batch to rewind to")
         options = RunOptions(
             run_id=context["run_id"],
             attempt=context["ti"].try_number,
@@ -147,18 +164,28 @@ class MicroBatchOperator(BaseOperator):
         )
         conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
         make_compute = compute_factory(spec, self.spark_master or (master_from_connection(conn_id) if conn_id else None))
+        rewound: BatchOutcome | None = None
         try:
             with connection_settings(kafka_settings(spec, self.kafka_conn_id)):
-                rewind_to = params.get("rewind_to_batch")
                 if rewind_to is not None and not options.dry_run:
-                    self._rewind_once(spec, int(rewind_to), options.run_id)
+                    rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
+                if rewound is not None and params.get("rewind_only"):
+                    self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
+                    self._emit_rewind(context, spec, rewound)
+                    return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
                 outcome = run_batch(spec, options, make_compute)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise
             raise AirflowFailException(str(exc)) from exc
 
+        if rewound is not None:
+            # The state changed even if nothing new was processed after it.
+            self._emit_rewind(context, spec, rewound)
         summary = outcome.to_dict()
+        if rewound is not None:
+            summary["rewound_to_batch"] = int(rewind_to)
+            summary["rewind"] = rewound.message
         self.log.info("%s: %s", outcome.status, outcome.message)
         if outcome.status is Outcome.COMMITTED:
             self.log.info(
@@ -191,6 +218,20 @@ class MicroBatchOperator(BaseOperator):
                 "start_offsets": batch.start_offsets,
                 "end_offsets": batch.end_offsets,
                 "state_version": batch.state_version,
+            },
+        )
+
+    @staticmethod
+    def _emit_rewind(context: Context, spec: PipelineSpec, rewound: BatchOutcome) -> None:
+        """An asset event for a rewind: the state table changed."""
+        context["outlet_events"][batches_alias(spec)].add(
+            state_asset(spec),
+            extra={
+                "pipeline": spec.name,
+                "rewound_to_batch": rewound.batch_id,
+                "epoch": rewound.epoch,
+                "end_offsets": rewound.end_offsets,
+                "state_version": rewound.state_version,
             },
         )
 
@@ -232,8 +273,9 @@ class MicroBatchOperator(BaseOperator):
         except SpecError as exc:
             raise AirflowFailException(str(exc)) from exc
 
-    def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> None:
-        """Rewind, unless this Airflow run already did (a retry must not rewind twice)."""
+    def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome | None:
+        """Rewind, unless this Airflow run already did (a retry must not rewind
+        twice: None then). Returns the rewind's outcome."""
         from spark_jobs.core.inspect import history
         from spark_jobs.core.ledger import RowStatus
         from spark_jobs.core.pipeline import Pipeline
@@ -248,9 +290,10 @@ class MicroBatchOperator(BaseOperator):
             pass  # the rewind below is the way out
         if any(row.status is RowStatus.REWOUND and row.run_id == run_id for row in history(spec)):
             self.log.info("this run already rewound the pipeline; not rewinding again")
-            return
+            return None
         outcome = rewind(spec, to_batch, run_id=run_id)
-        self.log.info("%s", outcome.message)
+        self.log.info("rewound: %s", outcome.message)
+        return outcome
 
 
 class MaintenanceOperator(BaseOperator):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from airflow.configuration import conf
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.sdk.exceptions import AirflowException
 
@@ -16,13 +17,22 @@ __all__ = ["NewDataSensor"]
 class NewDataSensor(BaseSensorOperator):
     """Succeeds once the pipeline's source has data it has not consumed.
 
-    Deferrable by default: the waiting happens in the triggerer. `timeout`
+    Deferrable as ``[operators] default_deferrable`` says (as Airflow's
+    provider sensors are), or as `deferrable` says: the waiting then
+    happens in the triggerer, without holding a worker slot. `timeout`
     and `soft_fail` behave as for any sensor (soft fail: skip on timeout).
     """
 
-    template_fields = ("spec_path",)
+    template_fields = ("spec_path", "kafka_conn_id")
 
-    def __init__(self, *, spec_path: str, deferrable: bool = True, kafka_conn_id: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        spec_path: str,
+        deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
+        kafka_conn_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.deferrable = deferrable

@@ -426,6 +426,8 @@ class WaitForData(_Model):
     poll_seconds: float = Field(default=30, gt=0)
     timeout_seconds: float = Field(default=3600, gt=0)
     soft_fail: bool = True
+    #: Wait in the triggerer (no worker slot held); default: Airflow's `[operators] default_deferrable`.
+    deferrable: bool | None = None
 
 
 SPARK_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]{0,3})\])?|spark://[A-Za-z0-9.\-]+:[0-9]{1,5}|sc://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/;[A-Za-z0-9_=;.\-]*)?")

@@ -58,7 +58,10 @@ def _storm(specs: list, rng: random.Random, counts: dict[str, int], most: int) -
             counts["killed"] += 1
     for proc in procs:
         _, err = proc.communicate(timeout=600)
-        assert proc.returncode in (0, -signal.SIGKILL), err[-2000:]
+        # A downstream run before the upstream's first commit finds no table
+        # yet: retryable (exit 1); in Airflow it only runs on the upstream's asset.
+        early = proc.returncode == 1 and "does not exist yet" in err
+        assert proc.returncode in (0, -signal.SIGKILL) or early, err[-2000:]
 
 
 def _drain(spec, rounds: int) -> None:

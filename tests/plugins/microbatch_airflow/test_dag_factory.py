@@ -29,13 +29,15 @@ def test_example_dags_import_without_errors(monkeypatch):
     assert dag.max_active_runs == 1
     assert "microbatch" in dag.tags
     assert "Events, amount and last activity per user." in dag.doc_md
-    assert set(dag.params.keys()) == {"max_files", "max_records", "rewind_to_batch", "dry_run"}
+    from microbatch_airflow.operators import RUN_PARAMS
+
+    assert set(dag.params.keys()) == set(RUN_PARAMS), "the trigger form offers exactly what a run accepts"
     assert [t.task_id for t in dag.tasks] == ["run_batch"]
 
 
 def test_schedule_gets_real_data_intervals(tmp_path, monkeypatch):
     spec = oracle_spec_dict(schedule="0 * * * *", catchup=True, start_date="2026-01-01T00:00:00Z",
-                            wait_for_data={"poll_seconds": 5, "timeout_seconds": 60})
+                            wait_for_data={"poll_seconds": 5, "timeout_seconds": 60, "deferrable": True})
     write_spec(tmp_path, spec, "clicks.yaml")
     bag = _dagbag(monkeypatch, tmp_path)
     dag = bag.dags["clicks"]
@@ -44,6 +46,9 @@ def test_schedule_gets_real_data_intervals(tmp_path, monkeypatch):
     sensor = dag.get_task("wait_for_data")
     assert sensor.timeout == 60 and sensor.soft_fail and sensor.deferrable
     assert [t.task_id for t in sensor.downstream_list] == ["run_batch"]
+    # Without `deferrable` in the spec, Airflow's [operators] default_deferrable decides (False unless set).
+    write_spec(tmp_path, {**spec, "wait_for_data": {"poll_seconds": 5}}, "clicks.yaml")
+    assert _dagbag(monkeypatch, tmp_path).dags["clicks"].get_task("wait_for_data").deferrable is False
 
 
 def test_broken_spec_is_an_import_error_and_other_dags_still_load(tmp_path, monkeypatch):

@@ -1,9 +1,11 @@
 """`MicroBatchOperator`: one exactly-once micro-batch per task instance.
 
 Outcomes: a committed batch succeeds and emits an asset event for the state
-table (batch id, offsets, state version as extra). Nothing new, an interval
-the pipeline already passed, or a batch a concurrent run committed first all
-succeed as no-ops and say so in the log; they emit no asset event, except for
+table (batch id, offsets, state version as extra); so does a rewind. Nothing
+new, an interval the pipeline already passed, a batch a concurrent run
+committed first, or a dry run end *skipped* (the grid tells them from work
+done at a glance), with a one-line reason in the log and the summary still
+the task's XCom; they emit no asset event, except for
 a batch an earlier attempt of the same run committed before it died (its
 event was never sent, so the retry sends it; a task cleared after it
 succeeded sends its run's events again, as a static outlet would: consumers
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from microbatch_airflow.assets import batches_alias, state_asset
 from spark_jobs.core.spec import PipelineSpec, load_spec
@@ -32,7 +34,7 @@ from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
 
-__all__ = ["MaintenanceOperator", "MicroBatchOperator", "kafka_settings", "master_from_connection"]
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline", "kafka_settings", "master_from_connection"]
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -92,6 +94,26 @@ def kafka_settings(spec: PipelineSpec, conn_id: str | None = None) -> dict[str, 
     if not isinstance(extra, dict):
         raise AirflowFailException(f"connection {conn_id!r}: its extra must be a JSON object of librdkafka settings")
     return extra
+
+
+def headline(spec: PipelineSpec, outcome: BatchOutcome) -> str:
+    """One line a person reads without opening XCom, e.g. "batch 3: 3 file(s),
+    3,000 records, 60 quarantined, 412 keys updated"."""
+    from spark_jobs.core.outcome import Outcome
+
+    if outcome.status is Outcome.COMMITTED:
+        inputs = len(outcome.inputs or [])
+        return (
+            f"{spec.name} batch {outcome.batch_id}: {inputs:,} input(s), {outcome.records_in or 0:,} records, "
+            f"{outcome.records_quarantined or 0:,} quarantined, {outcome.keys_updated or 0:,} keys updated"
+        )
+    labels = {
+        Outcome.NO_NEW_DATA: "nothing to do",
+        Outcome.ALREADY_COMMITTED: "already done by another run",
+        Outcome.DRY_RUN: "dry run, nothing written",
+        Outcome.REWOUND: "rewound",
+    }
+    return f"{spec.name}: {labels.get(outcome.status, str(outcome.status))}: {outcome.message}"
 
 
 class MicroBatchOperator(BaseOperator):
@@ -204,7 +226,23 @@ class MicroBatchOperator(BaseOperator):
             self._emit(context, spec, outcome)
         if options.attempt > 1:
             summary["committed_by_earlier_attempts"] = self._emit_earlier_attempts(context, spec, options.run_id, outcome)
+        self.log.info("%s", headline(spec, outcome))
+        idle = outcome.status in (Outcome.NO_NEW_DATA, Outcome.ALREADY_COMMITTED, Outcome.DRY_RUN)
+        if idle and rewound is None and not summary.get("committed_by_earlier_attempts"):
+            # Skipped, not green: nothing changed, and the grid should say so
+            # at a glance. The summary is still the task's XCom.
+            context["ti"].xcom_push(key="return_value", value=summary)
+            raise AirflowSkipException(headline(spec, outcome))
         return summary
+
+    def on_kill(self) -> None:
+        """Airflow stops the task (marked failed, or its run cancelled): stop
+        at the protocol's next boundary, as SIGTERM does for the CLI
+        (`spark_jobs.core.shutdown`); what is committed stays committed."""
+        from spark_jobs.core import shutdown
+
+        self.log.warning("stop requested: the run stops at its next protocol boundary")
+        shutdown.request()
 
     @staticmethod
     def _emit(context: Context, spec: PipelineSpec, batch: Any) -> None:

@@ -217,3 +217,33 @@ def test_the_example_downstream_dag_counts_each_batch_once():
 def test_the_dag_docs_show_the_spec(spec_path, airflow_db, dag_for):
     dag = dag_for(spec_path)
     assert "```yaml" in dag.doc_md and "keys `user_id`" in dag.doc_md and spec_path.read_text().strip() in dag.doc_md
+
+
+def test_stopping_the_task_stops_the_run_at_its_next_boundary(spec_path, airflow_db):
+    """Airflow's task runner calls `on_kill` on SIGTERM (a task marked failed)."""
+    from microbatch_airflow.operators import MicroBatchOperator
+    from spark_jobs.core import shutdown
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.errors import Terminated, is_retryable
+
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=10)
+    MicroBatchOperator(task_id="run_batch", spec_path=str(spec_path)).on_kill()
+    try:
+        with pytest.raises(Terminated) as caught:
+            run_batch(load_spec(spec_path), RunOptions(run_id="stopped"), compute_factory=lambda: None)
+        assert is_retryable(caught.value)
+    finally:
+        shutdown._requested.clear()
+    assert not (spec_path.parent / "lake" / "state").exists(), "stopped before anything of the batch was written"
+
+
+def test_runs_that_do_nothing_end_skipped_with_their_summary(spec_path, spark, airflow_db, dag_for):
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=10)
+    done = dag_for(spec_path).test()
+    assert _ti(done).state == "success"
+    idle = dag_for(spec_path).test()
+    ti = _ti(idle)
+    assert ti.state == "skipped" and idle.state == "success"
+    assert ti.xcom_pull(task_ids="run_batch")["status"] == "no_new_data"
+    dry = dag_for(spec_path).test(run_conf={"dry_run": True})
+    assert _ti(dry).state == "skipped"

@@ -37,6 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from doc_sections import replace_section  # noqa: E402
 from spark_jobs.demo.clickstream import write_wave  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -179,14 +180,7 @@ def write_doc(records: int, produce_s: float, cold: dict, noop: dict, warm: dict
         "figures: " + "; ".join(f"{k} {n}: " + ", ".join(f"{x:.2f}" for x in v[n]) for k, v in (("new process", cold), ("warm", warm), ("nothing new", noop)) for n in ("files", "kafka")) + " s.",
         "",
     ]
-    text = DOC.read_text()
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        tail = rest.split("\n## ", 1)
-        text = head + "\n".join(lines) + ("\n## " + tail[1] if len(tail) > 1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
-    DOC.write_text(text)
+    replace_section(DOC, SECTION, lines)
     print("\n".join(lines))
 
 

@@ -52,6 +52,7 @@ from deltalake import write_deltalake
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from doc_sections import replace_section  # noqa: E402
 from spark_jobs.core.commits import CommitKind, CommitMetadata  # noqa: E402
 from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, Position, commit_properties  # noqa: E402
 from spark_jobs.core.identity import SpecIdentity, new_pipeline_id  # noqa: E402
@@ -410,14 +411,7 @@ def write_doc(results: list[dict], args: argparse.Namespace) -> None:
         "![cost of a run against the pipeline's age](long_life.svg)",
         "",
     ]
-    text = DOC.read_text()
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        tail = rest.split("\n## ", 1)
-        text = head + "\n".join(lines) + ("\n## " + tail[1] if len(tail) > 1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
-    DOC.write_text(text)
+    replace_section(DOC, SECTION, lines)
     PLOT.write_text(svg_plot(results))
     print(f"wrote {DOC} and {PLOT}")
 

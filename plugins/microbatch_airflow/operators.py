@@ -193,7 +193,7 @@ class MicroBatchOperator(BaseOperator):
                     rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
                 if rewound is not None and params.get("rewind_only"):
                     self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
-                    self._emit_rewind(context, spec, rewound)
+                    self._emit(context, spec, rewound, rewind=True)
                     return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
                 outcome = run_batch(spec, options, make_compute)
         except MicrobatchError as exc:
@@ -203,7 +203,7 @@ class MicroBatchOperator(BaseOperator):
 
         if rewound is not None:
             # The state changed even if nothing new was processed after it.
-            self._emit_rewind(context, spec, rewound)
+            self._emit(context, spec, rewound, rewind=True)
         summary = outcome.to_dict()
         if rewound is not None:
             summary["rewound_to_batch"] = int(rewind_to)
@@ -245,33 +245,16 @@ class MicroBatchOperator(BaseOperator):
         shutdown.request()
 
     @staticmethod
-    def _emit(context: Context, spec: PipelineSpec, batch: Any) -> None:
-        """One asset event for a committed batch (a `BatchOutcome` or a ledger row)."""
-        context["outlet_events"][batches_alias(spec)].add(
-            state_asset(spec),
-            extra={
-                "pipeline": spec.name,
-                "batch_id": batch.batch_id,
-                "epoch": batch.epoch,
-                "start_offsets": batch.start_offsets,
-                "end_offsets": batch.end_offsets,
-                "state_version": batch.state_version,
-            },
-        )
-
-    @staticmethod
-    def _emit_rewind(context: Context, spec: PipelineSpec, rewound: BatchOutcome) -> None:
-        """An asset event for a rewind: the state table changed."""
-        context["outlet_events"][batches_alias(spec)].add(
-            state_asset(spec),
-            extra={
-                "pipeline": spec.name,
-                "rewound_to_batch": rewound.batch_id,
-                "epoch": rewound.epoch,
-                "end_offsets": rewound.end_offsets,
-                "state_version": rewound.state_version,
-            },
-        )
+    def _emit(context: Context, spec: PipelineSpec, batch: Any, *, rewind: bool = False) -> None:
+        """One asset event for a committed batch (a `BatchOutcome` or a ledger
+        row), or for a rewind (`rewind`: the state table changed too)."""
+        extra: dict[str, Any] = {"pipeline": spec.name, "epoch": batch.epoch}
+        if rewind:
+            extra["rewound_to_batch"] = batch.batch_id
+        else:
+            extra.update(batch_id=batch.batch_id, start_offsets=batch.start_offsets)
+        extra.update(end_offsets=batch.end_offsets, state_version=batch.state_version)
+        context["outlet_events"][batches_alias(spec)].add(state_asset(spec), extra=extra)
 
     def _emit_earlier_attempts(self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome) -> list[int]:
         """Asset events for batches an earlier attempt of this run committed.

@@ -20,12 +20,11 @@ from collections import defaultdict
 
 import pytest
 import yaml
-from confluent_kafka import Producer
 from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import read_all
 from tests.conftest import run_cli, start_cli
-from tests.spark_jobs.sources.test_kafka import assert_exact, events, oracle, produce, spec_file, start_cluster, stop_cluster
+from tests.spark_jobs.sources.test_kafka import abort_a_transaction, assert_exact, events, oracle, produce, spec_file, start_cluster, stop_cluster
 
 BUCKETS_TRANSFORM = (
     "SELECT substr(user_id, -1, 1) AS bucket, sum(CASE WHEN _change_type IN ('insert', 'update_postimage') "
@@ -39,13 +38,8 @@ def _round_of_records(servers: str, topic: str, rng: random.Random, values: list
     transactional = f"{topic}-tx-{round_}" if rng.random() < 0.5 else None
     produce(servers, topic, new, partition_of=lambda i: rng.randrange(4), transactional=transactional)
     values.extend(new)
-    if rng.random() < 0.5:  # a transaction aborted before its records were sent: never visible
-        aborting = Producer({"bootstrap.servers": servers, "transactional.id": f"{topic}-abort-{round_}", "log_level": 2})
-        aborting.init_transactions(10)
-        aborting.begin_transaction()
-        for i in range(5):
-            aborting.produce(topic, value=b'{"event_id": "aborted", "user_id": "u0", "amount_cents": 1000000}', partition=i % 4)
-        aborting.abort_transaction(10)
+    if rng.random() < 0.5:
+        abort_a_transaction(servers, topic, f"{topic}-abort-{round_}")
 
 
 def _storm(specs: list, rng: random.Random, counts: dict[str, int], most: int) -> None:

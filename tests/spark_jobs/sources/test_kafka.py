@@ -95,6 +95,18 @@ def produce(servers: str, topic: str, values: list[str], *, partition_of=lambda 
     producer.flush(10)
 
 
+def abort_a_transaction(servers: str, topic: str, transactional_id: str) -> None:
+    """Five records in a transaction aborted before they left the producer:
+    never visible (a valid record for u0 worth 1,000,000 cents, so that
+    counting one shows)."""
+    producer = Producer({"bootstrap.servers": servers, "transactional.id": transactional_id, "log_level": 2})
+    producer.init_transactions(10)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, value=b'{"event_id": "aborted", "user_id": "u0", "amount_cents": 1000000}', partition=i % 4)
+    producer.abort_transaction(10)
+
+
 def events(start: int, count: int, *, users: int = 7, bad_every: int | None = None) -> list[str]:
     return [
         "{not json" if bad_every and i % bad_every == 0 else json.dumps({"event_id": f"e{i}", "user_id": f"u{i % users}", "amount_cents": i})
@@ -414,13 +426,7 @@ def test_transactions_idempotence_and_bad_records_exact_through_a_crash_at_every
         produce(kafka, topic, new, transactional=tx)
         values.extend(new)
 
-    # A transaction aborted before its records left the producer is never seen.
-    aborted = Producer({"bootstrap.servers": kafka, "transactional.id": f"{topic}-aborting", "log_level": 2})
-    aborted.init_transactions(10)
-    aborted.begin_transaction()
-    for i in range(5):
-        aborted.produce(topic, value=b"{\"aborted\": true}", partition=i % 4)
-    aborted.abort_transaction(10)
+    abort_a_transaction(kafka, topic, f"{topic}-aborting")
     path = spec_file(tmp_path, kafka, topic)
     for i, point in enumerate(POINTS):
         send(60, tx=f"{topic}-tx" if i % 2 else None)

@@ -191,8 +191,10 @@ class MicroBatchOperator(BaseOperator):
             with connection_settings(kafka_settings(spec, self.kafka_conn_id)):
                 if rewind_to is not None and not options.dry_run:
                     rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
-                if rewound is not None and params.get("rewind_only"):
+                if params.get("rewind_only") and not options.dry_run:
                     self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
+                    if rewound is None:  # a retry: an earlier attempt of this run rewound
+                        return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
                     self._emit(context, spec, rewound, rewind=True)
                     return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
                 outcome = run_batch(spec, options, make_compute)

@@ -247,3 +247,31 @@ def test_runs_that_do_nothing_end_skipped_with_their_summary(spec_path, spark, a
     assert ti.xcom_pull(task_ids="run_batch")["status"] == "no_new_data"
     dry = dag_for(spec_path).test(run_conf={"dry_run": True})
     assert _ti(dry).state == "skipped"
+
+
+def test_a_retry_of_a_rewind_only_run_does_not_process(spec_path):
+    """Its earlier attempt rewound and died: the retry must not rewind again, nor go on to process."""
+    from types import SimpleNamespace
+
+    from microbatch_airflow.operators import MicroBatchOperator
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.rewind import rewind
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    for wave in range(2):
+        write_wave(spec_path.parent / "landing", wave, files=1, records_per_file=20)
+        assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    rewind(spec, 1, run_id="manual__rewind")  # the first attempt, before it died
+    write_wave(spec_path.parent / "landing", 2, files=1, records_per_file=20)
+    conf = {"rewind_to_batch": 1, "rewind_only": True}
+    context = {
+        "params": conf,
+        "dag_run": SimpleNamespace(conf=conf, run_type="manual"),
+        "run_id": "manual__rewind",
+        "ti": SimpleNamespace(try_number=2),
+    }
+    summary = MicroBatchOperator(task_id="run_batch", spec_path=str(spec_path)).execute(context)
+    assert summary["status"] == "rewound" and summary["rewound_to_batch"] == 1
+    view = OffsetLedger(spec.ledger_path, spec.name).load()
+    assert (view.position.epoch, view.position.batch_id) == (1, 1), "neither rewound twice nor processed"

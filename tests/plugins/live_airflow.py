@@ -180,7 +180,7 @@ class LiveAirflow:
 
         def done() -> bool:
             backfills = self.api("GET", f"/api/v2/backfills?dag_id={dag_id}")["backfills"]
-            return all(b["completed_at"] for b in backfills)
+            return bool(backfills) and all(b["completed_at"] for b in backfills)
 
         self.wait(done, timeout, f"the backfills of {dag_id} to complete")
 

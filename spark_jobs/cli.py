@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one micro-batch", parents=[common])
     run.add_argument("spec", help="pipeline spec (YAML)")
     run.add_argument("--max-files", type=_positive, help="cap files for this batch (overrides the spec)")
-    run.add_argument("--max-records", type=_positive, help="cap records for this batch, in whole files")
+    run.add_argument("--max-records", type=_positive, help="cap records for this batch (files sources: in whole files; Kafka: offsets shared across partitions)")
     run.add_argument("--until", type=_parse_time, help="only read data that arrived before this ISO time")
     run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
     run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from spark_jobs.core.spec import KAFKA_COLUMN_TYPES, KAFKA_COLUMNS
+
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
@@ -40,10 +42,9 @@ _CHUNK_BYTES = 32 * 1024 * 1024
 STALL_TIMEOUT_S = 120.0
 
 #: Columns of the fetched records: the Kafka columns of the `batch` view, and the raw value.
-RECORD_SCHEMA = (
-    "_kafka_topic STRING, _kafka_partition INT, _kafka_offset BIGINT, _kafka_timestamp TIMESTAMP, "
-    "_kafka_key STRING, value BINARY"
-)
+RECORD_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in KAFKA_COLUMN_TYPES) + ", value BINARY"
+#: Their names, as the fetch task builds its Arrow batches (a plain tuple, pickled with the task).
+_NAMES = (*KAFKA_COLUMNS, "value")
 
 
 def split(ranges: tuple[tuple[int, int, int], ...], most: int = MAX_TASK_OFFSETS) -> list[tuple[int, int, int]]:
@@ -112,7 +113,7 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
                 pa.array(keys, pa.string()),
                 pa.array(values, pa.binary()),
             ],
-            names=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_kafka_timestamp", "_kafka_key", "value"],
+            names=list(_NAMES),
         )
         for column in (offsets, stamps, keys, values):
             column.clear()

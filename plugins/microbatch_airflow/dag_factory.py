@@ -5,11 +5,11 @@ and no Spark started at parse time.
 
 A broken spec must show up as an import error naming the spec file and
 field without taking the other pipelines' DAGs down. Airflow records import
-errors per Python file, and an exception while importing the factory file
-would drop every DAG in it. So broken specs are collected into one
-`_BrokenSpecs` DAG whose `validate()` raises: DagBag records a failing
-`validate()` as an import error of the file and still bags the file's other
-DAGs.
+errors per Python file, and the dag-processor marks every DAG of a file with
+an import error stale: they vanish from the UI and cannot be triggered. So
+the DAGs come from one file (`dags/microbatch_pipelines.py`, which skips
+broken specs) and the errors from another (`dags/microbatch_spec_errors.py`,
+which raises `BrokenPipelineSpecs` when there are any).
 """
 
 from __future__ import annotations
@@ -26,7 +26,17 @@ from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
 from spark_jobs.core.spec import PipelineSpec, load_spec
 
-__all__ = ["BrokenPipelineSpecs", "build_dag", "build_maintenance_dag", "dags_from_folder", "pipelines_dir", "spec_doc", "trigger_params"]
+__all__ = [
+    "BrokenPipelineSpecs",
+    "build_dag",
+    "build_maintenance_dag",
+    "dags_from_folder",
+    "pipelines_dir",
+    "raise_spec_errors",
+    "scan_specs",
+    "spec_doc",
+    "trigger_params",
+]
 
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
 
@@ -136,15 +146,6 @@ class BrokenPipelineSpecs(Exception):
         )
 
 
-class _BrokenSpecs(DAG):
-    """Carries spec errors into Airflow's import errors (see the module docstring)."""
-
-    spec_errors: list[str]
-
-    def validate(self) -> None:
-        raise BrokenPipelineSpecs(self.spec_errors)
-
-
 def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get(PIPELINES_DIR_ENV) or default)
 
@@ -170,10 +171,9 @@ def build_maintenance_dag(spec: PipelineSpec) -> DAG:
     return dag
 
 
-def dags_from_folder(folder: Path) -> dict[str, DAG]:
-    """A DAG per `*.yaml` / `*.yml` spec in `folder`, a maintenance DAG per spec
-    with `maintenance.schedule` (plus one DAG carrying errors)."""
-    dags: dict[str, DAG] = {}
+def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], list[str]]:
+    """The valid specs (`*.yaml`, `*.yml`) in `folder` by pipeline name, and
+    an error per spec that is not (its file, line and field)."""
     errors: list[str] = []
     specs: dict[str, PipelineSpec] = {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
@@ -186,6 +186,15 @@ def dags_from_folder(folder: Path) -> dict[str, DAG]:
             errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
             continue
         specs[spec.name] = spec
+    return specs, errors
+
+
+def dags_from_folder(folder: Path) -> dict[str, DAG]:
+    """A DAG per valid spec in `folder`, and a maintenance DAG per spec with
+    `maintenance.schedule`. Broken specs are skipped here: `raise_spec_errors`
+    reports them from a file of their own."""
+    specs, _ = scan_specs(folder)
+    dags: dict[str, DAG] = {}
     # A Delta source that is another pipeline's state chains the two.
     by_state = {spec.state_path.rstrip("/"): spec for spec in specs.values()}
     for spec in specs.values():
@@ -193,8 +202,13 @@ def dags_from_folder(folder: Path) -> dict[str, DAG]:
         dags[spec.name] = build_dag(spec, upstream)
         if spec.maintenance.schedule:
             dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec)
-    if errors:
-        broken = _BrokenSpecs(dag_id="microbatch_broken_specs", schedule=None)
-        broken.spec_errors = errors
-        dags["microbatch_broken_specs"] = broken
     return dags
+
+
+def raise_spec_errors(folder: Path) -> None:
+    """Raise `BrokenPipelineSpecs` if any spec in `folder` is broken: called
+    at import of a DAG file that holds no pipeline, so the import error it
+    becomes stales no pipeline's DAG."""
+    _, errors = scan_specs(folder)
+    if errors:
+        raise BrokenPipelineSpecs(errors)

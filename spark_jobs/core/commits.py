@@ -61,6 +61,9 @@ class BatchRecord:
     records_in: int | None = None
     records_quarantined: int | None = None
     duration_ms: int | None = None
+    #: What still waited in the source after this batch when it was planned
+    #: (`BatchRange.waiting_after`); None in records older than it.
+    waiting_after: int | None = None
 
     def record(self) -> dict[str, Any]:
         """These fields alone, to carry them from one record to the other."""
@@ -104,6 +107,7 @@ class CommitMetadata(BatchRecord):
                 interval_end=_iso(self.interval_end),
                 planned_at=_iso(self.planned_at),
                 duration_ms=self.duration_ms,
+                waiting_after=self.waiting_after,
                 commit_token=self.commit_token,
             )
         else:
@@ -138,6 +142,7 @@ class CommitMetadata(BatchRecord):
             interval_end=_parse_iso(data.get("interval_end")),
             planned_at=_parse_iso(data.get("planned_at")),
             duration_ms=data.get("duration_ms"),
+            waiting_after=data.get("waiting_after"),
             commit_token=data.get("commit_token"),
             rewound_from=data.get("rewound_from"),
             restored_version=data.get("restored_version"),

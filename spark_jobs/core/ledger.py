@@ -44,11 +44,11 @@ __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow"
 log = logging.getLogger("microbatch")
 
 #: The row format this code writes, and the newest it reads (2 added
-#: `pipeline_id`, `spec` and `spec_fingerprint`; older tables gain the columns
-#: on their next write, and their old rows read as None).
-FORMAT_VERSION = 2
+#: `pipeline_id`, `spec` and `spec_fingerprint`, 3 added `waiting_after`; older
+#: tables gain the columns on their next write, and their old rows read as None).
+FORMAT_VERSION = 3
 #: Columns added after format 1, added to older ledgers before a write.
-_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint")
+_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after")
 #: Columns holding JSON objects.
 _JSON_COLUMNS = ("start_offsets", "end_offsets", "manifest", "spec")
 #: Compact the ledger once it has this many data files (two per batch), so
@@ -87,6 +87,7 @@ SCHEMA = pa.schema(
         ("planned_at", pa.timestamp("us", tz="UTC")),
         ("committed_at", pa.timestamp("us", tz="UTC")),
         ("duration_ms", pa.int64()),
+        ("waiting_after", pa.int64()),
         ("format_version", pa.int64()),
     ]
 )
@@ -174,7 +175,8 @@ def _upgrade(table: DeltaTable) -> list[str]:
     missing = [c for c in _ADDED_COLUMNS if c not in names]
     if missing:
         try:
-            table.alter.add_columns([Field(c, "string", nullable=True) for c in missing])
+            types = {pa.string(): "string", pa.int64(): "long"}
+            table.alter.add_columns([Field(c, types[SCHEMA.field(c).type], nullable=True) for c in missing])
         except Exception as exc:
             if not is_commit_conflict(exc):
                 raise
@@ -350,16 +352,16 @@ class OffsetLedger:
         known = [self._known[(position, s)] for s in statuses if (position, s) in self._known]
         if known:
             return known
-        found = [r for r in self._batches(table, position.epoch, position.batch_id, position.batch_id) if r.status in statuses]
+        found = [r for r in self.between(table, position.epoch, position.batch_id, position.batch_id) if r.status in statuses]
         self._known.update(((r.position, r.status), r) for r in found)
         return found
 
     def committed_between(self, table: DeltaTable | None, epoch: int, after: int, upto: int) -> list[LedgerRow]:
         """The `committed` rows of `epoch` with `after` < batch id <= `upto`, in order."""
-        rows = [r for r in self._batches(table, epoch, after + 1, upto) if r.status is RowStatus.COMMITTED]
+        rows = [r for r in self.between(table, epoch, after + 1, upto) if r.status is RowStatus.COMMITTED]
         return sorted(rows, key=lambda r: r.batch_id)
 
-    def _batches(self, table: DeltaTable | None, epoch: int, first: int, last: int) -> list[LedgerRow]:
+    def between(self, table: DeltaTable | None, epoch: int, first: int, last: int) -> list[LedgerRow]:
         """This pipeline's rows of `epoch` with `first` <= batch id <= `last`
         (Delta and Parquet statistics skip the files and row groups that cannot hold them)."""
         if table is None:

@@ -374,6 +374,7 @@ def _record_plan(
         interval_start=options.interval_start,
         interval_end=options.interval_end,
         planned_at=utcnow(),
+        waiting_after=batch.waiting_after,
     )
     with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
         if p.ledger.append(view, row, PLAN_FENCE):
@@ -502,6 +503,7 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
         interval_end=options.interval_end,
         planned_at=plan_.row.planned_at,
         duration_ms=int((time.monotonic() - started) * 1000),
+        waiting_after=plan_.row.waiting_after,
         commit_token=uuid.uuid4().hex,
     )
     watch_for_new_files("mid_state_merge", p.state.path)

@@ -67,6 +67,9 @@ class BatchRange:
     start: Offsets
     end: Offsets
     manifest: Manifest
+    #: What still waited in the source after this batch when it was planned,
+    #: in the source's unit (the console charts it as lag over time).
+    waiting_after: int | None = None
 
     def describe(self) -> str:
         return f"{self.manifest.describe()}, offsets {self.start.to_dict()} -> {self.end.to_dict()}"
@@ -92,6 +95,10 @@ class Lag:
     #: Where it waits, for sources with parts (a Kafka topic's partitions):
     #: (part, count) pairs, parts with nothing waiting left out.
     detail: tuple[tuple[str, int], ...] = ()
+    #: When the oldest data waiting arrived (a file's modification time, a
+    #: record's or commit's timestamp); None when nothing waits or the source
+    #: cannot tell cheaply.
+    oldest: datetime | None = None
 
     def describe(self) -> str:
         text = f"{self.count:,} {self.unit}"

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from deltalake import DeltaTable
@@ -48,6 +48,9 @@ from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 __all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
 
 log = logging.getLogger("microbatch")
+
+#: How many commits back `lag` looks for the oldest waiting commit's time.
+_HISTORY_LOOKBACK = 1000
 
 
 
@@ -146,7 +149,18 @@ class DeltaSource:
         latest = table.version()
         after = self._after(lineage, table, latest)
         end = self._bound(table, after, latest, until) if until is not None else latest
-        return Lag(max(end - after, 0), self.unit)
+        return Lag(max(end - after, 0), self.unit, oldest=self._committed_at(table, after + 1) if end > after else None)
+
+    def _committed_at(self, table: DeltaTable, version: int) -> datetime | None:
+        """When `version` was committed, if it is among the last
+        `_HISTORY_LOOKBACK` commits (reading further back costs a file per commit)."""
+        back = table.version() - version + 1
+        if back > _HISTORY_LOOKBACK:
+            return None
+        for info in table.history(back):
+            if int(info["version"]) == version:
+                return datetime.fromtimestamp(int(info["timestamp"]) / 1000, timezone.utc)
+        return None
 
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         table = self.table()
@@ -175,6 +189,7 @@ class DeltaSource:
             VersionOffsets(after, lineage.end.get("table")),
             VersionOffsets(offset_end, table_id),
             DeltaManifest(self.uri, self.read, first, last, skipped),
+            waiting_after=latest - offset_end,
         )
 
     def verify(self, batch: BatchRange) -> None:

@@ -300,7 +300,9 @@ class FilesSource:
     def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
         pending = self.pending(lineage, until)
         now_ms = int(time.time() * 1000)
-        return Lag(len(pending), self.unit, future=sum(1 for f in pending if f.mtime_ms > now_ms))
+        arrived = [f.mtime_ms for f in pending if f.mtime_ms <= now_ms]
+        oldest = datetime.fromtimestamp(min(arrived) / 1000, timezone.utc) if arrived else None
+        return Lag(len(pending), self.unit, future=len(pending) - len(arrived), oldest=oldest)
 
     def after_commit(self, lineage: Lineage) -> int:
         """Delete or archive the consumed files still in the source folder.
@@ -351,6 +353,7 @@ class FilesSource:
         stays within it, and always at least one (a file is never split).
         """
         pending = self.pending(lineage)
+        waiting = len(pending)
         if until is not None:
             limit_ms = int(until.timestamp() * 1000)
             later = [f for f in pending if f.mtime_ms >= limit_ms]
@@ -385,7 +388,9 @@ class FilesSource:
             self.lister.check_readable(f, self.format)
         # The offset is a position in the log of consumed files: where the lineage ended.
         start = int(lineage.end.get("files", 0))
-        return BatchRange(FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)))
+        return BatchRange(
+            FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)), waiting_after=waiting - len(pending)
+        )
 
 
 def _when(mtime_ms: int) -> str:

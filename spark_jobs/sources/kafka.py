@@ -59,7 +59,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
@@ -86,6 +86,8 @@ log = logging.getLogger("microbatch")
 ENV_PREFIX = "MICROBATCH_KAFKA_"
 #: How long a metadata or watermark request may take before the broker counts as unreachable.
 REQUEST_TIMEOUT_S = 10.0
+#: How long `lag` waits for the first waiting records, to date the oldest.
+OLDEST_WAIT_S = 2.0
 #: Settings that name callbacks (librdkafka takes functions there, not text).
 CALLBACK_SETTINGS = frozenset({"error_cb", "throttle_cb", "stats_cb", "log_cb", "oauth_cb", "on_commit", "on_delivery"})
 #: Broker answers that a retry cannot change: refused (exit 2), not retried.
@@ -287,6 +289,7 @@ class KafkaSource:
             PartitionOffsets.from_dict(self.topic, lineage.end),
             PartitionOffsets(self.topic, end, topic.cluster),
             KafkaManifest(self.topic, ranges, tuple(skipped), self.client),
+            waiting_after=sum(waiting.values()) - sum(e - s for _, s, e in ranges),
         )
 
     def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
@@ -301,8 +304,31 @@ class KafkaSource:
             # Lost records are not waiting: start where they can be read.
             starts = {p: max(known.next.get(p, part.low), part.low) for p, part in topic.partitions.items()}
             ends = self._ends(consumer, topic.partitions, until)
-        behind = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
-        return Lag(sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n))
+            behind = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
+            oldest = self._oldest(consumer, {p: starts[p] for p, n in behind.items() if n})
+        return Lag(
+            sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n), oldest=oldest
+        )
+
+    def _oldest(self, consumer: Consumer, starts: dict[int, int]) -> datetime | None:
+        """The earliest timestamp of the first waiting record of each partition
+        in `starts` (None if none arrives within `OLDEST_WAIT_S`: it is a
+        courtesy of `status`, not worth a stalled sensor)."""
+        from confluent_kafka import TopicPartition
+
+        if not starts:
+            return None
+        consumer.assign([TopicPartition(self.topic, p, offset) for p, offset in starts.items()])
+        seen: dict[int, int] = {}
+        deadline = time.monotonic() + OLDEST_WAIT_S
+        while len(seen) < len(starts) and time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None or message.error() is not None or message.partition() in seen:
+                continue
+            kind, stamp = message.timestamp()
+            if kind and stamp >= 0:
+                seen[message.partition()] = stamp
+        return datetime.fromtimestamp(min(seen.values()) / 1000, timezone.utc) if seen else None
 
     def verify(self, batch: BatchRange) -> None:
         """The planned ranges must still be there: retention may have deleted

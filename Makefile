@@ -29,13 +29,15 @@ demo: setup
 test: setup tools
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
-# tests/docker needs docker-compose (`config` only, no engine) and the storage
-# fault tests need strace; CI runs as root on Debian, so install what is missing.
+# tests/docker needs docker-compose (`config` only, no engine), the storage
+# fault tests need strace and the console's browser test needs chromium; CI
+# runs as root on Debian, so install what is missing.
 .PHONY: tools
 tools:
 	@missing=""; \
 	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	  command -v strace >/dev/null || missing="$$missing strace"; \
+	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  if [ -n "$$missing" ]; then \
 	    { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $$missing; } \
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \

@@ -171,19 +171,19 @@ def build_maintenance_dag(spec: PipelineSpec) -> DAG:
     return dag
 
 
-def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], list[str]]:
+def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
     """The valid specs (`*.yaml`, `*.yml`) in `folder` by pipeline name, and
-    an error per spec that is not (its file, line and field)."""
-    errors: list[str] = []
+    by file an error for each spec that is not (naming its line and field)."""
+    errors: dict[Path, str] = {}
     specs: dict[str, PipelineSpec] = {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
             spec = load_spec(path.resolve())
         except SpecError as exc:
-            errors.append(str(exc))
+            errors[path] = str(exc)
             continue
         if spec.name in specs:
-            errors.append(f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique")
+            errors[path] = f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique"
             continue
         specs[spec.name] = spec
     return specs, errors
@@ -211,4 +211,4 @@ def raise_spec_errors(folder: Path) -> None:
     becomes stales no pipeline's DAG."""
     _, errors = scan_specs(folder)
     if errors:
-        raise BrokenPipelineSpecs(errors)
+        raise BrokenPipelineSpecs(list(errors.values()))

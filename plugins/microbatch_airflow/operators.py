@@ -28,6 +28,7 @@ from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from microbatch_airflow.assets import batches_alias, state_asset
+from microbatch_airflow.links import ConsoleLink
 from spark_jobs.core.spec import PipelineSpec, load_spec
 from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 
@@ -132,6 +133,7 @@ class MicroBatchOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("spec_path", "spark_master", "spark_conn_id", "kafka_conn_id")
+    operator_extra_links = (ConsoleLink(),)
     ui_color = "#e8f1fb"
 
     def __init__(

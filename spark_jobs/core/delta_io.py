@@ -178,7 +178,7 @@ def read_all(table: DeltaTable, *, where: str | None = None, columns: tuple[str,
     let the engine find without reading every file; all columns, or `columns`."""
     selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
     sql = f"SELECT {selected} FROM t" + (f" WHERE {where}" if where else "")
-    return arrow(QueryBuilder().register("t", table).execute(sql).read_all())
+    return _plain(arrow(QueryBuilder().register("t", table).execute(sql).read_all()))
 
 
 #: A column's (min, max) in a file or row group, (None, None) when unknown.

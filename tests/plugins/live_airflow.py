@@ -43,8 +43,11 @@ class LiveAirflow:
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "4",
-            # Local test instance: every request is an admin, no login.
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            # The simple auth manager with two users, so that the console's
+            # checks meet real tokens: requests go as `admin` unless a test
+            # asks for `viewer` or for no token at all.
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
             "AIRFLOW__API_AUTH__JWT_SECRET": "microbatch-test-jwt-secret-not-for-production",
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
@@ -62,6 +65,8 @@ class LiveAirflow:
         }
         self.env.pop("AIRFLOW__CORE__DAGS_FOLDER_OVERRIDE", None)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.passwords = {"admin": "admin-password", "viewer": "viewer-password"}
+        self._tokens: dict[str, str] = {}
 
     def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -84,6 +89,7 @@ class LiveAirflow:
 
     def start(self) -> LiveAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "passwords.json").write_text(json.dumps(self.passwords))
         # A 60 s busy timeout instead of sqlite3's 5 s: the scheduler's
         # transactions get slow while Spark jobs share the two cores.
         (self.home / "microbatch_test_db.py").write_text("CONNECT_ARGS = {'timeout': 60}\n")
@@ -100,7 +106,7 @@ class LiveAirflow:
                     start_new_session=True,
                 )
             )
-        self.wait(lambda: self._get_or_none("/api/v2/monitor/health") is not None, 120, "the api-server to answer")
+        self.wait(lambda: self._get_or_none("/api/v2/monitor/health", user=None) is not None, 120, "the api-server to answer")
         return self
 
     def stop(self) -> None:
@@ -127,22 +133,33 @@ class LiveAirflow:
 
     # -- REST API, as the UI calls it ------------------------------------------
 
-    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def token(self, user: str) -> str:
+        """A JWT for `user`, as the UI's login form gets one."""
+        if user not in self._tokens:
+            answer = self.api("POST", "/auth/token", {"username": user, "password": self.passwords[user]}, user=None)
+            self._tokens[user] = answer["access_token"]
+        return self._tokens[user]
+
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None, *, user: str | None = "admin") -> Any:
+        """Call the api-server as `user` (None: with no credentials)."""
+        headers = {"Content-Type": "application/json"}
+        if user is not None:
+            headers["Authorization"] = f"Bearer {self.token(user)}"
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}{path}",
             method=method,
             data=json.dumps(body).encode() if body is not None else None,
-            headers={"Content-Type": "application/json"},
+            headers=headers,
         )
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with urllib.request.urlopen(request, timeout=60) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:2000]!r}") from None
 
-    def _get_or_none(self, path: str) -> Any:
+    def _get_or_none(self, path: str, user: str | None = "admin") -> Any:
         try:
-            return self.api("GET", path)
+            return self.api("GET", path, user=user)
         except (AssertionError, OSError):
             return None
 

@@ -6,16 +6,18 @@ the UI drives it, and through `airflow backfill create` as a user types it.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.spec import load_spec
-from tests.conftest import assert_exact, oracle_spec_dict, write_spec
+from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import LiveAirflow
 
 pytestmark = pytest.mark.timeout(1200)
@@ -37,13 +39,18 @@ def live(tmp_path_factory):
     waiting["state"]["path"] = "lake/waiting"
     waiting["checkpoint"] = "lake/_checkpoints/waiting"
     write_spec(pipelines, waiting, "waiting_clicks.yaml")
+    console = oracle_spec_dict(name="console_clicks", batch={"max_files": 2})
+    console["source"]["path"] = "landing_console"
+    console["state"]["path"] = "lake/console"
+    console["checkpoint"] = "lake/_checkpoints/console"
+    write_spec(pipelines, console, "console_clicks.yaml")
     airflow = LiveAirflow(root / "home", pipelines)
     airflow.env["MICROBATCH_FAULT_POINT"] = "after_state_commit"
     airflow.env["MICROBATCH_FAULT_ARM_FILE"] = str(root / "arm-fault")
     airflow.start()
     airflow.root = root
     try:
-        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks"):
+        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "console_clicks"):
             airflow.wait_for_dag(dag_id)
         yield airflow
     finally:
@@ -169,3 +176,145 @@ def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
     live.wait_for_runs("waiting_clicks", 2, timeout=400)
     states = {t["task_id"]: t["state"] for t in live.task_instances("waiting_clicks", second)}
     assert states == {"wait_for_data": "skipped", "run_batch": "skipped"}
+
+
+def test_a_broken_spec_does_not_hide_the_other_pipelines(live):
+    """In the real dag-processor: a bad YAML next to good specs is an import
+    error of its own file, and every pipeline stays listed and triggerable."""
+    bad = live.root / "pipelines" / "broken.yaml"
+    written = datetime.now(timezone.utc)
+    bad.write_text("name: broken\nsource: [unclosed\n")
+    try:
+        def reported() -> bool:
+            errors = live.api("GET", "/api/v2/importErrors")["import_errors"]
+            return any("broken.yaml" in e["stack_trace"] for e in errors)
+
+        live.wait(reported, 120, "the broken spec's import error")
+        (error,) = [e for e in live.api("GET", "/api/v2/importErrors")["import_errors"] if "broken.yaml" in e["stack_trace"]]
+        assert error["filename"].endswith("microbatch_spec_errors.py") and "not valid YAML" in error["stack_trace"]
+
+        def reparsed() -> bool:
+            dag = live.api("GET", "/api/v2/dags/clicks_per_user")
+            return datetime.fromisoformat(dag["last_parsed_time"]) > written
+
+        live.wait(reparsed, 120, "the pipelines' file to be parsed again")
+        dag = live.api("GET", "/api/v2/dags/clicks_per_user")
+        assert dag["is_stale"] is False and dag["has_import_errors"] is False
+        listed = {d["dag_id"] for d in live.api("GET", "/api/v2/dags?limit=100")["dags"]}
+        assert {"clicks_per_user", "yearly_clicks", "console_clicks"} <= listed
+    finally:
+        bad.unlink()
+
+
+# -- the console -------------------------------------------------------------------
+
+
+def _console_batches(live) -> list[dict]:
+    spec_file = live.root / "pipelines" / "console_clicks.yaml"
+    landing = spec_file.parent / "landing_console"
+    if not _committed(spec_file):
+        write_wave(landing, 0, files=2, records_per_file=50, bad_every=10)  # 10 quarantined
+        write_wave(landing, 1, files=1, records_per_file=50)
+        live.unpause("console_clicks")
+        live.trigger("console_clicks", {})
+        live.wait_for_runs("console_clicks", 1)
+        live.trigger("console_clicks", {})
+        runs = live.wait_for_runs("console_clicks", 2)
+        assert [r["state"] for r in runs] == ["success", "success"], live.logs()
+    return _committed(spec_file)
+
+
+def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live):
+    committed = _console_batches(live)
+    assert [r.batch_id for r in committed] == [1, 2]
+    with pytest.raises(AssertionError, match="-> 401"):
+        live.api("GET", "/microbatch/api/pipelines", user=None)
+    pipelines = {p["name"]: p for p in live.api("GET", "/microbatch/api/pipelines", user="viewer")}
+    mine = pipelines["console_clicks"]
+    assert mine["dag_id"] == "console_clicks" and mine["epoch"] == 0 and mine["batch_id"] == 2
+    assert mine["status"] == "up to date" and mine["problems"] == []
+    assert mine["state_version"] == committed[-1].state_version
+    assert mine["lag"]["count"] == 0 and mine["lag"]["unit"] == "files" and mine["lag"]["oldest_age_s"] is None
+    assert mine["last_committed_at"] == committed[-1].committed_at.isoformat()
+
+    # Batches: the fields of `microbatch history --json`, newest last, read by position.
+    rows = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?limit=10", user="viewer")
+    assert [(r["batch_id"], r["status"]) for r in rows] == [(1, "planned"), (1, "committed"), (2, "planned"), (2, "committed")]
+    assert set(rows[1]) == set(committed[0].to_dict())
+    assert rows[1]["records_in"] == 100 and rows[1]["records_quarantined"] == 10 and rows[1]["waiting_after"] == 1
+    assert rows[3]["waiting_after"] == 0
+    (last,) = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?limit=1", user="viewer")
+    assert (last["batch_id"], last["status"]) == (2, "committed")
+
+    # Quarantine of batch 1: every malformed line, with its file and line, counted by reason.
+    q = live.api("GET", "/microbatch/api/pipelines/console_clicks/quarantine?batch_id=1", user="viewer")
+    assert q["total"] == 10 and sum(q["by_reason"].values()) == 10 and len(q["rows"]) == 10
+    assert all(r["file"].endswith(".json") and r["line"] % 10 == 0 and r["raw"] for r in q["rows"])
+    assert live.api("GET", "/microbatch/api/pipelines/console_clicks/quarantine?batch_id=2", user="viewer")["total"] == 0
+
+    # Rewind: the viewer may look but not trigger; a stranger is not let in at all.
+    with pytest.raises(AssertionError, match="-> 403"):
+        live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user="viewer")
+    with pytest.raises(AssertionError, match="-> 401"):
+        live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user=None)
+    with pytest.raises(AssertionError, match="-> 409"):
+        live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 7}, user="admin")
+
+    # The admin's rewind is a DAG run like any other, triggered through Airflow's API as the admin.
+    run = live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user="admin")
+    assert run["conf"] == {"rewind_to_batch": 1, "rewind_only": True} and run["triggering_user_name"] == "admin"
+    runs = live.wait_for_runs("console_clicks", 3)
+    assert [r["state"] for r in runs if r["dag_run_id"] == run["dag_run_id"]] == ["success"], live.logs()
+    assert live.xcom("console_clicks", run["dag_run_id"])["rewound_to_batch"] == 1
+    newest = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?limit=10", user="viewer")[-1]
+    assert (newest["epoch"], newest["batch_id"], newest["status"]) == (1, 1, "rewound")
+    # The task links to its batch in the console.
+    links = live.api("GET", f"/api/v2/dags/console_clicks/dagRuns/{runs[0]['dag_run_id']}/taskInstances/run_batch/links")
+    assert links["extra_links"]["Micro-batch console"] == f"/microbatch/?dag_id=console_clicks&run_id={quote(runs[0]['dag_run_id'])}"
+
+
+def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("needs the Debian package chromium (apt-get install chromium); `make test` installs it as root")
+    from playwright.sync_api import sync_playwright
+
+    _console_batches(live)
+    shots = ROOT / "docs" if os.environ.get("MICROBATCH_UPDATE_SCREENSHOTS") else tmp_path
+    base = f"http://127.0.0.1:{live.port}"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            # Anonymous: the page asks to log in, and shows no data.
+            page = browser.new_page()
+            response = page.goto(f"{base}/microbatch/")
+            assert response.status == 401 and "Log in" in page.content()
+            # The viewer, logged in as the UI logs in (its JWT in the session cookie).
+            context = browser.new_context(viewport={"width": 1400, "height": 1100})
+            context.add_cookies([{"name": "_token", "value": live.token("viewer"), "url": base}])
+            page = context.new_page()
+            page.goto(f"{base}/microbatch/?dag_id=console_clicks&run_id={quote(live.runs('console_clicks')[0]['dag_run_id'])}")
+            page.wait_for_selector("#batches tbody tr[data-batch]")
+            assert page.locator("#pipelines tbody tr[data-name=console_clicks] .badge").inner_text() in ("up to date", "behind")
+            batch_rows = page.locator("#batches tbody tr[data-batch]")
+            assert batch_rows.count() >= 5  # two batches planned and committed, and the rewind
+            assert page.locator("#batches tr.highlight").get_attribute("data-batch") == "0.1"  # the linked run's batch
+            assert page.locator("#chart-records rect.bar").count() == 2
+            assert page.locator("#chart-duration circle.dot").count() == 2
+            page.wait_for_selector("#quarantine tbody tr")
+            assert page.locator("#quarantine tbody tr").count() == 10
+            assert ".json:" in page.locator("#quarantine tbody tr").first.inner_text()
+            assert page.locator("#reasons button").count() >= 1
+            page.screenshot(path=str(shots / "console.png"), full_page=True)
+            # The confirmation comes first; cancelling it triggers nothing.
+            before = len(live.runs("console_clicks"))
+            page.locator("button.rewind").first.click()
+            assert page.locator("#rewind-dialog").is_visible()
+            page.locator("#rewind-cancel").click()
+            assert len(live.runs("console_clicks")) == before
+            # Inside Airflow's own UI: the nav entry's page embeds the console.
+            page.goto(f"{base}/plugin/microbatch")
+            page.frame_locator("iframe").locator("#pipelines tbody tr").first.wait_for()
+            page.screenshot(path=str(shots / "console-in-airflow.png"))
+        finally:
+            browser.close()

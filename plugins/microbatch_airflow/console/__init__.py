@@ -1,0 +1,39 @@
+"""The checkpoint console: the pipelines' ledgers, lag, quarantine and state
+versions in the Airflow UI, served by the API server under ``/microbatch``.
+
+`LazyConsole` is what the plugin registers. Every Airflow component loads
+plugins (scheduler, workers, dag-processor, triggerer), and only the API
+server serves the console, so FastAPI and the auth code are imported on the
+first request, not at plugin load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CONSOLE_PREFIX", "LazyConsole", "batch_url"]
+
+#: Where the API server mounts the console (the plugin's `url_prefix`).
+CONSOLE_PREFIX = "/microbatch"
+
+
+def batch_url(dag_id: str, epoch: int | None = None, batch_id: int | None = None) -> str:
+    """The console page of a pipeline, scrolled to one batch when given."""
+    url = f"{CONSOLE_PREFIX}/?dag_id={dag_id}"
+    if batch_id is not None:
+        url += f"&epoch={epoch or 0}&batch_id={batch_id}"
+    return url
+
+
+class LazyConsole:
+    """An ASGI app that builds the console's FastAPI app on its first call."""
+
+    def __init__(self) -> None:
+        self._app: Any = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._app is None:
+            from microbatch_airflow.console.app import create_app
+
+            self._app = create_app()
+        await self._app(scope, receive, send)

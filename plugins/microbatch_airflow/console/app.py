@@ -1,0 +1,241 @@
+"""The console's FastAPI app: a JSON API over the pipelines' tables, and the page that draws it.
+
+Routes (under the API server's ``/microbatch`` prefix):
+
+* ``GET /api/pipelines``: each pipeline's position, status, state version,
+  lag (in the source's unit, with the age of the oldest data waiting) and
+  problems, as ``microbatch status`` reports them.
+* ``GET /api/pipelines/{name}/batches?limit=N``: the newest ledger rows,
+  with the fields of ``microbatch history --json``.
+* ``GET /api/pipelines/{name}/quarantine?batch_id=K&limit=N``: quarantined
+  records, with counts by reason.
+* ``POST /api/pipelines/{name}/rewind``: triggers a run of the pipeline's DAG
+  with ``rewind_to_batch`` through Airflow's own REST API, as the caller, so
+  the rewind is a DAG run like any other: audited, visible in the grid.
+* ``GET /``: the page; ``/static/...``: its script and styles (served from
+  here: the machines that run Airflow may have no internet).
+
+Airflow does not protect a plugin's app, so every data route resolves the
+caller as Airflow's own API does (its JWT, from the ``Authorization`` header
+or the UI's session cookie) and asks the auth manager: viewing needs read
+access to the pipeline's DAG, rewinding needs the right to trigger it.
+
+The tables are read with delta-rs in worker threads: a read never blocks
+the API server's event loop. Reads are by position (`inspect.recent`), so a
+page costs what it shows, not what the ledger holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import httpx
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+
+from airflow.api_fastapi.app import get_auth_manager
+from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
+from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
+from airflow.configuration import conf
+
+from microbatch_airflow.console import CONSOLE_PREFIX
+from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
+from spark_jobs.core import inspect
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.errors import first_line
+
+__all__ = ["create_app"]
+
+STATIC = Path(__file__).parent / "static"
+User = Annotated[BaseUser, Depends(get_user)]
+
+
+def _specs_dir() -> Path:
+    """The folder the DAG factory reads: ``MICROBATCH_PIPELINES_DIR``, else ``<dags_folder>/pipelines``."""
+    return pipelines_dir(Path(conf.get("core", "dags_folder")) / "pipelines")
+
+
+def _allowed(user: BaseUser, method: str, dag_id: str | None, entity: DagAccessEntity | None = None) -> bool:
+    return get_auth_manager().is_authorized_dag(
+        method=method,  # type: ignore[arg-type]
+        access_entity=entity,
+        details=DagDetails(id=dag_id) if dag_id else None,
+        user=user,
+    )
+
+
+@contextlib.contextmanager
+def _kafka_connection(spec: PipelineSpec) -> Iterator[None]:
+    """A Kafka source's Airflow connection, as the operator and sensor apply it."""
+    from microbatch_airflow.operators import kafka_settings
+    from spark_jobs.sources.kafka import connection_settings
+
+    with connection_settings(kafka_settings(spec)):
+        yield
+
+
+def _source_text(spec: PipelineSpec) -> str:
+    source = spec.source
+    where = getattr(source, "topic", None) or spec.source_path
+    return f"{source.type}: {where}"
+
+
+def _summary(spec: PipelineSpec) -> dict[str, Any]:
+    """One pipeline's line of ``GET /api/pipelines`` (runs in a worker thread)."""
+    base: dict[str, Any] = {"name": spec.name, "dag_id": spec.name, "source": _source_text(spec), "spec_path": str(spec.spec_path)}
+    try:
+        with _kafka_connection(spec):
+            st = inspect.status(spec)
+    except Exception as exc:  # noqa: BLE001 - one unreadable pipeline must not hide the others
+        return {
+            **base, "epoch": None, "batch_id": None, "status": "unreadable", "state_version": None, "lag": None,
+            "last_committed_at": None, "problems": [first_line(exc)], "oldest_rewindable": None,
+        }
+    d = st.to_dict()
+    problems = st.note.splitlines() if st.note else []
+    if problems:
+        state = "problem"
+    elif st.head is None:
+        state = "new"
+    else:
+        state = "behind" if st.lag and st.lag.count else "up to date"
+    return {
+        **base,
+        "epoch": d["epoch"],
+        "batch_id": d["last_batch"],
+        "status": state,
+        "state_version": d["state_version"],
+        "lag": d["lag"],
+        "last_committed_at": d["committed_at"],
+        "problems": problems,
+        "oldest_rewindable": d["oldest_rewindable"],
+        "end_offsets": d["end_offsets"],
+    }
+
+
+async def _spec(name: str, user: BaseUser, method: str = "GET", entity: DagAccessEntity | None = None) -> PipelineSpec:
+    """The spec of pipeline `name`, if the caller may `method` its DAG (404 for no such pipeline, 403 if not allowed)."""
+    if not _allowed(user, "GET", name):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may not read DAG {name!r}")
+    if (method, entity) != ("GET", None) and not _allowed(user, method, name, entity):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may view pipeline {name!r} but not trigger its DAG")
+    specs, _ = await anyio.to_thread.run_sync(scan_specs, _specs_dir())
+    spec = specs.get(name)
+    if spec is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no pipeline named {name!r} in {_specs_dir()}")
+    return spec
+
+
+class RewindRequest(BaseModel):
+    batch_id: int = Field(ge=0, description="The committed batch to restore the state to (0 empties it).")
+    rewind_only: bool = Field(True, description="Rewind and stop; the next run processes from there.")
+
+
+def _token(request: Request, credentials: HTTPAuthorizationCredentials | None) -> str:
+    if credentials and credentials.scheme.lower() == "bearer":
+        return credentials.credentials
+    return request.cookies.get(COOKIE_NAME_JWT_TOKEN, "")
+
+
+def _airflow_root(request: Request) -> str:
+    """The API server's own root URL (this app is mounted under it)."""
+    root = str(request.base_url).rstrip("/")
+    return root[: -len(CONSOLE_PREFIX)] if root.endswith(CONSOLE_PREFIX) else root
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="Micro-batch console", docs_url=None, redoc_url=None)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page(request: Request) -> HTMLResponse:
+        try:
+            await get_user(request, None, await bearer_scheme(request))
+        except HTTPException as exc:
+            login = get_auth_manager().get_url_login(next_url=str(request.url))
+            return HTMLResponse(
+                f'<p>Log in to Airflow to see the micro-batch console: <a href="{html.escape(login)}">log in</a>.</p>',
+                status_code=exc.status_code,
+            )
+        return HTMLResponse((STATIC / "index.html").read_text())
+
+    @app.get("/api/pipelines")
+    async def pipelines(user: User) -> list[dict[str, Any]]:
+        specs, errors = await anyio.to_thread.run_sync(scan_specs, _specs_dir())
+        visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
+        results: list[dict[str, Any]] = [{}] * len(visible)
+
+        async def one(i: int, spec: PipelineSpec) -> None:
+            results[i] = await anyio.to_thread.run_sync(_summary, spec)
+
+        async with anyio.create_task_group() as group:
+            for i, spec in enumerate(visible):
+                group.start_soon(one, i, spec)
+        if errors and _allowed(user, "GET", None):
+            # A spec that does not load has no DAG: shown to those who may read every DAG.
+            for path, message in errors.items():
+                results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
+        return results
+
+    @app.get("/api/pipelines/{name}/batches")
+    async def batches(name: str, user: User, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict[str, Any]]:
+        spec = await _spec(name, user)
+        rows = await anyio.to_thread.run_sync(inspect.recent, spec, limit)
+        return [r.to_dict() for r in rows]
+
+    @app.get("/api/pipelines/{name}/quarantine")
+    async def quarantine(
+        name: str,
+        user: User,
+        batch_id: Annotated[int | None, Query(ge=0)] = None,
+        epoch: Annotated[int | None, Query(ge=0)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, Any]:
+        spec = await _spec(name, user)
+        found = await anyio.to_thread.run_sync(lambda: inspect.quarantined(spec, batch_id=batch_id, epoch=epoch, limit=limit))
+        return found.to_dict()
+
+    @app.post("/api/pipelines/{name}/rewind")
+    async def rewind(name: str, body: RewindRequest, request: Request, user: User) -> JSONResponse:
+        spec = await _spec(name, user, "POST", DagAccessEntity.RUN)
+        st = await anyio.to_thread.run_sync(inspect.status, spec)
+        head = st.position.batch_id
+        oldest = st.oldest_rewindable
+        if body.batch_id > head or (body.batch_id and (oldest is None or body.batch_id < oldest)):
+            floor = f"{oldest} to {head}" if oldest is not None else "none besides 0"
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"pipeline {name} cannot rewind to batch {body.batch_id}: rewindable batches are 0 and {floor} "
+                "(maintenance removes older state versions)",
+            )
+        who = getattr(user, "get_name", lambda: "a user")()
+        payload = {
+            "logical_date": None,
+            "conf": {"rewind_to_batch": body.batch_id, "rewind_only": body.rewind_only},
+            "note": f"Rewind to batch {body.batch_id} requested by {who} from the micro-batch console.",
+        }
+        # Through Airflow's REST API, as the caller: Airflow checks the right
+        # to trigger again, records who did it, and validates the params.
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.post(
+                f"{_airflow_root(request)}/api/v2/dags/{spec.name}/dagRuns",
+                json=payload,
+                headers={"Authorization": f"Bearer {_token(request, await bearer_scheme(request))}"},
+            )
+        try:
+            content = answer.json()
+        except ValueError:
+            content = {"detail": answer.text[:500]}
+        return JSONResponse(content, status_code=answer.status_code)
+
+    return app

@@ -31,7 +31,8 @@ from deltalake import DeltaTable
 
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, open_table
-from spark_jobs.core.ledger import LedgerView
+from spark_jobs.core.fencing import Position
+from spark_jobs.core.ledger import LedgerView, RowStatus
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
@@ -140,6 +141,12 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
     from the oldest versions up, so a binary search finds the boundary."""
     if table is None:
         return None
+    head = view.head
+    if head is not None and head.epoch == 0 and head.status is RowStatus.COMMITTED:
+        # Never rewound: the lineage is epoch 0's batches 1..head, each found
+        # by position, so the search costs ~2 log2(N) small reads, not a
+        # read of the whole ledger (51 s at 100,000 batches).
+        return _oldest_in_first_epoch(p, view, table, head.batch_id)
     lineage = view.lineage()
     versions = [r.state_version for r in lineage]
     nexts = versions[1:] + [None]
@@ -156,3 +163,24 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
         else:
             low = mid + 1
     return lineage[low].batch_id if low < len(lineage) else 0
+
+
+def _oldest_in_first_epoch(p: Pipeline, view: LedgerView, table: DeltaTable, last: int) -> int:
+    """`oldest_rewindable` for a pipeline whose lineage is epoch 0's batches 1..`last`."""
+
+    def version(batch_id: int) -> int | None:
+        found = p.ledger.at(view.table, Position(0, batch_id), (RowStatus.COMMITTED,))
+        return found[0].state_version if found else None
+
+    def ok(batch_id: int) -> bool:
+        v = version(batch_id)
+        return v is not None and restorable_version(table, p.state.path, v, version(batch_id + 1) if batch_id < last else None) is not None
+
+    low, high = 1, last + 1  # the first batch with ok(), or last + 1 if none
+    while low < high:
+        mid = (low + high) // 2
+        if ok(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low if low <= last else 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from deltalake import DeltaTable
@@ -142,45 +143,33 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
     if table is None:
         return None
     head = view.head
+    batch_ids: Sequence[int]
     if head is not None and head.epoch == 0 and head.status is RowStatus.COMMITTED:
         # Never rewound: the lineage is epoch 0's batches 1..head, each found
         # by position, so the search costs ~2 log2(N) small reads, not a
         # read of the whole ledger (51 s at 100,000 batches).
-        return _oldest_in_first_epoch(p, view, table, head.batch_id)
-    lineage = view.lineage()
-    versions = [r.state_version for r in lineage]
-    nexts = versions[1:] + [None]
+        batch_ids = range(1, head.batch_id + 1)
+
+        def version(i: int) -> int | None:
+            found = p.ledger.at(view.table, Position(0, batch_ids[i]), (RowStatus.COMMITTED,))
+            return found[0].state_version if found else None
+    else:
+        lineage = view.lineage()
+        batch_ids = [r.batch_id for r in lineage]
+
+        def version(i: int) -> int | None:
+            return lineage[i].state_version
 
     def ok(i: int) -> bool:
-        v = versions[i]
-        return v is not None and restorable_version(table, p.state.path, v, nexts[i]) is not None
+        v = version(i)
+        following = version(i + 1) if i + 1 < len(batch_ids) else None
+        return v is not None and restorable_version(table, p.state.path, v, following) is not None
 
-    low, high = 0, len(lineage)  # the answer is the first i with ok(i), or len(lineage) if none
+    low, high = 0, len(batch_ids)  # the answer is the first i with ok(i), or len(batch_ids) if none
     while low < high:
         mid = (low + high) // 2
         if ok(mid):
             high = mid
         else:
             low = mid + 1
-    return lineage[low].batch_id if low < len(lineage) else 0
-
-
-def _oldest_in_first_epoch(p: Pipeline, view: LedgerView, table: DeltaTable, last: int) -> int:
-    """`oldest_rewindable` for a pipeline whose lineage is epoch 0's batches 1..`last`."""
-
-    def version(batch_id: int) -> int | None:
-        found = p.ledger.at(view.table, Position(0, batch_id), (RowStatus.COMMITTED,))
-        return found[0].state_version if found else None
-
-    def ok(batch_id: int) -> bool:
-        v = version(batch_id)
-        return v is not None and restorable_version(table, p.state.path, v, version(batch_id + 1) if batch_id < last else None) is not None
-
-    low, high = 1, last + 1  # the first batch with ok(), or last + 1 if none
-    while low < high:
-        mid = (low + high) // 2
-        if ok(mid):
-            high = mid
-        else:
-            low = mid + 1
-    return low if low <= last else 0
+    return batch_ids[low] if low < len(batch_ids) else 0

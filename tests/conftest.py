@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +170,25 @@ def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen
         env=full_env,
         cwd=ROOT,
     )
+
+
+def kill_some(
+    procs: list[subprocess.Popen[str]], rng: random.Random, counts: dict[str, int], *, within: float, chance: float, timeout: float
+) -> list[tuple[int, str]]:
+    """After a random wait of up to `within` seconds, SIGKILL each of `procs`
+    still running with probability `chance`; wait for all of them. Counts
+    the runs and kills in `counts`; returns each one's (return code, stderr)."""
+    counts["runs"] += len(procs)
+    time.sleep(rng.uniform(0.5, within))
+    for proc in procs:
+        if proc.poll() is None and rng.random() < chance:
+            proc.send_signal(signal.SIGKILL)
+            counts["killed"] += 1
+    ended = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=timeout)
+        ended.append((proc.returncode, err))
+    return ended
 
 
 def assert_exact(spec_file: Path, *, drained: bool = True, mirror: Path | None = None) -> list:

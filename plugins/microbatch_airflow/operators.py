@@ -22,6 +22,7 @@ commit protocol.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
@@ -35,7 +36,7 @@ from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
 
-__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline", "kafka_settings", "master_from_connection"]
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline", "kafka_connection", "kafka_settings", "master_from_connection"]
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -97,6 +98,14 @@ def kafka_settings(spec: PipelineSpec, conn_id: str | None = None) -> dict[str, 
     return extra
 
 
+def kafka_connection(spec: PipelineSpec, conn_id: str | None = None) -> AbstractContextManager[None]:
+    """`kafka_settings` in force for the `with` block (for the job's and the
+    sensor's Kafka clients alike; nothing outside the block sees them)."""
+    from spark_jobs.sources.kafka import connection_settings
+
+    return connection_settings(kafka_settings(spec, conn_id))
+
+
 def headline(spec: PipelineSpec, outcome: BatchOutcome) -> str:
     """One line a person reads without opening XCom, e.g. "batch 3: 3 file(s),
     3,000 records, 60 quarantined, 412 keys updated"."""
@@ -155,7 +164,6 @@ class MicroBatchOperator(BaseOperator):
         from spark_jobs.core.outcome import Outcome
         from spark_jobs.core.protocol import RunOptions, run_batch
         from spark_jobs.engine import compute_factory
-        from spark_jobs.sources.kafka import connection_settings
 
         spec = self._spec()
         params = context.get("params") or {}
@@ -190,7 +198,7 @@ class MicroBatchOperator(BaseOperator):
         make_compute = compute_factory(spec, self.spark_master or (master_from_connection(conn_id) if conn_id else None))
         rewound: BatchOutcome | None = None
         try:
-            with connection_settings(kafka_settings(spec, self.kafka_conn_id)):
+            with kafka_connection(spec, self.kafka_conn_id):
                 if rewind_to is not None and not options.dry_run:
                     rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
                 if params.get("rewind_only") and not options.dry_run:

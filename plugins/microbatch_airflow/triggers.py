@@ -21,13 +21,12 @@ def waiting(spec_path: str, kafka_conn_id: str | None = None) -> int:
     A source that cannot be read (a missing folder, say) raises: a sensor
     must fail with the reason, not poll "0 waiting" until it times out.
     """
-    from microbatch_airflow.operators import kafka_settings
+    from microbatch_airflow.operators import kafka_connection
     from spark_jobs.core.inspect import lag
     from spark_jobs.core.spec import load_spec
-    from spark_jobs.sources.kafka import connection_settings
 
     spec = load_spec(spec_path)
-    with connection_settings(kafka_settings(spec, kafka_conn_id)):
+    with kafka_connection(spec, kafka_conn_id):
         return lag(spec).count
 
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from spark_jobs.core.delta_io import open_table, read_all, rows_of, strings
+from spark_jobs.core.delta_io import open_table, read_all, rows_of
 from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
 from spark_jobs.core.maintain import oldest_rewindable
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
 
@@ -96,7 +97,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
             problems.append(f"{pending.position} is planned but cannot be replayed: {exc}")
     lag: Lag | None
     try:
-        lag = p.source.lag(p.lineage(view))
+        lag = p.source.lag(p.lineage(view), dated=True)
     except MicrobatchError as exc:
         lag = None
         problems.append(str(exc))
@@ -166,12 +167,10 @@ def quarantined(spec: PipelineSpec, *, batch_id: int | None = None, epoch: int |
     table = open_table(spec.quarantine_path)
     if table is None:
         return Quarantined([], {}, 0)
-    # Only integers enter the query text; the pipeline is filtered below.
-    where = f"batch_id = {int(batch_id)}" if batch_id is not None else None
-    if where and epoch is not None:
-        where += f" AND epoch = {int(epoch)}"
+    where = f"pipeline = {pipeline_literal(spec.name)}"
+    if batch_id is not None:
+        where += f" AND batch_id = {int(batch_id)}" + (f" AND epoch = {int(epoch)}" if epoch is not None else "")
     data = read_all(table, where=where)
-    data = data.filter(pc.equal(data["pipeline"], strings([spec.name])[0]))
     if batch_id is not None and epoch is None and data.num_rows:
         data = data.filter(pc.equal(data["epoch"], pc.max(data["epoch"])))
     counts = pc.value_counts(data["reason"])

@@ -24,8 +24,8 @@ concurrently, so dead files never exceed one compaction's worth.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from deltalake import DeltaTable

@@ -22,7 +22,7 @@ the ledger alone.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
@@ -42,7 +42,10 @@ from spark_jobs.errors import (
     StorageError,
 )
 
-__all__ = ["rewind"]
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+__all__ = ["check_rewind", "rewind", "rewind_target"]
 
 
 def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
@@ -64,39 +67,12 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     def refuse(message: str) -> RewindError:
         return RewindError(f"pipeline {spec.name}: {message}", pipeline=spec.name, path=p.state.path, position=head)
 
-    if to_batch < 0 or to_batch > head.batch_id:
-        raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
     stuck = view.planned(head.next()) is not None
     if to_batch == head.batch_id and not (recovering or stuck):
         raise refuse(f"already at batch {to_batch}, with no pending plan; nothing to rewind")
     identity = SpecIdentity.of(spec)
     table = p.state.open()
-    if to_batch == 0:
-        version, end_offsets = None, p.source.origin.to_dict()
-    else:
-        target = view.committed_row(to_batch)
-        if target is None or target.state_version is None:
-            raise refuse(f"batch {to_batch} is not in the ledger's lineage")
-        if target.spec is not None:
-            # Batches after K would be recomputed under this spec on top of a
-            # state folded under another meaning.
-            refused, _ = changes(SpecIdentity.from_dict(target.spec), identity)
-            if refused:
-                raise refuse(
-                    f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
-                    "rewind to batch 0 to recompute everything under this spec, or revert the spec"
-                )
-        following = view.committed_row(to_batch + 1)
-        version = restorable_version(table, p.state.path, target.state_version, following.state_version if following else None) if table else None
-        if table is not None and version is None:
-            oldest = oldest_rewindable(p, view, table)
-            raise refuse(
-                f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: a VACUUM "
-                f"removed its files, and no maintenance-only version after it kept them. Batches that can be "
-                f"rewound to: 0 and {oldest}..{head.batch_id}. `maintenance.keep_batches` sets how many "
-                "batches `microbatch maintain` keeps rewindable."
-            )
-        end_offsets = target.end_offsets
+    version, end_offsets = rewind_target(p, view, table, to_batch, identity)
     new = Position(head.epoch + 1, to_batch)
     if table is None and head.batch_id == 0:
         return _rewind_ledger_only(p, view, new, identity, run_id, started)
@@ -148,6 +124,54 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     p.lineage(reconcile(p)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
+
+
+def rewind_target(
+    p: Pipeline, view: LedgerView, table: DeltaTable | None, to_batch: int, identity: SpecIdentity
+) -> tuple[int | None, dict[str, Any]]:
+    """The state version a rewind to `to_batch` restores (None: the empty
+    state) and the offsets the pipeline then continues from. Raises
+    `RewindError` saying why, if that batch cannot be rewound to."""
+    head = view.position
+
+    def refuse(message: str) -> RewindError:
+        return RewindError(f"pipeline {p.spec.name}: {message}", pipeline=p.spec.name, path=p.state.path, position=head)
+
+    if to_batch < 0 or to_batch > head.batch_id:
+        raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
+    if to_batch == 0:
+        return None, p.source.origin.to_dict()
+    target = view.committed_row(to_batch)
+    if target is None or target.state_version is None:
+        raise refuse(f"batch {to_batch} is not in the ledger's lineage")
+    if target.spec is not None:
+        # Batches after K would be recomputed under this spec on top of a
+        # state folded under another meaning.
+        refused, _ = changes(SpecIdentity.from_dict(target.spec), identity)
+        if refused:
+            raise refuse(
+                f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
+                "rewind to batch 0 to recompute everything under this spec, or revert the spec"
+            )
+    following = view.committed_row(to_batch + 1)
+    version = restorable_version(table, p.state.path, target.state_version, following.state_version if following else None) if table else None
+    if table is not None and version is None:
+        oldest = oldest_rewindable(p, view, table)
+        raise refuse(
+            f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: a VACUUM "
+            f"removed its files, and no maintenance-only version after it kept them. Batches that can be "
+            f"rewound to: 0 and {oldest}..{head.batch_id}. `maintenance.keep_batches` sets how many "
+            "batches `microbatch maintain` keeps rewindable."
+        )
+    return version, target.end_offsets
+
+
+def check_rewind(spec: PipelineSpec, to_batch: int) -> None:
+    """Raise `RewindError` if a rewind of `spec` to `to_batch` would be
+    refused for its target. Read-only: what the console asks before it
+    triggers a rewinding run."""
+    p = Pipeline(spec)
+    rewind_target(p, p.ledger.load(), p.state.open(), to_batch, SpecIdentity.of(spec))
 
 def _rewind_ledger_only(
     p: Pipeline, view: LedgerView, new: Position, identity: SpecIdentity, run_id: str, started: float

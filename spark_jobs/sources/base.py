@@ -96,8 +96,8 @@ class Lag:
     #: (part, count) pairs, parts with nothing waiting left out.
     detail: tuple[tuple[str, int], ...] = ()
     #: When the oldest data waiting arrived (a file's modification time, a
-    #: record's or commit's timestamp); None when nothing waits or the source
-    #: cannot tell cheaply.
+    #: record's or commit's timestamp); None when nothing waits, when `lag`
+    #: was not asked for it, or when the source cannot tell cheaply.
     oldest: datetime | None = None
 
     def describe(self) -> str:
@@ -140,8 +140,10 @@ class Source(Protocol):
         anything is planned.
         """
 
-    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
-        """How much waits after `lineage` (what `plan` would take, uncapped)."""
+    def lag(self, lineage: Lineage, *, until: datetime | None = None, dated: bool = False) -> Lag:
+        """How much waits after `lineage` (what `plan` would take, uncapped).
+        `dated`: also find when the oldest of it arrived (`Lag.oldest`), where
+        that costs more than the count (`status` asks; a sensor's poll does not)."""
 
     def after_commit(self, lineage: Lineage) -> int:
         """Release what the committed batches of `lineage` consumed, as the spec

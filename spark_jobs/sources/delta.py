@@ -49,7 +49,7 @@ __all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
 
 log = logging.getLogger("microbatch")
 
-#: How many commits back `lag` looks for the oldest waiting commit's time.
+#: How many commits back a dated `lag` reads to date the oldest waiting commit.
 _HISTORY_LOOKBACK = 1000
 
 
@@ -144,23 +144,18 @@ class DeltaSource:
             )
         return after
 
-    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
+    def lag(self, lineage: Lineage, *, until: datetime | None = None, dated: bool = False) -> Lag:
         table = self.table()
         latest = table.version()
         after = self._after(lineage, table, latest)
-        end = self._bound(table, after, latest, until) if until is not None else latest
-        return Lag(max(end - after, 0), self.unit, oldest=self._committed_at(table, after + 1) if end > after else None)
-
-    def _committed_at(self, table: DeltaTable, version: int) -> datetime | None:
-        """When `version` was committed, if it is among the last
-        `_HISTORY_LOOKBACK` commits (reading further back costs a file per commit)."""
-        back = table.version() - version + 1
-        if back > _HISTORY_LOOKBACK:
-            return None
-        for info in table.history(back):
-            if int(info["version"]) == version:
-                return datetime.fromtimestamp(int(info["timestamp"]) / 1000, timezone.utc)
-        return None
+        if latest <= after:
+            return Lag(0, self.unit)
+        # Commit times cost a log file per commit: read for a bound, or to date
+        # the oldest waiting commit when that is at most `_HISTORY_LOOKBACK` back.
+        times = self._commit_times(table, after) if until is not None or (dated and latest - after <= _HISTORY_LOOKBACK) else {}
+        end = self._bound(times, after, latest, until) if until is not None else latest
+        first = times.get(after + 1) if dated and end > after else None
+        return Lag(max(end - after, 0), self.unit, oldest=datetime.fromtimestamp(first / 1000, timezone.utc) if first is not None else None)
 
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
         table = self.table()
@@ -168,7 +163,7 @@ class DeltaSource:
         after = self._after(lineage, table, latest)
         if latest <= after:
             return None
-        end = latest if until is None else self._bound(table, after, latest, until)
+        end = latest if until is None else self._bound(self._commit_times(table, after), after, latest, until)
         if end <= after:
             return None
         first, skipped = self._skip_lost(table, after + 1, end)
@@ -254,16 +249,15 @@ class DeltaSource:
         root = table.table_uri.rstrip("/")
         return not all(exists(f"{root}/{path}") for path in needed)
 
-    def _bound(self, table: DeltaTable, after: int, end: int, until: datetime) -> int:
-        """The last version in (after, end] committed before `until` (after: none)."""
+    def _commit_times(self, table: DeltaTable, after: int) -> dict[int, int]:
+        """Each version after `after` and its commit time (ms): the newest
+        commits back to `after`, what a batch may span, never the whole history."""
+        return {int(info["version"]): int(info["timestamp"]) for info in table.history(table.version() - after)}
+
+    def _bound(self, times: dict[int, int], after: int, end: int, until: datetime) -> int:
+        """The last version in (after, end] committed before `until` (after: none); `times` from `_commit_times`."""
         limit_ms = int(until.timestamp() * 1000)
-        last = after
-        # The newest commits back to `after`: what a batch may span, never the whole history.
-        for info in sorted(table.history(table.version() - after), key=lambda i: int(i["version"])):
-            version = int(info["version"])
-            if after < version <= end and int(info["timestamp"]) < limit_ms:
-                last = version
-        return last
+        return max((v for v, t in times.items() if after < v <= end and t < limit_ms), default=after)
 
     def _check_change_feed(self, table: DeltaTable, first: int, last: int) -> None:
         """Every version of the batch must have been written with the feed on:

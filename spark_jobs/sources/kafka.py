@@ -292,7 +292,7 @@ class KafkaSource:
             waiting_after=sum(waiting.values()) - sum(e - s for _, s, e in ranges),
         )
 
-    def lag(self, lineage: Lineage, *, until: datetime | None = None) -> Lag:
+    def lag(self, lineage: Lineage, *, until: datetime | None = None, dated: bool = False) -> Lag:
         known = self._known(lineage)
         with self._connected() as consumer:
             topic = self._topic(consumer, known)
@@ -305,7 +305,7 @@ class KafkaSource:
             starts = {p: max(known.next.get(p, part.low), part.low) for p, part in topic.partitions.items()}
             ends = self._ends(consumer, topic.partitions, until)
             behind = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
-            oldest = self._oldest(consumer, {p: starts[p] for p, n in behind.items() if n})
+            oldest = self._oldest(consumer, {p: starts[p] for p, n in behind.items() if n}) if dated else None
         return Lag(
             sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n), oldest=oldest
         )

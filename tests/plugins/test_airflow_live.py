@@ -315,6 +315,7 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             # Inside Airflow's own UI: the nav entry's page embeds the console.
             page.goto(f"{base}/plugin/microbatch")
             page.frame_locator("iframe").locator("#pipelines tbody tr").first.wait_for()
+            page.frame_locator("iframe").locator("#batches tbody tr[data-batch]").first.wait_for()
             page.screenshot(path=str(shots / "console-in-airflow.png"))
         finally:
             browser.close()

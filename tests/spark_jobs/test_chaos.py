@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import random
 import signal
-import time
 
 import pytest
 
 from spark_jobs.demo.clickstream import write_wave
-from tests.conftest import assert_exact, run_cli, start_cli
+from tests.conftest import assert_exact, kill_some, run_cli, start_cli
 
 
 def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
@@ -25,16 +24,9 @@ def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
     for wave in range(rounds):
         write_wave(landing, wave, files=rng.randint(1, 3), records_per_file=150, users=40, seed=seed, bad_every=41)
         procs = [start_cli("run", str(spec_path), "--max-files", "2") for _ in range(2)]
-        counts["runs"] += 2
-        time.sleep(rng.uniform(0.5, 12.0))
-        for proc in procs:
-            if proc.poll() is None and rng.random() < 0.7:
-                proc.send_signal(signal.SIGKILL)
-                counts["killed"] += 1
-        for proc in procs:
-            proc.communicate(timeout=300)
+        for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.7, timeout=300):
             # A run that was not killed must have succeeded (0) whatever happened around it.
-            assert proc.returncode in (0, -signal.SIGKILL), proc.stderr
+            assert code in (0, -signal.SIGKILL), err
     for _ in range(rounds * 3 + 2):  # drain
         result = run_cli("run", str(spec_path), "--json")
         assert result.returncode == 0, result.stderr[-2000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import time
 from collections import defaultdict
 
 import pytest
@@ -23,7 +22,7 @@ import yaml
 from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import read_all
-from tests.conftest import run_cli, start_cli
+from tests.conftest import kill_some, run_cli, start_cli
 from tests.spark_jobs.sources.test_kafka import abort_a_transaction, assert_exact, events, oracle, produce, spec_file, start_cluster, stop_cluster
 
 BUCKETS_TRANSFORM = (
@@ -44,18 +43,11 @@ def _round_of_records(servers: str, topic: str, rng: random.Random, values: list
 
 def _storm(specs: list, rng: random.Random, counts: dict[str, int], most: int) -> None:
     procs = [start_cli("run", str(rng.choice(specs))) for _ in range(rng.randint(1, most))]
-    counts["runs"] += len(procs)
-    time.sleep(rng.uniform(0.5, 15.0))
-    for proc in procs:
-        if proc.poll() is None and rng.random() < 0.6:
-            proc.send_signal(signal.SIGKILL)
-            counts["killed"] += 1
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
+    for code, err in kill_some(procs, rng, counts, within=15.0, chance=0.6, timeout=600):
         # A downstream run before the upstream's first commit finds no table
         # yet: retryable (exit 1); in Airflow it only runs on the upstream's asset.
-        early = proc.returncode == 1 and "does not exist yet" in err
-        assert proc.returncode in (0, -signal.SIGKILL) or early, err[-2000:]
+        early = code == 1 and "does not exist yet" in err
+        assert code in (0, -signal.SIGKILL) or early, err[-2000:]
 
 
 def _drain(spec, rounds: int) -> None:

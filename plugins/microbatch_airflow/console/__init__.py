@@ -11,18 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONSOLE_PREFIX", "LazyConsole", "batch_url"]
+__all__ = ["CONSOLE_PREFIX", "LazyConsole"]
 
 #: Where the API server mounts the console (the plugin's `url_prefix`).
 CONSOLE_PREFIX = "/microbatch"
-
-
-def batch_url(dag_id: str, epoch: int | None = None, batch_id: int | None = None) -> str:
-    """The console page of a pipeline, scrolled to one batch when given."""
-    url = f"{CONSOLE_PREFIX}/?dag_id={dag_id}"
-    if batch_id is not None:
-        url += f"&epoch={epoch or 0}&batch_id={batch_id}"
-    return url
 
 
 class LazyConsole:

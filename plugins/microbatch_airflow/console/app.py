@@ -27,9 +27,7 @@ page costs what it shows, not what the ledger holds.
 
 from __future__ import annotations
 
-import contextlib
 import html
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,9 +48,11 @@ from airflow.configuration import conf
 
 from microbatch_airflow.console import CONSOLE_PREFIX
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
+from microbatch_airflow.operators import kafka_connection
 from spark_jobs.core import inspect
+from spark_jobs.core.rewind import check_rewind
 from spark_jobs.core.spec import PipelineSpec
-from spark_jobs.errors import first_line
+from spark_jobs.errors import RewindError, first_line
 
 __all__ = ["create_app"]
 
@@ -74,16 +74,6 @@ def _allowed(user: BaseUser, method: str, dag_id: str | None, entity: DagAccessE
     )
 
 
-@contextlib.contextmanager
-def _kafka_connection(spec: PipelineSpec) -> Iterator[None]:
-    """A Kafka source's Airflow connection, as the operator and sensor apply it."""
-    from microbatch_airflow.operators import kafka_settings
-    from spark_jobs.sources.kafka import connection_settings
-
-    with connection_settings(kafka_settings(spec)):
-        yield
-
-
 def _source_text(spec: PipelineSpec) -> str:
     source = spec.source
     where = getattr(source, "topic", None) or spec.source_path
@@ -94,7 +84,7 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
     """One pipeline's line of ``GET /api/pipelines`` (runs in a worker thread)."""
     base: dict[str, Any] = {"name": spec.name, "dag_id": spec.name, "source": _source_text(spec), "spec_path": str(spec.spec_path)}
     try:
-        with _kafka_connection(spec):
+        with kafka_connection(spec):
             st = inspect.status(spec)
     except Exception as exc:  # noqa: BLE001 - one unreadable pipeline must not hide the others
         return {
@@ -208,16 +198,11 @@ def create_app() -> FastAPI:
     @app.post("/api/pipelines/{name}/rewind")
     async def rewind(name: str, body: RewindRequest, request: Request, user: User) -> JSONResponse:
         spec = await _spec(name, user, "POST", DagAccessEntity.RUN)
-        st = await anyio.to_thread.run_sync(inspect.status, spec)
-        head = st.position.batch_id
-        oldest = st.oldest_rewindable
-        if body.batch_id > head or (body.batch_id and (oldest is None or body.batch_id < oldest)):
-            floor = f"{oldest} to {head}" if oldest is not None else "none besides 0"
-            raise HTTPException(
-                status.HTTP_409_CONFLICT,
-                f"pipeline {name} cannot rewind to batch {body.batch_id}: rewindable batches are 0 and {floor} "
-                "(maintenance removes older state versions)",
-            )
+        try:
+            # The job's own rules, asked before a run is made for nothing.
+            await anyio.to_thread.run_sync(check_rewind, spec, body.batch_id)
+        except RewindError as exc:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
         who = getattr(user, "get_name", lambda: "a user")()
         payload = {
             "logical_date": None,

@@ -28,14 +28,14 @@ def compute_factory(spec: PipelineSpec, master: str | None = None) -> Callable[[
     Returns a factory: the protocol calls it only when a batch has work, so a
     run with nothing new never imports pyspark or starts a JVM.
     """
-    from spark_jobs.engine.session import resolve_master
+    from spark_jobs.engine.session import redact_master, resolve_master
 
     resolved = resolve_master(master, spec)
 
     def make() -> Compute:
         from spark_jobs.engine.spark_compute import SparkCompute
 
-        log.info("Spark master: %s", resolved or "from spark-submit")
+        log.info("Spark master: %s", redact_master(resolved))
         return SparkCompute(master=resolved)
 
     return make

@@ -10,8 +10,10 @@ local mode, on a standalone cluster and behind Spark Connect.
 
 The functions below run on executors, which need boto3 and pyarrow but not
 this package: the module is pickled by value. Executors resolve their own
-credentials (boto3's chain: environment, profile, instance role); only the
-endpoint and region, which are not secret, travel with the task.
+credentials (boto3's chain: environment, profile, instance role), and only
+the endpoint and region travel with the task, unless the driver was handed a
+session (an Airflow AWS connection): then its current credentials travel
+too (`spark_jobs.storage.s3.client_settings`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ __all__ = ["MAX_FETCH_TASKS", "parquet_rows", "whole_objects"]
 MAX_FETCH_TASKS = 64
 
 
-def whole_objects(spark: SparkSession, uris: list[str], endpoint: str | None, region: str) -> DataFrame:
+def whole_objects(spark: SparkSession, uris: list[str], client: dict[str, Any]) -> DataFrame:
     """One row per object: `_file` (its URI) and `value` (its bytes as text, unvalidated).
 
     The same shape as ``spark.read.text(paths, wholetext=True)`` with the
@@ -37,13 +39,13 @@ def whole_objects(spark: SparkSession, uris: list[str], endpoint: str | None, re
     """
     from pyspark.sql import functions as F
 
-    fetched = _uri_frame(spark, uris).mapInArrow(_fetch_bytes(endpoint, region), "_file STRING, content BINARY")
+    fetched = _uri_frame(spark, uris).mapInArrow(_fetch_bytes(client), "_file STRING, content BINARY")
     # A binary-to-string cast keeps the bytes as they are, as the text reader does.
     return fetched.select("_file", F.col("content").cast("string").alias("value"))
 
 
 def parquet_rows(
-    spark: SparkSession, uris: list[str], endpoint: str | None, region: str, fields: list[str]
+    spark: SparkSession, uris: list[str], client: dict[str, Any], fields: list[str]
 ) -> DataFrame:
     """Rows of the Parquet objects: `_file`, `_line` (row number) and `fields` as text.
 
@@ -52,7 +54,7 @@ def parquet_rows(
     local Parquet. A field the file lacks is null.
     """
     schema = "_file STRING, _line BIGINT, " + ", ".join(f"`{name}` STRING" for name in fields)
-    return _uri_frame(spark, uris).mapInArrow(_fetch_parquet(endpoint, region, fields), schema)
+    return _uri_frame(spark, uris).mapInArrow(_fetch_parquet(client, fields), schema)
 
 
 def _uri_frame(spark: SparkSession, uris: list[str]) -> DataFrame:
@@ -69,10 +71,10 @@ def _pickle_by_value() -> None:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _client(endpoint: str | None, region: str) -> Any:
+def _client(settings: dict[str, Any]) -> Any:
     import boto3
 
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region)
+    return boto3.session.Session().client("s3", **settings)
 
 
 def _get(client: Any, uri: str) -> bytes:
@@ -84,11 +86,11 @@ def _get(client: Any, uri: str) -> bytes:
         raise OSError(f"cannot read {uri}: {exc}") from exc
 
 
-def _fetch_bytes(endpoint: str | None, region: str) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+def _fetch_bytes(settings: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def fetch(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
 
-        client = _client(endpoint, region)
+        client = _client(settings)
         for batch in batches:
             for uri in batch.column(0).to_pylist():
                 yield pa.RecordBatch.from_arrays(
@@ -99,7 +101,7 @@ def _fetch_bytes(endpoint: str | None, region: str) -> Callable[[Iterator[pa.Rec
 
 
 def _fetch_parquet(
-    endpoint: str | None, region: str, fields: list[str]
+    settings: dict[str, Any], fields: list[str]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def fetch(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import io
@@ -108,7 +110,7 @@ def _fetch_parquet(
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        client = _client(endpoint, region)
+        client = _client(settings)
         for batch in batches:
             for uri in batch.column(0).to_pylist():
                 try:

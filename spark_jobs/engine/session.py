@@ -8,16 +8,18 @@ process that runs one batch, for a fast JVM start (`jvm_cache`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import TYPE_CHECKING
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.engine.jvm_cache import driver_java_options
+from spark_jobs.engine.jvm_output import relayed_stderr
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["connect_session", "default_session", "resolve_master", "under_spark_submit"]
+__all__ = ["connect_session", "default_session", "redact_master", "resolve_master", "under_spark_submit"]
 
 
 def default_session(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> SparkSession:
@@ -58,7 +60,15 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
         # have Hadoop checksums, so read them through the raw file system.
         .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
     )
-    session = builder.getOrCreate()
+    from pyspark import SparkContext
+
+    if SparkContext._active_spark_context is None and not under_spark_submit():
+        # A new driver JVM: its console output goes to logging at its own
+        # level, not to stderr (which Airflow shows as errors).
+        with relayed_stderr():
+            session = builder.getOrCreate()
+    else:
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
     return session
 
@@ -80,6 +90,13 @@ def resolve_master(explicit: str | None, spec: PipelineSpec) -> str | None:
     if under_spark_submit():
         return None
     return spec.engine.master or os.environ.get("MICROBATCH_SPARK_MASTER") or "local[*]"
+
+
+def redact_master(master: str | None) -> str:
+    """`master` fit for a log line: a Spark Connect URL's bearer token hidden."""
+    if master is None:
+        return "from spark-submit"
+    return re.sub(r"(?i)(;token=)[^;]*", r"\1***", master)
 
 
 def connect_session(url: str) -> SparkSession:

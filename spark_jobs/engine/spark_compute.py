@@ -23,13 +23,13 @@ from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_res
 from spark_jobs.core.spec import KAFKA_COLUMN_TYPES, KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.engine import delta_read, kafka_read, s3_read
-from spark_jobs.engine.session import connect_session, default_session
+from spark_jobs.engine.session import connect_session, default_session, redact_master
 from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
 from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest
 from spark_jobs.sources.kafka import KafkaManifest
-from spark_jobs.storage.s3 import endpoint_url, is_s3, region
+from spark_jobs.storage.s3 import client_settings, is_s3
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -66,12 +66,12 @@ class SparkCompute:
             from pyspark.sql import SparkSession
 
             if self._master and self._master.startswith("sc://"):
-                log.info("connecting to Spark Connect at %s", self._master)
+                log.info("connecting to Spark Connect at %s", redact_master(self._master))
                 self._session, self._owns_session = connect_session(self._master), True
                 return self._session
             active = SparkSession.getActiveSession()
             if active is None:
-                log.info("starting Spark (%s)", self._master or "master from spark-submit")
+                log.info("starting Spark (master %s)", redact_master(self._master))
             self._session = active or default_session(self._master)
             self._owns_session = active is None
         return self._session
@@ -344,7 +344,7 @@ class SparkCompute:
 
         fields = spec.source.fields
         if any(is_s3(uri) for uri in uris):
-            df = s3_read.parquet_rows(self.spark, uris, endpoint_url(), region(), [f.name for f in fields])
+            df = s3_read.parquet_rows(self.spark, uris, client_settings(), [f.name for f in fields])
             file_col, line_col, first_data = F.col("_file"), F.col("_line"), 2
         else:
             df = self.spark.read.option("mergeSchema", "true").parquet(*uris)
@@ -384,7 +384,7 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         if any(is_s3(uri) for uri in uris):
-            return s3_read.whole_objects(self.spark, uris, endpoint_url(), region())
+            return s3_read.whole_objects(self.spark, uris, client_settings())
         return self.spark.read.text(uris, wholetext=True).select(F.col("_metadata.file_path").alias("_file"), "value")
 
     @staticmethod

@@ -26,11 +26,21 @@ storage options. Two settings matter for correctness:
 
 The options dict holds credentials: it is passed to delta-rs and nowhere
 else, never logged, and never stored in a table or commit metadata.
+
+An orchestrator may supply the boto3 session instead of the chain
+(`use_session`): in Airflow, the amazon provider's AWS connection. This
+module never imports Airflow; it takes whatever session it is given. The
+credentials are then read from the session at each use, so refreshable ones
+(an assumed role) stay fresh through a long run, and Spark's executors get
+them with their fetch tasks, since they cannot see the connection.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -38,7 +48,20 @@ from urllib.parse import unquote
 
 from spark_jobs.errors import SourceError
 
-__all__ = ["S3_SCHEME", "S3Location", "delta_storage_options", "endpoint_url", "exists", "is_s3", "read_bytes", "region", "reset", "s3_client"]
+__all__ = [
+    "S3_SCHEME",
+    "S3Location",
+    "client_settings",
+    "delta_storage_options",
+    "endpoint_url",
+    "exists",
+    "is_s3",
+    "read_bytes",
+    "region",
+    "reset",
+    "s3_client",
+    "use_session",
+]
 
 S3_SCHEME = "s3://"
 
@@ -63,7 +86,40 @@ class S3Location:
         return f"s3://{self.bucket}/{self.key}"
 
 
+@dataclass(frozen=True, eq=False)
+class _Supplied:
+    """A boto3 session handed in by the orchestrator, with its endpoint."""
+
+    session: Any
+    endpoint_url: str | None
+
+
+#: A context variable, not a global: the Airflow console serves several
+#: pipelines (and connections) from threads of one process at once.
+_SUPPLIED: ContextVar[_Supplied | None] = ContextVar("microbatch_s3_session", default=None)
+
+
+@contextmanager
+def use_session(session: Any, endpoint: str | None = None) -> Iterator[None]:
+    """Within the block, S3 access uses `session` (a ``boto3.Session``) instead
+    of boto3's standard chain, and `endpoint` if given (else the usual
+    ``AWS_ENDPOINT_URL``/profile setting, or AWS itself)."""
+    token = _SUPPLIED.set(_Supplied(session, endpoint))
+    try:
+        yield
+    finally:
+        _SUPPLIED.reset(token)
+
+
 def _boto_session():  # noqa: ANN202 - boto3 is imported lazily
+    supplied = _SUPPLIED.get()
+    if supplied is not None:
+        return supplied.session
+    return _chain_session()
+
+
+def _chain_session():  # noqa: ANN202 - boto3 is imported lazily
+    # A new one each time: boto3 sessions are not safe to share across threads.
     import boto3
 
     return boto3.Session()
@@ -71,6 +127,9 @@ def _boto_session():  # noqa: ANN202 - boto3 is imported lazily
 
 def endpoint_url() -> str | None:
     """The S3 endpoint configured for this process, or None for AWS itself."""
+    supplied = _SUPPLIED.get()
+    if supplied is not None and supplied.endpoint_url:
+        return supplied.endpoint_url
     configured = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if configured:
         return configured
@@ -92,30 +151,60 @@ def delta_storage_options(location: str) -> dict[str, str] | None:
     """Storage options for delta-rs to open the table at `location` (None: local)."""
     if not is_s3(location):
         return None
-    return dict(_s3_options())
+    supplied = _SUPPLIED.get()
+    return {**dict(_s3_settings(supplied)), **_frozen_credentials()}
 
 
-@lru_cache(maxsize=1)
-def _s3_options() -> tuple[tuple[str, str], ...]:
-    # Resolved once per process: a run is short (minutes), well inside the
-    # lifetime of role or SSO credentials, and resolving costs a round trip
-    # for instance roles.
-    credentials = _boto_session().get_credentials()
+def client_settings() -> dict[str, Any]:
+    """Keyword arguments for Spark's executors to make their S3 clients with.
+
+    Endpoint and region always; credentials only when a session was
+    supplied (an Airflow connection): it exists only in the driver's process,
+    so its current credentials travel with the fetch tasks, like the
+    ``fs.s3a`` keys Spark's own S3 connector takes from the driver's conf.
+    Otherwise executors resolve their own through boto3's chain.
+    """
+    settings: dict[str, Any] = {"endpoint_url": endpoint_url(), "region_name": region()}
+    if _SUPPLIED.get() is not None:
+        frozen = _frozen_credentials()
+        settings["aws_access_key_id"] = frozen["AWS_ACCESS_KEY_ID"]
+        settings["aws_secret_access_key"] = frozen["AWS_SECRET_ACCESS_KEY"]
+        settings["aws_session_token"] = frozen.get("AWS_SESSION_TOKEN")
+    return settings
+
+
+def _frozen_credentials() -> dict[str, str]:
+    # Read at each use: refreshable credentials (an assumed role, SSO) renew
+    # themselves here when close to expiry, so a long run keeps working.
+    frozen = _credentials(_SUPPLIED.get()).get_frozen_credentials()
+    options = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+    if frozen.token:
+        options["AWS_SESSION_TOKEN"] = frozen.token
+    return options
+
+
+@lru_cache(maxsize=8)
+def _credentials(supplied: _Supplied | None) -> Any:
+    # The credentials object, resolved once per session (for instance roles
+    # resolving costs a round trip); its values are read at each use.
+    credentials = (supplied.session if supplied else _chain_session()).get_credentials()
     if credentials is None:
         raise SourceError(
             "no AWS credentials found for S3: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "an AWS_PROFILE, or run with an instance/task role (boto3's standard chain)"
+            "an AWS_PROFILE, or run with an instance/task role (boto3's standard chain); "
+            "in Airflow, an AWS connection (aws_conn_id)"
         )
-    frozen = credentials.get_frozen_credentials()
+    return credentials
+
+
+@lru_cache(maxsize=8)
+def _s3_settings(supplied: _Supplied | None) -> tuple[tuple[str, str], ...]:
+    # Keyed by the supplied session: region and endpoint are read in its context.
     options = {
-        "AWS_ACCESS_KEY_ID": frozen.access_key,
-        "AWS_SECRET_ACCESS_KEY": frozen.secret_key,
         "AWS_REGION": region(),
         "conditional_put": "etag",
         "AWS_S3_ALLOW_UNSAFE_RENAME": "false",
     }
-    if frozen.token:
-        options["AWS_SESSION_TOKEN"] = frozen.token
     endpoint = endpoint_url()
     if endpoint:
         options["AWS_ENDPOINT_URL"] = endpoint
@@ -126,7 +215,8 @@ def _s3_options() -> tuple[tuple[str, str], ...]:
 
 def reset() -> None:
     """Forget resolved credentials (tests switch servers within one process)."""
-    _s3_options.cache_clear()
+    _credentials.cache_clear()
+    _s3_settings.cache_clear()
 
 
 def exists(uri: str) -> bool:

@@ -114,7 +114,7 @@ def test_airflow_services_share_one_configuration():
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/", name
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql"), name
         assert env["AIRFLOW_CONN_MICROBATCH_SPARK"] == "spark://spark-master:7077", name
-        assert env["AIRFLOW_CONN_MICROBATCH_CONNECT"] == "sc://spark-connect:15002", name
+        assert env["AIRFLOW_CONN_MICROBATCH_CONNECT"] == "spark-connect://spark-connect:15002", name
         assert env["AWS_ENDPOINT_URL"] == "http://minio:9000", name
         mounts = [str(v) for v in services[name].get("volumes", [])]
         assert any(m.endswith(f":{env['MICROBATCH_PIPELINES_DIR']}:ro") for m in mounts), \
@@ -154,8 +154,9 @@ def test_example_pipeline_is_the_local_one_on_s3():
     assert s3["source"]["path"] == "s3://microbatch/landing/clicks"
     assert s3["state"]["path"] == "s3://microbatch/lake/clicks_per_user"
     assert s3["checkpoint"] == "s3://microbatch/lake/_checkpoints/clicks_per_user"
-    for key in ["transform", "batch", "schedule"]:
+    for key in ["transform", "batch"]:
         assert s3[key] == local[key], f"docker/pipelines/clicks_per_user_s3.yaml: {key} differs from the local spec"
+    assert s3["airflow"]["schedule"] == local["airflow"]["schedule"]
     assert {k: v for k, v in s3["source"].items() if k != "path"} == {k: v for k, v in local["source"].items() if k != "path"}
     assert {k: v for k, v in s3["state"].items() if k != "path"} == {k: v for k, v in local["state"].items() if k != "path"}
 
@@ -268,9 +269,10 @@ def test_delta_jars_match_delta_spark_and_pyspark():
 
 
 def test_the_docker_pipeline_spec_is_valid_and_names_a_defined_connection():
+    from microbatch_airflow.airflow_spec import airflow_spec
     from spark_jobs.core.spec import load_spec
 
     spec = load_spec(DOCKER / "pipelines" / "clicks_per_user_s3.yaml")
     assert spec.source_path.startswith("s3://microbatch/") and spec.state_path.startswith("s3://microbatch/")
     compose = (DOCKER / "docker-compose.yml").read_text()
-    assert f"AIRFLOW_CONN_{spec.engine.airflow_conn_id.upper()}:" in compose
+    assert f"AIRFLOW_CONN_{airflow_spec(spec).spark_conn_id.upper()}:" in compose

@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param
 
+from microbatch_airflow.airflow_spec import DEFAULT_RETRIES, AirflowSpec, airflow_spec
 from microbatch_airflow.assets import batches_alias, state_asset
 from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
@@ -98,13 +100,27 @@ def spec_doc(spec: PipelineSpec) -> str:
     return "\n".join(lines) + "\n```yaml\n" + text.rstrip() + "\n```\n"
 
 
-def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
+def _task_defaults(settings: AirflowSpec, default_args: dict[str, Any] | None, retry_delay: timedelta) -> dict[str, Any]:
+    """default_args for a pipeline's DAG: the caller's, then the spec's
+    `airflow.retries`/`retry_delay_seconds` over them; 2 retries when
+    neither says (a retry re-enters the commit protocol, so it is safe)."""
+    merged: dict[str, Any] = {"retries": DEFAULT_RETRIES, "retry_delay": retry_delay, **(default_args or {})}
+    if settings.retries is not None:
+        merged["retries"] = settings.retries
+    if settings.retry_delay_seconds is not None:
+        merged["retry_delay"] = timedelta(seconds=settings.retry_delay_seconds)
+    return merged
+
+
+def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None, default_args: dict[str, Any] | None = None) -> DAG:
     """The pipeline's DAG. `upstream`: the pipeline whose state table this
     one's Delta source reads; without a schedule of its own, the DAG then
-    runs whenever the upstream commits a batch (its state asset)."""
+    runs whenever the upstream commits a batch (its state asset).
+    `default_args`: as for any DAG; the spec's `airflow:` block wins."""
+    settings = airflow_spec(spec)
     schedule: CronDataIntervalTimetable | list[Asset] | None = None
-    if spec.schedule:
-        schedule = CronDataIntervalTimetable(spec.schedule, timezone="UTC")
+    if settings.schedule:
+        schedule = CronDataIntervalTimetable(settings.schedule, timezone="UTC")
     elif upstream is not None:
         schedule = [state_asset(upstream)]
     with DAG(
@@ -112,18 +128,25 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
         description=(spec.description.splitlines() or [""])[0][:200] or None,
         doc_md=spec_doc(spec),
         schedule=schedule,
-        start_date=spec.start_date,
-        catchup=spec.catchup,
+        start_date=settings.start_date,
+        catchup=settings.catchup,
         # One batch at a time per pipeline; the commit protocol, not this,
         # is what keeps concurrent or out-of-order runs (backfills) exact.
         max_active_runs=1,
-        tags=["microbatch", *spec.tags],
+        tags=["microbatch", *settings.tags],
         params=trigger_params(),
-        default_args={"retries": 2, "retry_delay": timedelta(seconds=10)},
+        default_args=_task_defaults(settings, default_args, timedelta(seconds=10)),
     ) as dag:
-        batch = MicroBatchOperator(task_id="run_batch", spec_path=spec.spec_path, outlets=[batches_alias(spec)])
-        if spec.wait_for_data:
-            wait = spec.wait_for_data
+        batch = MicroBatchOperator(
+            task_id="run_batch",
+            spec_path=spec.spec_path,
+            outlets=[batches_alias(spec)],
+            spark_conn_id=settings.spark_conn_id,
+            kafka_conn_id=settings.kafka_conn_id,
+            **({"aws_conn_id": settings.aws_conn_id} if settings.aws_conn_id else {}),
+        )
+        if settings.wait_for_data:
+            wait = settings.wait_for_data
             NewDataSensor(
                 task_id="wait_for_data",
                 spec_path=spec.spec_path,
@@ -131,6 +154,7 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None) -> DAG:
                 timeout=wait.timeout_seconds,
                 soft_fail=wait.soft_fail,
                 retries=0,
+                kafka_conn_id=settings.kafka_conn_id,
                 **({"deferrable": wait.deferrable} if wait.deferrable is not None else {}),
             ) >> batch
     return dag
@@ -150,8 +174,9 @@ def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get(PIPELINES_DIR_ENV) or default)
 
 
-def build_maintenance_dag(spec: PipelineSpec) -> DAG:
-    """`microbatch maintain` on the spec's `maintenance.schedule`, apart from the batches."""
+def build_maintenance_dag(spec: PipelineSpec, default_args: dict[str, Any] | None = None) -> DAG:
+    """`microbatch maintain` on the spec's `airflow.maintenance_schedule`, apart from the batches."""
+    settings = airflow_spec(spec)
     with DAG(
         dag_id=f"{spec.name}_maintenance",
         description=f"Compaction, VACUUM and checkpoints for pipeline {spec.name}",
@@ -160,14 +185,18 @@ def build_maintenance_dag(spec: PipelineSpec) -> DAG:
             f"quarantine, keeping the last {spec.maintenance.keep_batches} batches rewindable.\n\n"
             f"Spec: `{spec.spec_path}`"
         ),
-        schedule=spec.maintenance.schedule,
-        start_date=spec.start_date,
+        schedule=settings.maintenance_schedule,
+        start_date=settings.start_date,
         catchup=False,
         max_active_runs=1,
-        tags=["microbatch", "maintenance", *spec.tags],
-        default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
+        tags=["microbatch", "maintenance", *settings.tags],
+        default_args=_task_defaults(settings, default_args, timedelta(minutes=1)),
     ) as dag:
-        MaintenanceOperator(task_id="maintain", spec_path=spec.spec_path)
+        MaintenanceOperator(
+            task_id="maintain",
+            spec_path=spec.spec_path,
+            **({"aws_conn_id": settings.aws_conn_id} if settings.aws_conn_id else {}),
+        )
     return dag
 
 
@@ -179,6 +208,7 @@ def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
         try:
             spec = load_spec(path.resolve())
+            airflow_spec(spec)
         except SpecError as exc:
             errors[path] = str(exc)
             continue
@@ -189,19 +219,19 @@ def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
     return specs, errors
 
 
-def dags_from_folder(folder: Path) -> dict[str, DAG]:
+def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None) -> dict[str, DAG]:
     """A DAG per valid spec in `folder`, and a maintenance DAG per spec with
-    `maintenance.schedule`. Broken specs are skipped here: `raise_spec_errors`
-    reports them from a file of their own."""
+    `airflow.maintenance_schedule`. Broken specs are skipped here:
+    `raise_spec_errors` reports them from a file of their own."""
     specs, _ = scan_specs(folder)
     dags: dict[str, DAG] = {}
     # A Delta source that is another pipeline's state chains the two.
     by_state = {spec.state_path.rstrip("/"): spec for spec in specs.values()}
     for spec in specs.values():
         upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
-        dags[spec.name] = build_dag(spec, upstream)
-        if spec.maintenance.schedule:
-            dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec)
+        dags[spec.name] = build_dag(spec, upstream, default_args)
+        if airflow_spec(spec).maintenance_schedule:
+            dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec, default_args)
     return dags
 
 

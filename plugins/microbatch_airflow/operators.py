@@ -22,88 +22,30 @@ commit protocol.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from microbatch_airflow.assets import batches_alias, state_asset
+from microbatch_airflow.airflow_spec import airflow_spec
+from microbatch_airflow.hooks import aws_connection, connections, spark_master
 from microbatch_airflow.links import ConsoleLink
 from spark_jobs.core.spec import PipelineSpec, load_spec
 from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 
 if TYPE_CHECKING:
+    from airflow.providers.openlineage.extractors import OperatorLineage
+
     from spark_jobs.core.outcome import BatchOutcome
 
-__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline", "kafka_connection", "kafka_settings", "master_from_connection"]
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline"]
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
 _INTERVAL_BOUND_RUN_TYPES = {"scheduled", "backfill"}
 #: What a run's conf may hold (the trigger form's fields).
 RUN_PARAMS = ("max_files", "max_records", "rewind_to_batch", "rewind_only", "dry_run")
-
-
-def master_from_connection(conn_id: str) -> str:
-    """The Spark master an Airflow connection names.
-
-    Accepted: a connection of type ``spark`` (host ``spark-master`` or
-    ``spark://spark-master``, port 7077) for a standalone cluster, of type
-    ``sc``/``spark_connect`` (port 15002 by default) for Spark Connect, or
-    any connection whose extra has ``{"master": "..."}``. Defined, e.g., as
-    ``AIRFLOW_CONN_MICROBATCH_SPARK=spark://spark-master:7077``.
-    """
-    from airflow.sdk import BaseHook
-
-    from spark_jobs.core.spec import SPARK_MASTER
-
-    conn = BaseHook.get_connection(conn_id)
-    master = (conn.extra_dejson or {}).get("master")
-    if not master:
-        kind = (conn.conn_type or "").lower().replace("-", "_")
-        host = (conn.host or "").split("://", 1)[-1]
-        if kind == "spark":
-            master = f"spark://{host}:{conn.port or 7077}"
-        elif kind in ("sc", "spark_connect"):
-            master = f"sc://{host}:{conn.port or 15002}"
-        else:
-            master = ""
-    if not SPARK_MASTER.fullmatch(master):
-        raise AirflowFailException(
-            f"connection {conn_id!r} does not name a Spark master this job can use (got {master!r} from "
-            f"type {conn.conn_type!r}); define it as spark://host:7077 or sc://host:15002, or put "
-            '{"master": "..."} in its extra'
-        )
-    return master
-
-
-def kafka_settings(spec: PipelineSpec, conn_id: str | None = None) -> dict[str, Any] | None:
-    """librdkafka settings from an Airflow connection of the apache-kafka
-    provider (its extra is the settings dict, e.g. ``{"bootstrap.servers":
-    "...", "security.protocol": "SASL_SSL", "sasl.password": "..."}``):
-    `conn_id`, else the spec's ``source.airflow_conn_id``; None for other
-    sources or without either. The job applies them over the spec's options
-    (`spark_jobs.sources.kafka.connection_settings`); they hold secrets and
-    are never logged."""
-    conn_id = conn_id or getattr(spec.source, "airflow_conn_id", None)
-    if spec.source.type != "kafka" or not conn_id:
-        return None
-    from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
-
-    conn = KafkaBaseHook.get_connection(conn_id)
-    extra = conn.extra_dejson or {}
-    if not isinstance(extra, dict):
-        raise AirflowFailException(f"connection {conn_id!r}: its extra must be a JSON object of librdkafka settings")
-    return extra
-
-
-def kafka_connection(spec: PipelineSpec, conn_id: str | None = None) -> AbstractContextManager[None]:
-    """`kafka_settings` in force for the `with` block (for the job's and the
-    sensor's Kafka clients alike; nothing outside the block sees them)."""
-    from spark_jobs.sources.kafka import connection_settings
-
-    return connection_settings(kafka_settings(spec, conn_id))
 
 
 def headline(spec: PipelineSpec, outcome: BatchOutcome) -> str:
@@ -133,15 +75,20 @@ class MicroBatchOperator(BaseOperator):
     :param spark_master: ``local[*]``, ``spark://host:port`` or
         ``sc://host:port``.
     :param spark_conn_id: an Airflow connection naming the master instead
-        (see `master_from_connection`). With neither, the spec's
-        ``engine.airflow_conn_id``, then ``engine.master``, then
+        (see `microbatch_airflow.hooks.spark_master`). With neither, the spec's
+        ``airflow.spark_conn_id``, then ``engine.master``, then
         ``MICROBATCH_SPARK_MASTER``, then ``local[*]`` apply.
     :param kafka_conn_id: for a Kafka source, an Airflow connection of the
         apache-kafka provider whose extra holds librdkafka settings and
-        secrets (see `kafka_settings`); default: ``source.airflow_conn_id``.
+        secrets (see `microbatch_airflow.hooks.kafka_settings`); default:
+        ``airflow.kafka_conn_id``.
+    :param aws_conn_id: for a pipeline on S3, the amazon provider's AWS
+        connection whose session reads and commits; default: the spec's
+        ``airflow.aws_conn_id``, else ``aws_default`` (when that is not
+        defined, boto3's standard chain applies).
     """
 
-    template_fields: Sequence[str] = ("spec_path", "spark_master", "spark_conn_id", "kafka_conn_id")
+    template_fields: Sequence[str] = ("spec_path", "spark_master", "spark_conn_id", "kafka_conn_id", "aws_conn_id")
     operator_extra_links = (ConsoleLink(),)
     ui_color = "#e8f1fb"
 
@@ -152,6 +99,7 @@ class MicroBatchOperator(BaseOperator):
         spark_master: str | None = None,
         spark_conn_id: str | None = None,
         kafka_conn_id: str | None = None,
+        aws_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -159,13 +107,34 @@ class MicroBatchOperator(BaseOperator):
         self.spark_master = spark_master
         self.spark_conn_id = spark_conn_id
         self.kafka_conn_id = kafka_conn_id
+        self.aws_conn_id = aws_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
+        spec = self._spec()
+        # The connections hold for the whole task: the rewind, the batch and
+        # the ledger reads after it all go through the same credentials.
+        from microbatch_airflow.lineage import source_dataset, state_dataset
+
+        with connections(spec, kafka_conn_id=self.kafka_conn_id, aws_conn_id=self.aws_conn_id):
+            self._datasets = (source_dataset(spec), state_dataset(spec))
+            self._summary = self._run(context, spec)
+            return self._summary
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> OperatorLineage:
+        """Lineage for Airflow's OpenLineage provider: the source in, the
+        state table out, and the batch (epoch, id, offsets, records) as the
+        ``microbatch`` run facet. Also sent for a skipped run, with its status."""
+        from microbatch_airflow.lineage import operator_lineage, source_dataset, state_dataset
+
+        spec = self._spec()
+        datasets = getattr(self, "_datasets", None) or (source_dataset(spec), state_dataset(spec))
+        return operator_lineage(*datasets, getattr(self, "_summary", None))
+
+    def _run(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
         from spark_jobs.core.outcome import Outcome
         from spark_jobs.core.protocol import RunOptions, run_batch
         from spark_jobs.engine import compute_factory
 
-        spec = self._spec()
         params = context.get("params") or {}
         dag_run = context["dag_run"]
         unknown = sorted(set(getattr(dag_run, "conf", None) or {}) - set(RUN_PARAMS))
@@ -194,20 +163,19 @@ class MicroBatchOperator(BaseOperator):
             max_records=params.get("max_records"),
             dry_run=bool(params.get("dry_run", False)),
         )
-        conn_id = self.spark_conn_id or spec.engine.airflow_conn_id
-        make_compute = compute_factory(spec, self.spark_master or (master_from_connection(conn_id) if conn_id else None))
+        conn_id = self.spark_conn_id or airflow_spec(spec).spark_conn_id
+        make_compute = compute_factory(spec, self.spark_master or (spark_master(conn_id) if conn_id else None))
         rewound: BatchOutcome | None = None
         try:
-            with kafka_connection(spec, self.kafka_conn_id):
-                if rewind_to is not None and not options.dry_run:
-                    rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
-                if params.get("rewind_only") and not options.dry_run:
-                    self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
-                    if rewound is None:  # a retry: an earlier attempt of this run rewound
-                        return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
-                    self._emit(context, spec, rewound, rewind=True)
-                    return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
-                outcome = run_batch(spec, options, make_compute)
+            if rewind_to is not None and not options.dry_run:
+                rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
+            if params.get("rewind_only") and not options.dry_run:
+                self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
+                if rewound is None:  # a retry: an earlier attempt of this run rewound
+                    return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
+                self._emit(context, spec, rewound, rewind=True)
+                return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
+            outcome = run_batch(spec, options, make_compute)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise
@@ -244,6 +212,7 @@ class MicroBatchOperator(BaseOperator):
             # Skipped, not green: nothing changed, and the grid should say so
             # at a glance. The summary is still the task's XCom.
             context["ti"].xcom_push(key="return_value", value=summary)
+            self._summary = summary  # for lineage: a skipped run still says what it found
             raise AirflowSkipException(headline(spec, outcome))
         return summary
 
@@ -335,22 +304,27 @@ class MaintenanceOperator(BaseOperator):
     :param spec_path: the pipeline spec (YAML). Templated.
     :param keep_batches: batches kept rewindable; default: the spec's
         ``maintenance.keep_batches``.
+    :param aws_conn_id: as for `MicroBatchOperator`.
     """
 
-    template_fields: Sequence[str] = ("spec_path",)
+    template_fields: Sequence[str] = ("spec_path", "aws_conn_id")
     ui_color = "#eef3e8"
 
-    def __init__(self, *, spec_path: str, keep_batches: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, spec_path: str, keep_batches: int | None = None, aws_conn_id: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.spec_path = spec_path
         self.keep_batches = keep_batches
+        self.aws_conn_id = aws_conn_id
 
     def execute(self, context: Context) -> dict[str, Any]:
         from spark_jobs.core.maintain import maintain
 
         try:
             spec = load_spec(self.spec_path)
-            report = maintain(spec, self.keep_batches)
+            with aws_connection(spec, self.aws_conn_id):
+                report = maintain(spec, self.keep_batches)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise

@@ -21,12 +21,12 @@ def waiting(spec_path: str, kafka_conn_id: str | None = None) -> int:
     A source that cannot be read (a missing folder, say) raises: a sensor
     must fail with the reason, not poll "0 waiting" until it times out.
     """
-    from microbatch_airflow.operators import kafka_connection
+    from microbatch_airflow.hooks import connections
     from spark_jobs.core.inspect import lag
     from spark_jobs.core.spec import load_spec
 
     spec = load_spec(spec_path)
-    with kafka_connection(spec, kafka_conn_id):
+    with connections(spec, kafka_conn_id=kafka_conn_id):
         return lag(spec).count
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +36,8 @@ __all__ = [
     "KafkaSourceSpec",
     "PipelineSpec",
     "SchemaField",
+    "check_cron",
+    "field_problems",
     "load_spec",
     "parse_schema",
     "parse_spec",
@@ -273,8 +274,6 @@ class KafkaSourceSpec(_Model):
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
     #: Extra librdkafka settings (security.protocol, sasl.mechanism, ...): no secrets.
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
-    #: In Airflow: a connection of the apache-kafka provider whose extra holds settings (and secrets).
-    airflow_conn_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,250}$")
 
     @model_validator(mode="after")
     def _schema_fits_format(self) -> KafkaSourceSpec:
@@ -306,7 +305,7 @@ class KafkaSourceSpec(_Model):
                 raise ValueError(
                     f"option {name!r} is a secret and a spec holds none: set MICROBATCH_KAFKA_"
                     f"{name.upper().replace('.', '_')} in the environment, or use an Airflow connection "
-                    "(source.airflow_conn_id)"
+                    "(airflow.kafka_conn_id)"
                 )
         return options
 
@@ -383,13 +382,6 @@ class MaintenanceSpec(_Model):
 
     #: The last this-many batches of the lineage stay rewindable after a VACUUM.
     keep_batches: int = Field(default=100, ge=1)
-    #: In Airflow: run `maintain` on this cron schedule, in a DAG of its own.
-    schedule: str | None = None
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule_is_cron(cls, schedule: str | None) -> str | None:
-        return _check_cron(schedule)
 
 
 class BatchLimits(_Model):
@@ -399,7 +391,7 @@ class BatchLimits(_Model):
     max_versions: int | None = Field(default=None, ge=1)
 
 
-def _check_cron(schedule: str | None) -> str | None:
+def check_cron(schedule: str | None) -> str | None:
     """A cron expression or preset, or a ValueError saying what to write."""
     if schedule is None or schedule in CRON_PRESETS:
         return schedule
@@ -420,17 +412,7 @@ def _check_cron(schedule: str | None) -> str | None:
 CRON_PRESETS = ("@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly", "@annually", "@midnight")
 
 
-class WaitForData(_Model):
-    """Put a deferrable sensor before the batch task (Airflow only)."""
-
-    poll_seconds: float = Field(default=30, gt=0)
-    timeout_seconds: float = Field(default=3600, gt=0)
-    soft_fail: bool = True
-    #: Wait in the triggerer (no worker slot held); default: Airflow's `[operators] default_deferrable`.
-    deferrable: bool | None = None
-
-
-SPARK_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]{0,3})\])?|spark://[A-Za-z0-9.\-]+:[0-9]{1,5}|sc://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/;[A-Za-z0-9_=;.\-]*)?")
+SPARK_MASTER = re.compile(r"local(\[(\*|[1-9][0-9]{0,3})\])?|spark://[A-Za-z0-9.\-]+:[0-9]{1,5}|sc://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/(;[A-Za-z0-9_=;.%~\-]*)?)?")
 
 
 class EngineSpec(_Model):
@@ -439,14 +421,12 @@ class EngineSpec(_Model):
     Spark Connect server (`sc://host:port`, the job is a thin client).
 
     A `--master` on the command line, the operator's `spark_master` or
-    `spark_conn_id`, and `spark-submit --master` take precedence over this;
-    with none of them, ``MICROBATCH_SPARK_MASTER`` and then `local[*]` apply.
+    Spark connection (`airflow.spark_conn_id`), and `spark-submit --master`
+    take precedence over this; with none of them, ``MICROBATCH_SPARK_MASTER``
+    and then `local[*]` apply.
     """
 
     master: str | None = None
-    #: In Airflow: the connection to take the master from instead (e.g. a
-    #: `spark://` or `sc://` connection defined by the deployment).
-    airflow_conn_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,250}$")
 
     @field_validator("master")
     @classmethod
@@ -469,12 +449,10 @@ class PipelineSpec(_Model):
     batch: BatchLimits = BatchLimits()
     engine: EngineSpec = EngineSpec()
     maintenance: MaintenanceSpec = MaintenanceSpec()
-    # Scheduling, read by the Airflow DAG factory; the job itself ignores them.
-    schedule: str | None = None
-    catchup: bool = False
-    start_date: datetime = datetime(2026, 1, 1, tzinfo=timezone.utc)
-    tags: list[str] = Field(default_factory=list)
-    wait_for_data: WaitForData | None = None
+    #: Settings for an orchestrator, owned and validated by its plugin (for
+    #: Airflow, `microbatch_airflow.airflow_spec`: schedule, connections,
+    #: retries, ...). The job never reads them: it does not know Airflow.
+    airflow: dict[str, Any] = Field(default_factory=dict)
 
     #: Folder of the spec file; relative paths resolve against it.
     base_dir: Path = Field(default=Path("."), exclude=True)
@@ -490,16 +468,6 @@ class PipelineSpec(_Model):
                 "and _, starting with a letter, at most 64 characters (e.g. clicks_per_user)"
             )
         return name
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule_is_cron(cls, schedule: str | None) -> str | None:
-        return _check_cron(schedule)
-
-    @field_validator("start_date")
-    @classmethod
-    def _start_date_aware(cls, value: datetime) -> datetime:
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
     @field_validator("transform")
     @classmethod
@@ -611,6 +579,45 @@ def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
     return _at(lines, loc, message)
 
 
+def field_problems(exc: ValidationError, text: str, prefix: tuple[str, ...] = ()) -> list[str]:
+    """Each validation error as "line N, field `a.b`: ...". `prefix`: where
+    in the spec the validated mapping sits (a plugin validating its block)."""
+    lines = _line_index(text)
+    return [_describe({**e, "loc": (*prefix, *e["loc"])}, lines) for e in exc.errors()]
+
+
+#: Fields older specs held at the top (or in `engine`/`source`), now in the
+#: `airflow:` block that the Airflow plugin owns.
+MOVED_TO_AIRFLOW = {
+    ("schedule",): "airflow.schedule",
+    ("catchup",): "airflow.catchup",
+    ("start_date",): "airflow.start_date",
+    ("tags",): "airflow.tags",
+    ("wait_for_data",): "airflow.wait_for_data",
+    ("engine", "airflow_conn_id"): "airflow.spark_conn_id",
+    ("source", "airflow_conn_id"): "airflow.kafka_conn_id",
+    ("maintenance", "schedule"): "airflow.maintenance_schedule",
+}
+
+
+def _moved_fields(data: dict[str, Any], text: str) -> list[str]:
+    lines = _line_index(text)
+    found = []
+    for loc, target in MOVED_TO_AIRFLOW.items():
+        node: Any = data
+        for key in loc:
+            node = node.get(key, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is not _ABSENT:
+            found.append(
+                _at(lines, loc, f"moved to `{target}`: the Airflow-only settings are one `airflow:` block now "
+                    "(see docs/spec.md); move it there")
+            )
+    return found
+
+
+_ABSENT = object()
+
+
 def parse_spec(
     text: str, *, base_dir: Path, spec_path: str, storage_roots: list[str] | None = None
 ) -> PipelineSpec:
@@ -627,11 +634,13 @@ def parse_spec(
         raise SpecError(spec_path, [f"{where}not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
     if not isinstance(data, dict):
         raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
+    moved = _moved_fields(data, text)
+    if moved:
+        raise SpecError(spec_path, moved)
     try:
         spec = PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
     except ValidationError as exc:
-        lines = _line_index(text)
-        raise SpecError(spec_path, [_describe(e, lines) for e in exc.errors()]) from None
+        raise SpecError(spec_path, field_problems(exc, text)) from None
     _check_locations(spec, text, roots_from_env() if storage_roots is None else storage_roots)
     return spec
 

@@ -41,7 +41,7 @@ Planning (driver, librdkafka, no JVM):
 Settings: `source.options` (no secrets), then ``MICROBATCH_KAFKA_<SETTING>``
 variables (e.g. ``MICROBATCH_KAFKA_SASL_PASSWORD`` for ``sasl.password``),
 then a connection's settings (the Airflow operator's `kafka_conn_id` or
-`source.airflow_conn_id`, handed in by `connection_settings`), each over the
+`airflow.kafka_conn_id`, handed in by `connection_settings`), each over the
 last: a connection named for this pipeline is more specific than a worker's
 environment. Offsets also name the cluster's id, so the same topic name on
 another cluster is refused. The resolved settings travel to the executors inside the task, as

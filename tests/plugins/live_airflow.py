@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -207,6 +208,11 @@ class LiveAirflow:
     def xcom(self, dag_id: str, run_id: str, task_id: str = "run_batch") -> Any:
         path = f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value"
         return self.api("GET", path)["value"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str = "run_batch", try_number: int = 1) -> list[dict[str, Any]]:
+        """The task's log records as the UI's log view gets them (level, event, ...)."""
+        path = f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/{try_number}?full_content=true"
+        return [r for r in self.api("GET", path)["content"] if isinstance(r, dict)]
 
     def asset_events(self) -> list[dict[str, Any]]:
         return self.api("GET", "/api/v2/assets/events?limit=100")["asset_events"]

@@ -48,7 +48,7 @@ from airflow.configuration import conf
 
 from microbatch_airflow.console import CONSOLE_PREFIX
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
-from microbatch_airflow.operators import kafka_connection
+from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
 from spark_jobs.core.rewind import check_rewind
 from spark_jobs.core.spec import PipelineSpec
@@ -84,7 +84,7 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
     """One pipeline's line of ``GET /api/pipelines`` (runs in a worker thread)."""
     base: dict[str, Any] = {"name": spec.name, "dag_id": spec.name, "source": _source_text(spec), "spec_path": str(spec.spec_path)}
     try:
-        with kafka_connection(spec):
+        with connections(spec):
             st = inspect.status(spec)
     except Exception as exc:  # noqa: BLE001 - one unreadable pipeline must not hide the others
         return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import yaml
 
 from tests.conftest import ROOT, oracle_spec_dict, write_spec
@@ -36,8 +37,9 @@ def test_example_dags_import_without_errors(monkeypatch):
 
 
 def test_schedule_gets_real_data_intervals(tmp_path, monkeypatch):
-    spec = oracle_spec_dict(schedule="0 * * * *", catchup=True, start_date="2026-01-01T00:00:00Z",
-                            wait_for_data={"poll_seconds": 5, "timeout_seconds": 60, "deferrable": True})
+    airflow = {"schedule": "0 * * * *", "catchup": True, "start_date": "2026-01-01T00:00:00Z",
+               "wait_for_data": {"poll_seconds": 5, "timeout_seconds": 60, "deferrable": True}}
+    spec = oracle_spec_dict(airflow=airflow)
     write_spec(tmp_path, spec, "clicks.yaml")
     bag = _dagbag(monkeypatch, tmp_path)
     dag = bag.dags["clicks"]
@@ -47,8 +49,50 @@ def test_schedule_gets_real_data_intervals(tmp_path, monkeypatch):
     assert sensor.timeout == 60 and sensor.soft_fail and sensor.deferrable
     assert [t.task_id for t in sensor.downstream_list] == ["run_batch"]
     # Without `deferrable` in the spec, Airflow's [operators] default_deferrable decides (False unless set).
-    write_spec(tmp_path, {**spec, "wait_for_data": {"poll_seconds": 5}}, "clicks.yaml")
+    write_spec(tmp_path, {**spec, "airflow": {"wait_for_data": {"poll_seconds": 5}}}, "clicks.yaml")
     assert _dagbag(monkeypatch, tmp_path).dags["clicks"].get_task("wait_for_data").deferrable is False
+
+
+def test_retries_come_from_the_spec_then_default_args_then_two(tmp_path):
+    from datetime import timedelta
+
+    from microbatch_airflow.dag_factory import build_dag
+    from spark_jobs.core.spec import load_spec
+
+    plain = load_spec(write_spec(tmp_path / "a", oracle_spec_dict()))
+    task = build_dag(plain).get_task("run_batch")
+    assert (task.retries, task.retry_delay) == (2, timedelta(seconds=10))
+    task = build_dag(plain, default_args={"retries": 5, "retry_delay": timedelta(minutes=3)}).get_task("run_batch")
+    assert (task.retries, task.retry_delay) == (5, timedelta(minutes=3))
+    own = load_spec(write_spec(tmp_path / "b", oracle_spec_dict(airflow={"retries": 0, "retry_delay_seconds": 45})))
+    task = build_dag(own, default_args={"retries": 5}).get_task("run_batch")
+    assert (task.retries, task.retry_delay) == (0, timedelta(seconds=45))
+
+
+def test_old_airflow_fields_say_where_they_moved(tmp_path):
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.errors import SpecError
+
+    old = oracle_spec_dict(schedule="@hourly", wait_for_data={"poll_seconds": 5}, engine={"airflow_conn_id": "spark"})
+    path = write_spec(tmp_path, old)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert "field `schedule`: moved to `airflow.schedule`" in message
+    assert "field `wait_for_data`: moved to `airflow.wait_for_data`" in message
+    assert "field `engine.airflow_conn_id`: moved to `airflow.spark_conn_id`" in message
+    assert "line " in message
+
+
+def test_a_bad_airflow_block_is_a_broken_spec_naming_line_and_field(tmp_path, monkeypatch):
+    write_spec(tmp_path, oracle_spec_dict(name="good"), "good.yaml")
+    write_spec(tmp_path, oracle_spec_dict(name="bad", airflow={"schedule": "every hour", "retrys": 3}), "bad.yaml")
+    bag = _dagbag(monkeypatch, tmp_path)
+    assert "good" in bag.dag_ids and "bad" not in bag.dag_ids
+    (error,) = [e for f, e in bag.import_errors.items() if f.endswith("microbatch_spec_errors.py")]
+    assert "bad.yaml" in error
+    assert "field `airflow.schedule`: 'every hour' is not a cron expression" in error
+    assert "field `airflow.retrys`: is not a known field" in error
 
 
 def test_broken_spec_is_an_import_error_and_other_dags_still_load(tmp_path, monkeypatch):

@@ -68,42 +68,15 @@ def test_rewind_param_then_processes(spec_path, spark, airflow_db, dag_for):
     assert [(r.epoch, r.batch_id) for r in lineage] == [(0, 1), (1, 2)]
 
 
-@pytest.mark.parametrize(
-    ("uri", "master"),
-    [
-        ("spark://spark-master:7077", "spark://spark-master:7077"),
-        ("spark://spark-master", "spark://spark-master:7077"),
-        ("sc://spark-connect:15002", "sc://spark-connect:15002"),
-        ('{"conn_type": "generic", "extra": {"master": "local[2]"}}', "local[2]"),
-    ],
-)
-def test_spark_connection_names_the_master(monkeypatch, uri, master):
-    from microbatch_airflow.operators import master_from_connection
-
-    monkeypatch.setenv("AIRFLOW_CONN_MB_ENGINE", uri)
-    assert master_from_connection("mb_engine") == master
-
-
-def test_a_connection_that_is_not_spark_fails_the_task_with_what_to_do(monkeypatch):
-    from airflow.sdk.exceptions import AirflowFailException
-
-    from microbatch_airflow.operators import master_from_connection
-
-    monkeypatch.setenv("AIRFLOW_CONN_MB_DB", "postgres://user:secret-pw@db:5432/x")
-    with pytest.raises(AirflowFailException, match="define it as spark://host:7077 or sc://host:15002") as info:
-        master_from_connection("mb_db")
-    assert "secret-pw" not in str(info.value)
-
-
 def test_the_maintenance_dag_maintains_the_pipeline(tmp_path, airflow_db, monkeypatch):
-    """A spec with `maintenance.schedule` gets its own DAG running `microbatch maintain`."""
+    """A spec with `airflow.maintenance_schedule` gets its own DAG running `microbatch maintain`."""
     from airflow.dag_processing.dagbag import DagBag
 
     from spark_jobs.core.protocol import RunOptions, run_batch
     from tests.conftest import oracle_spec_dict, write_spec
     from tests.spark_jobs.arrow_compute import ArrowCompute
 
-    spec_path = write_spec(tmp_path, oracle_spec_dict(maintenance={"keep_batches": 1, "schedule": "@daily"}))
+    spec_path = write_spec(tmp_path, oracle_spec_dict(maintenance={"keep_batches": 1}, airflow={"maintenance_schedule": "@daily"}))
     spec = load_spec(spec_path)
     for wave in range(3):
         write_wave(spec_path.parent / "landing", wave, files=1, records_per_file=20)
@@ -136,7 +109,7 @@ def test_a_kafka_source_takes_its_settings_and_secrets_from_an_airflow_connectio
         produce(servers, "conn-clicks", events(0, 40))
         path = spec_file(tmp_path, "127.0.0.1:1", "conn-clicks")
         spec = yaml.safe_load(path.read_text())
-        spec["source"]["airflow_conn_id"] = "kafka_clicks"
+        spec["airflow"] = {"kafka_conn_id": "kafka_clicks"}
         path.write_text(yaml.safe_dump(spec))
         extra = {"bootstrap.servers": servers, "client.id": "microbatch-test", "sasl.password": secret}
         monkeypatch.setenv("AIRFLOW_CONN_KAFKA_CLICKS", json.dumps({"conn_type": "kafka", "extra": extra}))

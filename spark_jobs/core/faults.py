@@ -16,6 +16,11 @@ put its first new data file into the table's folder, which is after data is
 written and before (or, when the write is very fast, just after) the commit
 lands. Tests check exactness either way.
 
+``MICROBATCH_HOLD_POINT=<name>`` with ``MICROBATCH_HOLD_FILE=<path>`` pauses
+a run at that point for as long as the file exists, or until a stop is
+requested (SIGTERM, Airflow's `on_kill`): a test holds a task there, stops
+it from outside, and sees where it stopped.
+
 In-process tests (the protocol state machine) cannot SIGKILL themselves, so
 `set_hook` installs a callable that every point calls first, with the point's
 name: it may raise to simulate a crash there, or block to pause a run there
@@ -36,6 +41,8 @@ __all__ = [
     "ARM_FILE_ENV",
     "CONDITIONAL_POINTS",
     "ENV",
+    "HOLD_FILE_ENV",
+    "HOLD_POINT_ENV",
     "MARKER",
     "POINTS",
     "fault_point",
@@ -49,6 +56,10 @@ ARM_FILE_ENV = "MICROBATCH_FAULT_ARM_FILE"
 #: so a test can freeze a run there (a zombie) and SIGCONT it later.
 ACTION_ENV = "MICROBATCH_FAULT_ACTION"
 MARKER = "MICROBATCH-FAULT-POINT-HIT"
+HOLD_POINT_ENV = "MICROBATCH_HOLD_POINT"
+HOLD_FILE_ENV = "MICROBATCH_HOLD_FILE"
+#: A hold never outlasts this, whatever happens to the file.
+MAX_HOLD_SECONDS = 600
 POINTS = (
     "after_reconcile",
     "after_plan",
@@ -94,11 +105,26 @@ def _die(point: str) -> None:
 
 
 def fault_point(point: str) -> None:
-    """Die here if this is the configured fault point."""
+    """Die here if this is the configured fault point; wait here while a hold says so."""
     if _hook is not None:
         _hook(point)
     if os.environ.get(ENV) == point and _armed():
         _die(point)
+    if os.environ.get(HOLD_POINT_ENV) == point:
+        _hold(point)
+
+
+def _hold(point: str) -> None:
+    from spark_jobs.core import shutdown
+
+    hold_file = os.environ.get(HOLD_FILE_ENV)
+    if not hold_file or not os.path.exists(hold_file):
+        return
+    sys.stderr.write(f"{MARKER} hold {point} pid={os.getpid()}\n")
+    sys.stderr.flush()
+    deadline = time.monotonic() + MAX_HOLD_SECONDS
+    while os.path.exists(hold_file) and not shutdown.requested() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def watch_for_new_files(point: str, folder: str) -> None:

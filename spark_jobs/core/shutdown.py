@@ -18,7 +18,7 @@ import threading
 
 from spark_jobs.errors import Terminated
 
-__all__ = ["check", "install", "request"]
+__all__ = ["check", "install", "request", "requested"]
 
 _requested = threading.Event()
 
@@ -31,6 +31,11 @@ def install() -> None:
 def request() -> None:
     """Ask the run in this process to stop at its next boundary (what SIGTERM does)."""
     _requested.set()
+
+
+def requested() -> bool:
+    """Whether a stop was requested in this process."""
+    return _requested.is_set()
 
 
 def check(boundary: str, pipeline: str | None = None) -> None:

@@ -44,13 +44,21 @@ def live(tmp_path_factory):
     console["state"]["path"] = "lake/console"
     console["checkpoint"] = "lake/_checkpoints/console"
     write_spec(pipelines, console, "console_clicks.yaml")
+    stopped = oracle_spec_dict(name="stopped_clicks", airflow={"retries": 0})
+    stopped["source"]["path"] = "landing_stopped"
+    stopped["state"]["path"] = "lake/stopped"
+    stopped["checkpoint"] = "lake/_checkpoints/stopped"
+    write_spec(pipelines, stopped, "stopped_clicks.yaml")
     airflow = LiveAirflow(root / "home", pipelines)
     airflow.env["MICROBATCH_FAULT_POINT"] = "after_state_commit"
     airflow.env["MICROBATCH_FAULT_ARM_FILE"] = str(root / "arm-fault")
+    # While this file exists, a run waits after planning (the on_kill test).
+    airflow.env["MICROBATCH_HOLD_POINT"] = "after_plan"
+    airflow.env["MICROBATCH_HOLD_FILE"] = str(root / "hold")
     airflow.start()
     airflow.root = root
     try:
-        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "console_clicks"):
+        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "console_clicks", "stopped_clicks"):
             airflow.wait_for_dag(dag_id)
         yield airflow
     finally:
@@ -77,7 +85,7 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     # Spark's start-up notices no longer show as red ERROR lines: the JVM's
     # output is logged at its own level, the notices dropped.
     records = live.task_log("clicks_per_user", run_id)
-    assert any("clicks_per_user batch 1:" in str(r.get("event")) for r in records), records
+    assert any("attempt=1.log" in str(r.get("event")) for r in records), records  # the log was read
     errors = [r for r in records if str(r.get("level", "")).lower() in ("error", "critical")]
     assert errors == [], errors
     assert not any("log4j" in str(r.get("event")) or "NativeCodeLoader" in str(r.get("event")) for r in records)
@@ -113,6 +121,48 @@ def test_task_killed_after_state_commit_is_retried_and_exact(live):
     live.wait_for_runs("clicks_per_user_downstream", 2)
     batches = sorted(e["extra"]["batch_id"] for e in live.asset_events() if e["source_dag_id"] == "clicks_per_user")
     assert batches == [1, 2]
+
+
+def test_a_task_marked_failed_stops_at_the_next_boundary(live):
+    """Marking a running task failed in the UI: Airflow's supervisor sends
+    SIGTERM, the task runner calls the operator's `on_kill`, and the run stops
+    at its next protocol boundary with nothing written; the next run is exact."""
+    spec_file = live.root / "pipelines" / "stopped_clicks.yaml"
+    write_wave(spec_file.parent / "landing_stopped", 0, files=2, records_per_file=100)
+    hold = live.root / "hold"
+    hold.touch()
+    try:
+        live.unpause("stopped_clicks")
+        run_id = live.trigger("stopped_clicks", {})
+
+        def held() -> bool:
+            try:
+                records = live.task_log("stopped_clicks", run_id)
+            except AssertionError:
+                return False
+            return any("hold after_plan" in str(r) for r in records)
+
+        live.wait(held, 300, "the run to hold after planning")
+        path = f"/api/v2/dags/stopped_clicks/dagRuns/{quote(run_id)}/taskInstances/run_batch"
+        live.api("PATCH", path, {"new_state": "failed"})
+        live.wait(lambda: live.runs("stopped_clicks")[-1]["state"] == "failed", 120, "the run to fail")
+
+        def stopped() -> list[str]:
+            return [str(r) for r in live.task_log("stopped_clicks", run_id)]
+
+        live.wait(lambda: any("terminated (SIGTERM): stopped after plan" in e for e in stopped()), 60, "the stop to be logged")
+        events = stopped()
+        assert any("stop requested: the run stops at its next protocol boundary" in e for e in events), events
+        # Stopped on its own at the boundary, before the supervisor's SIGKILL.
+        assert not any("escalating" in e for e in events), events
+    finally:
+        hold.unlink(missing_ok=True)
+    assert _committed(spec_file) == []
+    assert not (spec_file.parent / "lake" / "stopped").exists()
+    run_id = live.trigger("stopped_clicks", {})
+    runs = live.wait_for_runs("stopped_clicks", 2)
+    assert [r["state"] for r in runs if r["dag_run_id"] == run_id] == ["success"], live.logs()
+    assert_exact(spec_file)
 
 
 def test_backfill_processes_each_interval_once(live):

@@ -64,7 +64,7 @@ clean:
 
 # Airflow on this machine: SQLite, LocalExecutor, the project's DAGs and
 # plugins, UI and API on http://127.0.0.1:8080 with no login (local use only).
-AIRFLOW_ENV = AIRFLOW_HOME=$(CURDIR)/.airflow \
+AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
 	AIRFLOW__CORE__LOAD_EXAMPLES=False \
@@ -75,10 +75,22 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(CURDIR)/.airflow \
 	AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
 	PATH=$(CURDIR)/$(BIN):$$PATH
 AIRFLOW_PORT ?= 8080
+LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 
 .PHONY: airflow airflow-cli
+# One Ctrl-C stops everything. `airflow standalone` alone needs two while a
+# task runs: its scheduler waits for the LocalExecutor's running tasks. So it
+# runs in a process group of its own; the first Ctrl-C (or TERM) sends TERM
+# to the whole group (a running batch stops at its next protocol boundary),
+# and whatever still runs after $(AIRFLOW_STOP_GRACE) s is killed, which the
+# commit protocol is built to survive.
+AIRFLOW_STOP_GRACE ?= 30
 airflow: setup
-	$(AIRFLOW_ENV) $(BIN)/airflow standalone
+	@$(AIRFLOW_ENV) bash -c 'setsid $(BIN)/airflow standalone & group=$$!; \
+	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; kill -TERM -- -$$group 2>/dev/null; \
+	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do kill -0 -- -$$group 2>/dev/null || exit 0; sleep 1; done; \
+	    echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; kill -KILL -- -$$group 2>/dev/null; exit 0; }; \
+	  trap stop INT TERM; wait $$group'
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
 airflow-cli: setup

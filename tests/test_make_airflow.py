@@ -1,0 +1,90 @@
+"""`make airflow` (Airflow standalone on this machine) stops on one Ctrl-C,
+even while a batch runs: a real `make`, a real `airflow standalone`, a real
+batch in Spark, and SIGINT to make's process group as a terminal sends it.
+(`airflow standalone` alone waited for the running task until a second one.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from spark_jobs.demo.clickstream import write_wave
+from tests.conftest import ROOT, oracle_spec_dict, write_spec
+from tests.plugins.live_airflow import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _call(port: int, method: str, path: str, body: dict | None = None):
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", method=method,
+        data=json.dumps(body).encode() if body is not None else None, headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read() or b"null")
+
+
+def _alive(marker: str, command: str = "") -> list[str]:
+    """Live processes whose environment names `marker` (and whose command line holds `command`)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if marker.encode() in handle.read():
+                    with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                        if stat.read().split()[2] != "Z" and command.encode() in cmdline.read():
+                            found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
+    pipelines = tmp_path / "pipelines"
+    spec_file = write_spec(pipelines, oracle_spec_dict(name="busy_clicks"), "busy_clicks.yaml")
+    write_wave(spec_file.parent / "landing", 0, files=5, records_per_file=20000)
+    port = free_port()
+    env = {
+        **os.environ,
+        "MICROBATCH_PIPELINES_DIR": str(pipelines),
+        "MICROBATCH_TEST_MARKER": str(tmp_path),  # finds every process of this Airflow
+    }
+    log = open(tmp_path / "make.log", "w")
+    make = subprocess.Popen(
+        ["make", "--no-print-directory", "airflow", f"AIRFLOW_PORT={port}", f"LOCAL_AIRFLOW_HOME={tmp_path / 'home'}"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert make.poll() is None, (tmp_path / "make.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "Airflow did not come up"
+            try:
+                _call(port, "GET", "/api/v2/dags/busy_clicks")
+                break
+            except OSError:
+                time.sleep(2)
+        _call(port, "PATCH", "/api/v2/dags/busy_clicks", {"is_paused": False})
+        run = _call(port, "POST", "/api/v2/dags/busy_clicks/dagRuns", {"logical_date": None, "conf": {}})
+        while not _alive(str(tmp_path), "java"):
+            assert time.monotonic() < deadline, "the batch never started Spark"
+            time.sleep(0.5)
+        time.sleep(3)  # inside the batch: Spark is at work
+
+        os.killpg(make.pid, signal.SIGINT)  # one Ctrl-C
+        make.wait(90)
+        time.sleep(2)
+        assert _alive(str(tmp_path)) == [], "processes outlived one Ctrl-C"
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+        for pid in _alive(str(tmp_path)):
+            os.kill(int(pid), signal.SIGKILL)
+        log.close()
+    assert "stopping Airflow" in (tmp_path / "make.log").read_text()

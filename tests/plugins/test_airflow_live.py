@@ -34,7 +34,7 @@ def live(tmp_path_factory):
     yearly["state"]["path"] = "lake/yearly"
     yearly["checkpoint"] = "lake/_checkpoints/yearly"
     write_spec(pipelines, yearly, "yearly_clicks.yaml")
-    waiting = oracle_spec_dict(name="waiting_clicks", airflow={"wait_for_data": {"poll_seconds": 2, "timeout_seconds": 90, "deferrable": True}})
+    waiting = oracle_spec_dict(name="waiting_clicks", airflow={"wait_for_data": {"poll_seconds": 2, "timeout_seconds": 45, "deferrable": True}})
     waiting["source"]["path"] = "landing_waiting"
     waiting["state"]["path"] = "lake/waiting"
     waiting["checkpoint"] = "lake/_checkpoints/waiting"
@@ -228,7 +228,7 @@ def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
     assert run["state"] == "success", live.logs()
     assert live.xcom("waiting_clicks", run_id)["status"] == "committed"
     assert_exact(spec_file)
-    # Nothing new: the sensor times out (90 s) and soft-fails, so the batch is skipped.
+    # Nothing new: the sensor times out (45 s) and soft-fails, so the batch is skipped.
     second = live.trigger("waiting_clicks", {})
     live.wait_for_runs("waiting_clicks", 2, timeout=400)
     states = {t["task_id"]: t["state"] for t in live.task_instances("waiting_clicks", second)}

@@ -126,8 +126,10 @@ class MicroBatchOperator(BaseOperator):
         ``microbatch`` run facet. Also sent for a skipped run, with its status."""
         from microbatch_airflow.lineage import operator_lineage, source_dataset, state_dataset
 
-        spec = self._spec()
-        datasets = getattr(self, "_datasets", None) or (source_dataset(spec), state_dataset(spec))
+        datasets = getattr(self, "_datasets", None)
+        if datasets is None:  # execute never got that far: name them from the spec
+            spec = self._spec()
+            datasets = (source_dataset(spec), state_dataset(spec))
         return operator_lineage(*datasets, getattr(self, "_summary", None))
 
     def _run(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:

@@ -4,8 +4,9 @@ Spark's JVM writes its log (log4j: ``26/11/23 22:56:47 WARN Logger: ...``)
 and a few start-up notices to the standard error it inherits. Under Airflow
 that stream is the task's stderr, which Airflow logs at ERROR: every
 successful run showed five red lines, none of them an error. So while a
-session starts, the JVM is handed a pipe instead, and a thread relays each
-line to the ``microbatch.spark`` logger at the level log4j gave it. Lines
+session starts, the JVM is handed a pipe for its standard output and error
+instead, and a thread relays each line to the ``microbatch.spark`` logger
+at the level log4j gave it. Lines
 without a level (a stack trace's frames) keep the level of the record they
 continue; the start-up notices no user needs are dropped (`QUIET`).
 
@@ -23,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["QUIET", "relay_line", "relayed_stderr"]
+__all__ = ["QUIET", "relay_line", "relayed_output"]
 
 log = logging.getLogger("microbatch.spark")
 
@@ -63,26 +64,34 @@ def relay_line(line: str, previous: int | None) -> tuple[int | None, str | None]
 
 
 @contextmanager
-def relayed_stderr() -> Iterator[None]:
+def relayed_output() -> Iterator[None]:
     """Processes started inside the block (the driver JVM) write their
-    standard error to a pipe whose lines are relayed to logging; this
-    process's own standard error is untouched after the block."""
+    standard output and error to a pipe whose lines are relayed to logging;
+    this process's own streams are untouched after the block.
+
+    Standard output goes there too, so that the JVM holds no copy of this
+    process's streams: whoever reads them (a shell's pipe, Airflow's task
+    supervisor, a benchmark) sees them end when this process ends, not when
+    the JVM has finished shutting down half a second later.
+    """
     read_fd, write_fd = os.pipe()
     released = threading.Event()
     # Read from the start (a full pipe would stall the JVM), but log only
-    # after the block: inside it this process's own stderr is the pipe too,
-    # and a handler writing there would feed its output back in.
-    threading.Thread(target=_relay, args=(read_fd, released), name="jvm-stderr-relay", daemon=True).start()
-    saved = os.dup(2)
-    os.dup2(write_fd, 2)
+    # after the block: inside it this process's own streams are the pipe
+    # too, and a handler writing there would feed its output back in.
+    threading.Thread(target=_relay, args=(read_fd, released), name="jvm-output-relay", daemon=True).start()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    for fd in saved:
+        os.dup2(write_fd, fd)
     os.close(write_fd)
     try:
         yield
     finally:
-        # The JVM holds its own copy of the write end; once it (and its
+        # The JVM holds its own copies of the write end; once it (and its
         # workers) exit, the relay reads EOF and ends.
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
         released.set()
 
 

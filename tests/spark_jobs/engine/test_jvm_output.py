@@ -47,3 +47,23 @@ def test_a_real_driver_jvm_writes_nothing_to_stderr_and_its_errors_are_logged_as
     relayed = [line for line in done.stderr.splitlines() if line.startswith(("ERROR|", "WARNING|"))]
     assert relayed == ["ERROR|microbatch.spark|probe: a real error"], done.stderr
     assert "log4j profile" not in done.stderr and "NativeCodeLoader" not in done.stderr
+
+
+def test_the_driver_jvm_holds_none_of_the_process_streams():
+    """Whoever reads a run's output (a shell pipe, Airflow's supervisor) sees it
+    end when the run's process ends, not when the JVM has shut down after it."""
+    script = textwrap.dedent(
+        """
+        import os
+        from spark_jobs.engine.session import default_session
+        spark = default_session("local[1]")
+        jvm = spark._jvm.java.lang.ProcessHandle.current().pid()
+        print("STREAMS", *[os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)], flush=True)
+        print("JVM", *[os.readlink(f"/proc/{jvm}/fd/{fd}") for fd in (1, 2)], flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("STREAMS"))
+    jvm = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("JVM"))
+    assert len(ours) == 2 and not set(ours) & set(jvm), (ours, jvm)

@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `microbatch` command. Called without `argv` it is the program
+    itself (the console script, ``python -m spark_jobs``): the process ends
+    when it returns, and a driver JVM it started ends with it."""
     args = build_parser().parse_args(argv)
+    args.process_ends = argv is None
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s microbatch: %(message)s",
@@ -164,7 +168,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             max_records=args.max_records,
             dry_run=args.dry_run,
         )
-        outcome = run_batch(spec, options, compute_factory(spec, args.master))
+        outcome = run_batch(spec, options, compute_factory(spec, args.master, process_ends=args.process_ends))
         _print_outcome(outcome, args.json)
         return EXIT_OK
     if args.command == "status":
@@ -265,6 +269,8 @@ def _print_outcome(outcome: BatchOutcome, as_json: bool) -> None:
                 ]
             ],
         )
+        if outcome.steps_ms:
+            print("time by step: " + ", ".join(f"{step} {ms / 1000:.2f} s" for step, ms in outcome.steps_ms.items()))
     elif outcome.status is Outcome.DRY_RUN:
         for name in outcome.inputs:
             print(f"  {name}")

@@ -71,7 +71,7 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
             except OSError:
                 time.sleep(2)
         _call(port, "PATCH", "/api/v2/dags/busy_clicks", {"is_paused": False})
-        run = _call(port, "POST", "/api/v2/dags/busy_clicks/dagRuns", {"logical_date": None, "conf": {}})
+        _call(port, "POST", "/api/v2/dags/busy_clicks/dagRuns", {"logical_date": None, "conf": {}})
         while not _alive(str(tmp_path), "java"):
             assert time.monotonic() < deadline, "the batch never started Spark"
             time.sleep(0.5)

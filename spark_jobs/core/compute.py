@@ -40,8 +40,14 @@ class ComputeResult:
 
 
 class Compute(Protocol):
-    def check(self, spec: PipelineSpec) -> None:
-        """Raise `TransformError` if the transform cannot produce the state's columns."""
+    def start(self) -> None:
+        """Start the engine (a JVM, a session, a connection). Called once, and
+        only when a batch has work."""
+
+    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        """Raise `TransformError` if the transform cannot produce the state's
+        columns from `batch`; called before anything of it is written. May
+        prepare `batch`'s read for `process`."""
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         """Read exactly `batch`, quarantine bad records, run the transform."""

@@ -37,6 +37,9 @@ class BatchOutcome:
     keys_updated: int | None = None
     state_version: int | None = None
     duration_ms: int | None = None
+    #: Milliseconds in each protocol step the run went through (reconcile,
+    #: plan, engine_start, read, commit, project): where a batch's time goes.
+    steps_ms: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

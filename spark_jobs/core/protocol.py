@@ -73,7 +73,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -173,25 +174,31 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
     started = time.monotonic()
     p = Pipeline(spec)
     engine = _Engine(compute_factory)
+    steps = _Steps(engine)
     try:
-        view = reconcile(p)
+        with steps("reconcile"):
+            view = reconcile(p)
         _boundary("after_reconcile", spec)
-        plan_ = plan(p, view, options, engine)
+        with steps("plan"):
+            plan_ = plan(p, view, options, engine)
         if isinstance(plan_, Done):
-            return _outcome(spec, options, started, plan_)
+            return _outcome(spec, options, started, plan_, steps=steps)
         _boundary("after_plan", spec)
-        processed = read_and_quarantine(p, plan_, engine.get())
+        with steps("read"):
+            processed = read_and_quarantine(p, plan_, engine.get())
         if isinstance(processed, Done):
-            return _outcome(spec, options, started, processed)
-        committed = commit_state(p, plan_, processed, options, started)
+            return _outcome(spec, options, started, processed, steps=steps)
+        with steps("commit"):
+            committed = commit_state(p, plan_, processed, options, started)
         if isinstance(committed, Done):
-            return _outcome(spec, options, started, committed)
+            return _outcome(spec, options, started, committed, steps=steps)
         log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
-        project(p)
+        with steps("project"):
+            project(p)
     finally:
         engine.close()
     done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
-    return _outcome(spec, options, started, done, processed, committed)
+    return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
 
 # -- 1. Reconcile ----------------------------------------------------------------------
@@ -343,7 +350,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
-        engine.get().check(spec)  # a transform that cannot fit the state fails before any write
+        engine.get().check(spec, batch)  # a transform that cannot fit the state fails before any write
         recorded = _record_plan(p, view, n, batch, identity, options)
         if isinstance(recorded, Done):
             return recorded
@@ -576,15 +583,39 @@ class _Engine:
     def __init__(self, factory: Callable[[], Compute]) -> None:
         self._factory = factory
         self._compute: Compute | None = None
+        #: Seconds its start took (a JVM, a session, a connection).
+        self.start_s = 0.0
 
     def get(self) -> Compute:
         if self._compute is None:
+            begun = time.monotonic()
             self._compute = self._factory()
+            self._compute.start()
+            self.start_s = time.monotonic() - begun
         return self._compute
 
     def close(self) -> None:
         if self._compute is not None:
             self._compute.close()
+
+
+class _Steps:
+    """Milliseconds per protocol step, for the outcome. The engine's start is
+    counted apart from the step that needed it first. A step that raises is
+    not timed: no `finally`, so nothing runs on the way out of a crash."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = engine
+        self.ms: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        begun, engine_before = time.monotonic(), self._engine.start_s
+        yield
+        engine_start = self._engine.start_s - engine_before
+        self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
+        if engine_start:
+            self.ms["engine_start"] = int(engine_start * 1000)
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:
@@ -616,6 +647,8 @@ def _outcome(
     done: Done,
     processed: Processed | None = None,
     committed: Committed | None = None,
+    *,
+    steps: _Steps | None = None,
 ) -> BatchOutcome:
     """The one place a run's outcome is built."""
     batch = done.batch
@@ -634,4 +667,5 @@ def _outcome(
         keys_updated=committed.keys_updated if committed else None,
         state_version=committed.state_version if committed else None,
         duration_ms=int((time.monotonic() - started) * 1000),
+        steps_ms=dict(steps.ms) if steps else None,
     )

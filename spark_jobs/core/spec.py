@@ -127,6 +127,11 @@ def parse_schema(ddl: str) -> list[SchemaField]:
                 f"column name {name!r} is not a plain identifier (letters, digits, _; "
                 "not starting with a digit)"
             )
+        if name.startswith("__"):
+            raise ValueError(
+                f"column name {name!r} starts with two underscores, which the job keeps for the columns "
+                "it adds while reading (file, line, reason); rename the column in the files or the topic"
+            )
         if name.lower() in seen:
             raise ValueError(f"column {name!r} appears twice")
         seen.add(name.lower())

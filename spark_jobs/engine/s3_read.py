@@ -32,28 +32,28 @@ MAX_FETCH_TASKS = 64
 
 
 def whole_objects(spark: SparkSession, uris: list[str], client: dict[str, Any]) -> DataFrame:
-    """One row per object: `_file` (its URI) and `value` (its bytes as text, unvalidated).
+    """One row per object: `__file` (its URI) and `value` (its bytes as text, unvalidated).
 
     The same shape as ``spark.read.text(paths, wholetext=True)`` with the
     file path, so text parsing is shared with local files.
     """
     from pyspark.sql import functions as F
 
-    fetched = _uri_frame(spark, uris).mapInArrow(_fetch_bytes(client), "_file STRING, content BINARY")
+    fetched = _uri_frame(spark, uris).mapInArrow(_fetch_bytes(client), "__file STRING, content BINARY")
     # A binary-to-string cast keeps the bytes as they are, as the text reader does.
-    return fetched.select("_file", F.col("content").cast("string").alias("value"))
+    return fetched.select("__file", F.col("content").cast("string").alias("value"))
 
 
 def parquet_rows(
     spark: SparkSession, uris: list[str], client: dict[str, Any], fields: list[str]
 ) -> DataFrame:
-    """Rows of the Parquet objects: `_file`, `_line` (row number) and `fields` as text.
+    """Rows of the Parquet objects: `__file`, `__line` (row number) and `fields` as text.
 
     Fields are turned into text on the executor and cast to the schema's
     types by the caller, which gives the same per-field quarantine reasons as
     local Parquet. A field the file lacks is null.
     """
-    schema = "_file STRING, _line BIGINT, " + ", ".join(f"`{name}` STRING" for name in fields)
+    schema = "__file STRING, __line BIGINT, " + ", ".join(f"`{name}` STRING" for name in fields)
     return _uri_frame(spark, uris).mapInArrow(_fetch_parquet(client, fields), schema)
 
 
@@ -94,7 +94,7 @@ def _fetch_bytes(settings: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]
         for batch in batches:
             for uri in batch.column(0).to_pylist():
                 yield pa.RecordBatch.from_arrays(
-                    [pa.array([uri], pa.string()), pa.array([_get(client, uri)], pa.binary())], names=["_file", "content"]
+                    [pa.array([uri], pa.string()), pa.array([_get(client, uri)], pa.binary())], names=["__file", "content"]
                 )
 
     return fetch
@@ -130,6 +130,6 @@ def _fetch_parquet(
                         if source is not None
                         else pa.nulls(rows, pa.string())
                     )
-                yield pa.RecordBatch.from_arrays(columns, names=["_file", "_line", *fields])
+                yield pa.RecordBatch.from_arrays(columns, names=["__file", "__line", *fields])
 
     return fetch

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.engine.jvm_cache import driver_java_options
-from spark_jobs.engine.jvm_output import relayed_stderr
+from spark_jobs.engine.jvm_output import relayed_output
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -25,11 +25,11 @@ __all__ = ["connect_session", "default_session", "redact_master", "resolve_maste
 def default_session(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> SparkSession:
     """A Spark session tuned for micro-batches.
 
-    Few shuffle partitions (AQE coalesces further), UTC session time zone so
-    timestamps mean the same everywhere, no UI. `short_lived`: the process
-    runs one batch and exits (CLI, Airflow task), which picks JVM flags for a
-    fast start (`spark_jobs.engine.jvm_cache`); pass False for a session that runs
-    many batches.
+    Few shuffle partitions, UTC session time zone so timestamps mean the
+    same everywhere, no UI. `short_lived`: the process runs one batch and
+    exits (CLI, Airflow task), which picks JVM flags for a fast start
+    (`spark_jobs.engine.jvm_cache`) and no adaptive re-planning; pass False
+    for a session that runs many batches.
     """
     from pyspark.sql import SparkSession
 
@@ -50,7 +50,10 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.shuffle.partitions", os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"))
-        .config("spark.sql.adaptive.enabled", "true")
+        # Adaptive execution re-plans between stages: worth it for big
+        # shuffles, but in a one-batch process, on a cold JVM, its planning
+        # cost a third of a second a batch (measured: docs/benchmarks.md).
+        .config("spark.sql.adaptive.enabled", "false" if short_lived else "true")
         .config("spark.driver.memory", os.environ.get("MICROBATCH_DRIVER_MEMORY", "2g"))
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
@@ -65,7 +68,7 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     if SparkContext._active_spark_context is None and not under_spark_submit():
         # A new driver JVM: its console output goes to logging at its own
         # level, not to stderr (which Airflow shows as errors).
-        with relayed_stderr():
+        with relayed_output():
             session = builder.getOrCreate()
     else:
         session = builder.getOrCreate()

@@ -1,12 +1,22 @@
-"""Spark compute: read the planned files, quarantine bad records, transform.
+"""Spark compute: read the planned range, quarantine bad records, transform.
 
-Text formats (json lines, csv) are read as whole files and split into lines
-by Spark, so every record keeps its file and line number for quarantine.
-Each field is first extracted as text and then cast with `try_cast`, so a
-bad value yields a precise reason ("field amount: 'abc' is not a DOUBLE")
-instead of a silently null column. Files are read by the executors, not the
-driver; only the (small, aggregated) transform result and the quarantined
-records come back to the driver, as Arrow.
+A batch is one Spark job when nothing in it is bad: records are parsed,
+checked and transformed in one pass, and what the protocol needs besides
+the state updates (how many records were read; whether any failed, and in
+which files) comes back as observed metrics of that same job
+(`DataFrame.observe`), not from a second pass over cached rows. Only a
+batch with bad records runs a second job, which collects them for
+quarantine.
+
+Local JSON and CSV files are read by Spark's own readers, which parse
+straight from the bytes but number no lines; a file with anything suspect
+in it is read again the exact way, numbered by line
+(`spark_jobs.engine.native_read` says what is suspect, and why the two
+reads agree on every other file). S3 objects, Parquet files and Kafka
+records are always read the exact way (`spark_jobs.engine.exact_read`).
+Files are read by the executors, not the driver; only the (small,
+aggregated) transform result and the quarantined records come back to the
+driver, as Arrow.
 """
 
 from __future__ import annotations
@@ -14,37 +24,61 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlparse
+from weakref import WeakKeyDictionary
 
 import pyarrow as pa
 
 from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
-from spark_jobs.core.spec import KAFKA_COLUMN_TYPES, KAFKA_COLUMNS, PipelineSpec
+from spark_jobs.core.identity import SpecIdentity
+from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
-from spark_jobs.engine import delta_read, kafka_read, s3_read
+from spark_jobs.engine import delta_read, exact_read, native_read
+from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 from spark_jobs.engine.session import connect_session, default_session, redact_master
 from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
-from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest
+from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest, SourceFile
 from spark_jobs.sources.kafka import KafkaManifest
-from spark_jobs.storage.s3 import client_settings, is_s3
+from spark_jobs.storage.s3 import is_s3
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-__all__ = ["LONG_LINE_RAW_CHARS", "MAX_RAW_CHARS", "SparkCompute", "spark_path"]
+__all__ = ["SparkCompute", "spark_path"]
 
 log = logging.getLogger("microbatch")
 
-#: Raw text kept for a quarantined record; longer lines are cut (and say so).
-MAX_RAW_CHARS = 65_536
-#: Raw text kept for a line over `source.max_line_bytes`: it was never parsed,
-#: and a few such lines must not bloat the quarantine table.
-LONG_LINE_RAW_CHARS = 1_024
-_FLOATING = ("FLOAT", "DOUBLE")
-_INTEGRAL = ("TINYINT", "SMALLINT", "INT", "BIGINT")
+#: The name of a batch's observed metrics.
+_METRICS = "microbatch_batch"
+#: Spec identities whose transform a session has checked.
+_CHECKED: WeakKeyDictionary[SparkSession, set[str]] = WeakKeyDictionary()
+
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Query:
+    """A batch's transform, built and analysed, with the metrics observed over its rows."""
+
+    result: DataFrame
+    rows: DataFrame
+    metrics: list[Column]
+
+
+@dataclass(frozen=True)
+class _FirstRead:
+    """How a batch is read first: `native` (the clean and the already suspect
+    files) for a native read, else the exact read's `parsed` records."""
+
+    batch: BatchRange
+    query: _Query
+    native: tuple[list[SourceFile], list[SourceFile]] | None = None
+    parsed: DataFrame | None = None
 
 
 class SparkCompute:
@@ -55,10 +89,25 @@ class SparkCompute:
     is left running.
     """
 
-    def __init__(self, session: SparkSession | None = None, master: str | None = None) -> None:
+    def __init__(
+        self,
+        session: SparkSession | None = None,
+        master: str | None = None,
+        *,
+        native_reads: bool = True,
+        stop_on_close: bool = True,
+    ) -> None:
         self._session = session
         self._master = master
         self._owns_session = False
+        #: False for a process that exits after the batch: its driver JVM
+        #: ends when this process does (it watches its standard input), and
+        #: stopping it first cost a third of a second of the run.
+        self._stop_on_close = stop_on_close
+        #: False reads local files the exact way too (tests compare the two reads).
+        self._native_reads = native_reads
+        #: The batch `check` built the read of, for `process` to run.
+        self._first: _FirstRead | None = None
 
     @property
     def spark(self) -> SparkSession:
@@ -76,8 +125,12 @@ class SparkCompute:
             self._owns_session = active is None
         return self._session
 
+    def start(self) -> None:
+        """Start (or connect to) Spark now rather than at the first query."""
+        self.spark  # noqa: B018 - the property starts the session
+
     def close(self) -> None:
-        if self._session is not None and self._owns_session:
+        if self._session is not None and self._owns_session and (self._stop_on_close or _is_connect(self._session)):
             session, self._session = self._session, None
             try:
                 session.stop()
@@ -90,81 +143,197 @@ class SparkCompute:
 
     # -- checks ---------------------------------------------------------------
 
-    def check(self, spec: PipelineSpec) -> None:
-        """Analyse the transform over an empty `batch` (no job runs)."""
-        from pyspark.sql import functions as F
+    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        """Analyse the transform over `batch` before anything is written; no job runs.
 
-        if spec.source.type == "delta":
+        The batch's first read is built for it (and kept for `process`), so
+        the transform is analysed once, over the plan that then runs: in a
+        new process, on a cold JVM, a second analysis of an empty stand-in
+        cost half a second. Once a session has passed a files or Kafka spec,
+        it is not checked again: its `batch` has the spec's columns. (A
+        Delta source's columns are its table's, which may change, and its
+        rows are read on the driver: it is checked over an empty frame of
+        the table's columns, every time.)
+        """
+        if isinstance(batch.manifest, DeltaManifest):
             empty = self.spark.createDataFrame(delta_read.batch_schema(spec.source_path, spec.source.read).empty_table())
-        else:
-            # An empty typed frame built in the JVM (createDataFrame([]) goes through Python).
-            columns = [(f.name, f.type) for f in spec.source.fields]
-            columns += list(KAFKA_COLUMN_TYPES) if spec.source.type == "kafka" else []
-            empty = self.spark.range(0).select(*[F.lit(None).cast(kind).alias(name) for name, kind in columns])
-        check_result_columns(spec, self._transform(spec, empty).columns)
+            check_result_columns(spec, self._transform(spec, empty).columns)
+            return
+        checked = _CHECKED.setdefault(self.spark, set())
+        key = SpecIdentity.of(spec).fingerprint
+        if key not in checked:
+            self._first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
+            checked.add(key)
 
     # -- a batch ------------------------------------------------------------------
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         if isinstance(batch.manifest, DeltaManifest):
             return self._process_versions(spec, batch.manifest)
-        if isinstance(batch.manifest, KafkaManifest):
-            records = batch.manifest
-            return self._process_records(
-                spec,
-                lambda: self._read_kafka(spec, records),
-                extra=KAFKA_COLUMNS,
-                explain=lambda exc: _explain_kafka(spec, records, exc),
-            )
-        files = _files_manifest(spec, batch)
-        return self._process_records(
-            spec,
-            lambda: self._read(spec, [spark_path(uri) for uri in files.uris]),
-            name_files=lambda quarantine: _name_files_as_planned(quarantine, files),
-            explain=lambda exc: _explain(spec, files, exc),
-        )
+        first, self._first = self._first, None
+        if first is None or first.batch != batch:  # (another run's plan won the race)
+            first = None
 
-    def _process_records(
-        self,
-        spec: PipelineSpec,
-        read: Callable[[], DataFrame],
-        *,
-        explain: Callable[[Exception], Exception],
-        extra: tuple[str, ...] = (),
-        name_files: Callable[[pa.Table], pa.Table] = lambda quarantine: quarantine,
-    ) -> ComputeResult:
-        """Parse, quarantine and transform records read as `read` says (files or
-        Kafka records); `extra` columns (the source's own) pass to `batch`."""
+        def run() -> ComputeResult:
+            return self._finish(spec, first or self._first_read(spec, batch))
+
+        result = self._explained(spec, batch, run)
+        return _named_as_planned(result, batch.manifest) if isinstance(batch.manifest, FilesManifest) else result
+
+    def _explained(self, spec: PipelineSpec, batch: BatchRange, step: Callable[[], _T]) -> _T:
+        """`step`, with a Spark failure turned into an error that names what to look at."""
+        try:
+            return step()
+        except Exception as exc:
+            if isinstance(batch.manifest, KafkaManifest):
+                raise _explain_kafka(spec, batch.manifest, exc) from exc
+            raise _explain(spec, _files_manifest(spec, batch), exc) from exc
+
+    def _first_read(self, spec: PipelineSpec, batch: BatchRange) -> _FirstRead:
+        """How a batch is read first, up to its transform (analysed, not run).
+
+        Local JSON and CSV files are read natively, but for those found
+        suspect on the driver (`native_read.suspect_on_driver`); S3
+        objects, Parquet files and Kafka records the exact way.
+        """
         from pyspark.sql import functions as F
 
-        parsed = None
+        if isinstance(batch.manifest, KafkaManifest):
+            # Cached: fetching the records from the brokers again for the
+            # quarantine pass would cost more than keeping them.
+            parsed = exact_read.kafka_records(self.spark, spec, batch.manifest).cache()
+            return _FirstRead(batch, self._numbered_query(spec, parsed, KAFKA_COLUMNS), parsed=parsed)
+        entries = list(_files_manifest(spec, batch).files)
+        remote = any(is_s3(f.uri) for f in entries)
+        if remote or spec.source.format == "parquet" or not self._native_reads:
+            read = exact_read.parquet_records if spec.source.format == "parquet" else exact_read.text_records
+            parsed = read(self.spark, spec, [f.uri if remote else spark_path(f.uri) for f in entries])
+            # S3 objects are cached for the same reason as Kafka records.
+            parsed = parsed.cache() if remote else parsed
+            return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
+        if spec.source.format == "csv":
+            # Spark's CSV reader, parsing only the columns a query uses, no
+            # longer sees a record with too few or too many columns as
+            # malformed (from_csv, in the exact read, does).
+            self.spark.conf.set("spark.sql.csv.parser.columnPruning.enabled", "false")
+        suspect = [f for f in entries if native_read.suspect_on_driver(spec, _local_path(f.uri))]
+        clean = [f for f in entries if f not in suspect]
+        if not clean:
+            parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
+            return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
+        rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
+        query = self._query(
+            spec,
+            rows,
+            valid=F.col(native_read.IS_RECORD) & ~F.col(native_read.SUSPECT),
+            records=F.count_if(native_read.IS_RECORD),
+            suspect=F.collect_set(F.when(F.col(native_read.SUSPECT), F.col(FILE))),
+        )
+        return _FirstRead(batch, query, native=(clean, suspect))
+
+    def _finish(self, spec: PipelineSpec, first: _FirstRead) -> ComputeResult:
+        """Run the first read; read the suspect files again by line, if any."""
+        if first.native is None:
+            return self._numbered_result(spec, first.query, first.parsed)
+        clean, suspect = first.native
+        updates, seen = self._execute(first.query)
+        found = _planned_files(clean, seen["suspect"])
+        if not found and not suspect:
+            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
+        suspect = suspect + found
+        clean = [f for f in clean if f not in found]
+        log.info("%d of %d file(s) hold a bad or unusual line: reading them by line", len(suspect), len(clean) + len(suspect))
+        parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
+        if clean:
+            native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], scan_lines=False)
+            parsed = parsed.unionByName(_numbered_like_exact(spec, native))
+        return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed)
+
+    def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, extra: tuple[str, ...] = ()) -> _Query:
+        """The transform of the valid records of `parsed` (records numbered by line)."""
+        from pyspark.sql import functions as F
+
+        return self._query(spec, parsed, valid=F.col(REASON).isNull(), extra=extra, records=F.count(F.lit(1)), bad=F.count(REASON))
+
+    def _numbered_result(self, spec: PipelineSpec, query: _Query, parsed: DataFrame) -> ComputeResult:
+        """Run `query`; then quarantine the failed records of `parsed`, if any."""
         try:
-            # Inside the try: reading a Parquet schema already opens the files.
-            parsed = read().cache()
-            records_in = parsed.count()
-            cut = F.length("_raw") > F.col("_keep")
-            bad = parsed.where(F.col("_reason").isNotNull()).select(
-                F.col("_file").alias("file"),
-                F.col("_line").cast("long").alias("line"),
-                F.when(cut, F.col("_raw").substr(F.lit(1), F.col("_keep"))).otherwise(F.col("_raw")).alias("raw"),
-                F.when(
-                    cut,
-                    F.concat(F.col("_reason"), F.lit(" (raw text cut to "), F.col("_keep").cast("string"), F.lit(" characters)")),
-                )
-                .otherwise(F.col("_reason"))
-                .alias("reason"),
-            )
-            quarantine = name_files(bad.toArrow().cast(QUARANTINE_COLUMNS))
-            valid = parsed.where(F.col("_reason").isNull()).select(
-                *[F.col(spark_identifier(f.name)) for f in spec.source.fields], *extra
-            )
-            updates = self._transform(spec, valid).toArrow()
-        except Exception as exc:
-            raise explain(exc) from exc
+            updates, seen = self._execute(query)
+            quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
         finally:
-            if parsed is not None:
+            if parsed.is_cached:
                 parsed.unpersist()
-        return ComputeResult(validate_updates(spec, updates), quarantine, records_in)
+        return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]))
+
+    def _query(
+        self, spec: PipelineSpec, rows: DataFrame, *, valid: Column, extra: tuple[str, ...] = (), **metrics: Column
+    ) -> _Query:
+        """The transform of the `valid` rows, with `metrics` observed over all `rows`:
+        built and analysed (a bad transform fails here), not run.
+
+        The metrics are observed where the rows are made (`DataFrame.observe`),
+        below the filter, and `_execute` reads them back from the query that
+        ran the transform: the batch is one Spark job. (Not with an
+        `Observation` object: it waits for a query whose own plan holds the
+        observed node, and the transform's plan holds it only inside the
+        `batch` view, so it would wait forever.)
+        """
+        columns = [column.alias(name) for name, column in metrics.items()]
+        batch = rows.observe(_METRICS, *columns).where(valid).select(*[spark_identifier(f.name) for f in spec.source.fields], *extra)
+        if not _is_connect(self.spark):
+            result = self._transform(spec, batch)
+            check_result_columns(spec, result.columns)
+            return _Query(result, rows, columns)
+        # Through Spark Connect, the server returns the metrics of observed
+        # nodes the request holds, not those inside a temporary view: the
+        # transform's SQL goes with `batch` as a reference to the observed
+        # relation (what ``spark.sql(text, batch=df)`` sends, without
+        # rewriting the user's SQL into a format string).
+        from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
+        from pyspark.sql.connect.plan import SQL, SubqueryAlias
+
+        result = ConnectDataFrame(SQL(spec.transform, None, None, [SubqueryAlias(batch._plan, "batch")]), self.spark)
+        try:
+            result.schema  # analyses the SQL: a bad transform fails here, by its own error
+        except Exception as exc:
+            raise TransformError(
+                f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
+            ) from exc
+        check_result_columns(spec, result.columns)
+        return _Query(result, rows, columns)
+
+    def _execute(self, query: _Query) -> tuple[pa.Table, dict[str, Any]]:
+        """Run `query` (one Spark job): the transform's result, and the metrics."""
+        updates = query.result.toArrow()
+        if _is_connect(self.spark):
+            found = dict(query.result.executionInfo.flows if query.result.executionInfo else []).get(_METRICS)
+        else:
+            observed = query.result._jdf.queryExecution().observedMetrics().get(_METRICS)
+            found = _python_row(self.spark, observed.get()) if observed.isDefined() else None
+        if found is None:
+            # Adaptive execution drops a stage whose output turned out empty
+            # (no valid record at all) from the plan it reports, metrics and
+            # all; count them apart then, which costs a second read only when
+            # nothing in the batch was valid.
+            log.debug("no observed metrics for this batch: counting apart")
+            found = query.rows.agg(*query.metrics).first().asDict()
+        return updates, found
+
+    @staticmethod
+    def _quarantine(parsed: DataFrame) -> pa.Table:
+        """The failed records: file, line, raw text (cut as each record's reason allows) and reason."""
+        from pyspark.sql import functions as F
+
+        cut = F.length(RAW) > F.col(KEEP)
+        bad = parsed.where(F.col(REASON).isNotNull()).select(
+            F.col(FILE).alias("file"),
+            F.col(LINE).cast("long").alias("line"),
+            F.when(cut, F.col(RAW).substr(F.lit(1), F.col(KEEP))).otherwise(F.col(RAW)).alias("raw"),
+            F.when(cut, F.concat(F.col(REASON), F.lit(" (raw text cut to "), F.col(KEEP).cast("string"), F.lit(" characters)")))
+            .otherwise(F.col(REASON))
+            .alias("reason"),
+        )
+        return bad.toArrow().cast(QUARANTINE_COLUMNS)
 
     def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
         """A Delta source's batch: its rows come typed, so nothing is quarantined;
@@ -194,239 +363,6 @@ class SparkCompute:
                 f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
             ) from exc
 
-    def _read(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
-        """Parsed records: typed fields, `_file`, `_line`, `_raw`, `_reason`."""
-        if spec.source.format == "parquet":
-            return self._read_parquet(spec, uris)
-        return self._read_text(spec, uris)
-
-    def _read_text(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
-        from pyspark.sql import functions as F
-
-        # Spark decodes text as UTF-8, replacing bytes that are not UTF-8 with
-        # U+FFFD, and `split` works on the decoded text: validity can only be
-        # tested on the whole file, before the split. In a file that is not
-        # valid UTF-8, the lines holding U+FFFD are the ones that were not.
-        lines = self._whole_files(uris).select(
-            "_file",
-            F.expr("is_valid_utf8(value)").alias("_utf8_file"),
-            F.posexplode(F.split(F.col("value"), "\r?\n")).alias("_pos", "_raw"),
-        )
-        # A byte-order mark is not part of the first record (editors on
-        # Windows write one; left in, it breaks the first JSON object or header).
-        lines = lines.withColumn(
-            "_raw", F.when(F.col("_pos") == 0, F.regexp_replace("_raw", "^\ufeff", "")).otherwise(F.col("_raw"))
-        )
-        # Whitespace-only lines (tabs included) are not records.
-        lines = lines.where(F.col("_raw").rlike("\\S")).withColumn("_line", F.col("_pos") + 1)
-        lines = lines.withColumn("_utf8", F.col("_utf8_file") | ~F.col("_raw").contains("\ufffd"))
-        checks: list[Column] = []
-        if spec.source.format == "csv" and spec.source.csv.header:
-            lines, header_reason = self._csv_header(lines, spec)
-            checks.append(header_reason)
-        return self._parse(spec, lines, checks)
-
-    def _read_kafka(self, spec: PipelineSpec, manifest: KafkaManifest) -> DataFrame:
-        """A Kafka batch's records as lines: each record's value is one record,
-        named ``kafka://topic/partition`` and its offset in quarantine."""
-        from pyspark.sql import functions as F
-
-        settings = manifest.client.settings if manifest.client is not None else {}
-        fetched = kafka_read.records(self.spark, manifest.topic, manifest.ranges, settings)
-        text = F.col("value").cast("string")
-        valid = F.expr("is_valid_utf8(CAST(value AS STRING))")
-        lines = fetched.select(
-            F.concat(F.lit(f"kafka://{manifest.topic}/"), F.col("_kafka_partition").cast("string")).alias("_file"),
-            F.col("_kafka_offset").alias("_line"),
-            # Bytes that are not UTF-8 are shown as U+FFFD in quarantine, as for files.
-            F.when(valid, text).otherwise(F.expr("make_valid_utf8(CAST(value AS STRING))")).alias("_raw"),
-            F.coalesce(valid, F.lit(True)).alias("_utf8"),
-            *KAFKA_COLUMNS,
-        )
-        null_value = F.when(F.col("_raw").isNull(), F.lit("record has no value (null, e.g. a tombstone); not parsed"))
-        return self._parse(spec, lines, [null_value], extra=KAFKA_COLUMNS)
-
-    def _parse(self, spec: PipelineSpec, lines: DataFrame, checks: list[Column], extra: tuple[str, ...] = ()) -> DataFrame:
-        """Typed fields and a reason from lines (`_file`, `_line`, `_raw`, `_utf8`)."""
-        from pyspark.sql import functions as F
-
-        fields = spec.source.fields
-        limit = spec.source.max_line_bytes
-        lines = lines.withColumn("_bytes", F.octet_length("_raw"))
-        too_long = F.col("_bytes") > F.lit(limit)
-        not_utf8 = ~F.col("_utf8")
-        # Over-long and undecodable lines are not parsed at all.
-        parse_input = F.when(~too_long & ~not_utf8, F.col("_raw"))
-        checks = [
-            F.when(
-                too_long,
-                F.concat(
-                    F.lit("line is "),
-                    F.col("_bytes").cast("string"),
-                    F.lit(f" bytes, longer than source.max_line_bytes ({limit}); not parsed"),
-                ),
-            ),
-            F.when(
-                not_utf8,
-                F.lit("line is not valid UTF-8 (the bytes that are not were replaced by U+FFFD in raw); not parsed"),
-            ),
-            *checks,
-        ]
-        if spec.source.format == "text":
-            value = parse_input.alias("value")
-            reason = F.coalesce(*checks)
-            keep = F.when(too_long, F.lit(LONG_LINE_RAW_CHARS)).otherwise(F.lit(MAX_RAW_CHARS))
-            return lines.select("_file", "_line", "_raw", value, reason.alias("_reason"), keep.alias("_keep"), *extra)
-        text_schema = ", ".join(f"{spark_identifier(f.name)} STRING" for f in fields) + ", `_corrupt` STRING"
-        options = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt"}
-        if spec.source.format == "json":
-            record = F.from_json(parse_input, text_schema, options)
-            shape_reason = "malformed JSON: not a JSON object on one line"
-        else:
-            csv = spec.source.csv
-            options["sep"] = csv.delimiter
-            record = F.from_csv(parse_input, text_schema, options)
-            shape_reason = f"malformed CSV: expected {len(fields)} columns separated by {csv.delimiter!r}"
-        parsed = lines.withColumn("_r", record)
-        checks.append(F.when(F.col("_r").isNull() | F.col("_r._corrupt").isNotNull(), F.lit(shape_reason)))
-        typed: list[Column] = []
-        for f in fields:
-            text = F.col(f"_r.{spark_identifier(f.name)}")
-            if f.type in _FLOATING:
-                # from_json hands JSON's bare NaN / Infinity tokens (and numbers
-                # too large for a double, which Jackson reads as Infinity) to a
-                # STRING field quoted; unquote them so they are reported as
-                # non-finite rather than as text.
-                text = F.regexp_replace(text, '^"(NaN|[+-]?Infinity)"$', "$1")
-            value = text if f.type == "STRING" else text.try_cast(f.type)
-            typed.append(value.alias(f.name))
-            if f.type != "STRING":
-                checks.append(
-                    F.when(
-                        text.isNotNull() & value.isNull(),
-                        F.concat(F.lit(f"field {f.name}: '"), F.substring(text, 1, 200), F.lit(f"' {_cast_problem(f.type)}")),
-                    )
-                )
-        checks.extend(self._value_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
-        reason = F.coalesce(*checks)
-        keep = F.when(too_long, F.lit(LONG_LINE_RAW_CHARS)).otherwise(F.lit(MAX_RAW_CHARS))
-        return parsed.select("_file", "_line", "_raw", *typed, reason.alias("_reason"), keep.alias("_keep"), *extra)
-
-    @staticmethod
-    def _csv_header(lines: DataFrame, spec: PipelineSpec) -> tuple[DataFrame, Column]:
-        """Drop each file's header line; a reason for records under a header that does not fit.
-
-        The first non-blank line of each file is its header. Records of a file
-        whose header does not name the schema's columns in order would be
-        misread, so they are quarantined instead. Columns are compared one by
-        one (spaces and quotes around names ignored), so any delimiter works,
-        a tab included.
-        """
-        from pyspark.sql import functions as F
-
-        delimiter = spec.source.csv.delimiter
-        expected = ",".join(f.name for f in spec.source.fields)
-        first = F.min("_line").over(_by_file())
-        header_line = F.first(F.when(F.col("_line") == first, F.col("_raw")), ignorenulls=True).over(_by_file())
-        names = F.transform(
-            F.split(header_line, "\\Q" + delimiter + "\\E"), lambda c: F.regexp_replace(F.trim(c), '^"|"$', "")
-        )
-        lines = lines.withColumn("_is_header", F.col("_line") == first).withColumn("_header", F.array_join(names, ","))
-        lines = lines.where(~F.col("_is_header"))
-        reason = F.when(
-            F.col("_header") != F.lit(expected),
-            F.concat(F.lit("CSV header '"), F.col("_header"), F.lit(f"' does not match source.schema '{expected}'")),
-        )
-        return lines, reason
-
-    def _read_parquet(self, spec: PipelineSpec, uris: list[str]) -> DataFrame:
-        from pyspark.sql import functions as F
-
-        fields = spec.source.fields
-        if any(is_s3(uri) for uri in uris):
-            df = s3_read.parquet_rows(self.spark, uris, client_settings(), [f.name for f in fields])
-            file_col, line_col, first_data = F.col("_file"), F.col("_line"), 2
-        else:
-            df = self.spark.read.option("mergeSchema", "true").parquet(*uris)
-            file_col, line_col, first_data = F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, 0
-        # Columns by position: a file's column names are not validated
-        # identifiers and must not be parsed as SQL.
-        data = [df[i] for i in range(first_data, len(df.columns))]
-        present = {name.lower(): column for name, column in zip(df.columns[first_data:], data)}
-        checks: list[Column] = []
-        typed: list[Column] = []
-        for f in fields:
-            if f.name.lower() in present:
-                source_col = present[f.name.lower()]
-                value = source_col.try_cast(f.type)
-                checks.append(
-                    F.when(
-                        source_col.isNotNull() & value.isNull(),
-                        F.lit(f"field {f.name}: value cannot be converted to {f.type}"),
-                    )
-                )
-            else:
-                value = F.lit(None).cast(f.type)
-            typed.append(value.alias(f.name))
-        checks.extend(self._value_checks(spec, {f.name: v for f, v in zip(fields, typed)}))
-        raw = F.to_json(F.struct(*data))
-        return df.select(
-            file_col.alias("_file"),
-            line_col.alias("_line"),
-            raw.alias("_raw"),
-            *typed,
-            F.coalesce(*checks).alias("_reason"),
-            F.lit(MAX_RAW_CHARS).alias("_keep"),
-        )
-
-    def _whole_files(self, uris: list[str]) -> DataFrame:
-        """One row per file: `_file` (its URI) and `value` (its whole text)."""
-        from pyspark.sql import functions as F
-
-        if any(is_s3(uri) for uri in uris):
-            return s3_read.whole_objects(self.spark, uris, client_settings())
-        return self.spark.read.text(uris, wholetext=True).select(F.col("_metadata.file_path").alias("_file"), "value")
-
-    @staticmethod
-    def _value_checks(spec: PipelineSpec, typed: dict[str, Column]) -> list[Column]:
-        """Reasons for typed values that are well-formed but unusable.
-
-        NaN and infinities are refused in FLOAT/DOUBLE columns: one of them
-        summed into the state would poison that key's total for good (JSON's
-        1e400 arrives as Infinity). NOT NULL columns and keys must be present:
-        a null key cannot be merged.
-        """
-        from pyspark.sql import functions as F
-
-        checks = []
-        for f in spec.source.fields:
-            if f.type in _FLOATING:
-                value = typed[f.name]
-                checks.append(
-                    F.when(
-                        F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
-                        F.concat(
-                            F.lit(f"field {f.name}: "),
-                            value.cast("string"),
-                            F.lit(f" is not a finite {f.type} (NaN, Infinity and numbers beyond its range are refused)"),
-                        ),
-                    )
-                )
-        for f in spec.source.fields:
-            if not f.nullable:
-                checks.append(
-                    F.when(
-                        typed[f.name].isNull(),
-                        F.lit(f"field {f.name} is missing or null (NOT NULL in source.schema)"),
-                    )
-                )
-        checks.extend(
-            F.when(typed[key].isNull(), F.lit(f"key {key} is missing or null"))
-            for key in spec.state.keys
-            if key in typed
-        )
-        return checks
-
 
 def spark_path(uri: str) -> str:
     """The path to give Spark's file readers for a planned file's URI.
@@ -449,6 +385,43 @@ def _local_path(uri: str) -> str:
     return unquote(urlparse(uri).path)
 
 
+def _is_connect(spark: SparkSession) -> bool:
+    """Whether `spark` is a Spark Connect client session (no JVM in this process)."""
+    return not hasattr(spark, "_jsparkSession")
+
+
+def _python_row(spark: SparkSession, jrow: Any) -> dict[str, Any]:
+    """A JVM `Row` of observed metrics as a dict (as pyspark's `Observation.get` converts it)."""
+    from pyspark.serializers import CPickleSerializer
+
+    utils = spark.sparkContext._jvm.org.apache.spark.sql.api.python.PythonSQLUtils
+    return CPickleSerializer().loads(utils.toPyRow(jrow)).asDict(recursive=False)
+
+
+def _numbered_like_exact(spec: PipelineSpec, native: DataFrame) -> DataFrame:
+    """Natively read records of clean files, in the exact read's columns. They
+    need no line number: none of them failed when first read. (One that
+    fails now is in a file rewritten while the batch read it: it goes to
+    quarantine, file named, rather than nowhere.)"""
+    from pyspark.sql import functions as F
+
+    changed = "the file changed while this batch read it (a first read found this record valid); land new data as new files"
+    return native.select(
+        FILE,
+        F.lit(None).cast("long").alias(LINE),
+        F.lit(None).cast("string").alias(RAW),
+        *[spark_identifier(f.name) for f in spec.source.fields],
+        F.when(F.col(native_read.SUSPECT), F.lit(changed)).alias(REASON),
+        F.lit(MAX_RAW_CHARS).alias(KEEP),
+    )
+
+
+def _planned_files(files: list[SourceFile], spelled: list[str]) -> list[SourceFile]:
+    """The planned files among paths as Spark spells them (percent-encoded URIs)."""
+    named = {_local_path(path) for path in spelled}
+    return [f for f in files if _local_path(f.uri) in named]
+
+
 def _files_manifest(spec: PipelineSpec, batch: BatchRange) -> FilesManifest:
     """The batch's files: this engine reads files sources."""
     if not isinstance(batch.manifest, FilesManifest):
@@ -459,38 +432,25 @@ def _files_manifest(spec: PipelineSpec, batch: BatchRange) -> FilesManifest:
     return batch.manifest
 
 
-def _name_files_as_planned(quarantine: pa.Table, manifest: FilesManifest) -> pa.Table:
+def _named_as_planned(result: ComputeResult, manifest: FilesManifest) -> ComputeResult:
     """Report quarantined records' files by the URIs in the batch's manifest.
 
     Spark reports a local file as Hadoop spells it (``file:/a/x%20y.json``);
     the manifest, the ledger and the quarantine should agree on one spelling.
     """
+    quarantine = result.quarantine
     if quarantine.num_rows == 0:
-        return quarantine
+        return result
     planned = {_local_path(uri): uri for uri in manifest.uris if uri.startswith("file:")}
     if not planned:
-        return quarantine
+        return result
     files = [
         planned.get(_local_path(f), f) if f and f.startswith("file:") else f
         for f in quarantine.column("file").to_pylist()
     ]
     index = quarantine.schema.get_field_index("file")
-    return quarantine.set_column(index, quarantine.schema.field(index), pa.array(files, pa.string()))
-
-
-def _cast_problem(sql_type: str) -> str:
-    """How a value that did not cast to `sql_type` is described."""
-    if sql_type in _INTEGRAL:
-        return f"is not a {sql_type} (or is out of its range)"
-    if sql_type.startswith("DECIMAL"):
-        return f"is not a {sql_type} (or has too many digits for it)"
-    return f"is not a {sql_type}"
-
-
-def _by_file():
-    from pyspark.sql import Window
-
-    return Window.partitionBy("_file")
+    named = quarantine.set_column(index, quarantine.schema.field(index), pa.array(files, pa.string()))
+    return ComputeResult(result.updates, named, result.records_in)
 
 
 def _explain_kafka(spec: PipelineSpec, manifest: KafkaManifest, exc: Exception) -> Exception:

@@ -108,7 +108,10 @@ def _path_of(uri: str) -> Path:
 class ArrowCompute:
     """`Compute` for the oracle pipeline with pyarrow and the standard library only."""
 
-    def check(self, spec: PipelineSpec) -> None:
+    def start(self) -> None:
+        """No engine to start."""
+
+    def check(self, spec: PipelineSpec, batch: BatchRange | None = None) -> None:
         """Refuse any pipeline this compute does not implement, before anything is written."""
         if spec.source.format != "json":
             raise TransformError(f"pipeline {spec.name}: ArrowCompute reads JSON lines only, not {spec.source.format}")

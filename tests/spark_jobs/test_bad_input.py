@@ -26,7 +26,8 @@ from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.sources import make_source
 from spark_jobs.sources.base import Caps
-from spark_jobs.engine.spark_compute import LONG_LINE_RAW_CHARS, SparkCompute
+from spark_jobs.engine.parse import LONG_LINE_RAW_CHARS
+from spark_jobs.engine.spark_compute import SparkCompute
 from spark_jobs.core.spec import load_spec
 from tests.conftest import BatchesLineage, oracle_spec_dict, write_spec
 
@@ -205,8 +206,11 @@ class _BreaksAFileAfterPlanning:
     def __init__(self, inner, damage) -> None:
         self.inner, self.damage = inner, damage
 
-    def check(self, spec) -> None:
-        self.inner.check(spec)
+    def start(self) -> None:
+        self.inner.start()
+
+    def check(self, spec, batch) -> None:
+        self.inner.check(spec, batch)
 
     def process(self, spec, batch):
         self.damage()

@@ -283,7 +283,10 @@ class _FixedCompute:
     def __init__(self, updates: pa.Table) -> None:
         self.updates = updates
 
-    def check(self, spec: PipelineSpec) -> None:
+    def start(self) -> None:
+        """No engine to start."""
+
+    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
         """Every result is set by the test."""
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:

@@ -419,7 +419,8 @@ def test_no_cleanup_writes_on_unwind():
     No bare ``except:`` or ``except BaseException`` in the protocol's
     modules, no ``with`` but files opened for reading and
     ``storage_errors(...)`` and ``_changing_columns(...)`` (which only
-    translate an OSError or a lost race into our errors), and
+    translate an OSError or a lost race into our errors) and ``steps(...)``
+    (which times a step in memory, and only when it completes), and
     ``finally`` only releases the compute engine.
     """
     allowed_finally = {"engine.close()"}
@@ -435,4 +436,4 @@ def test_no_cleanup_writes_on_unwind():
             if isinstance(node, ast.With):
                 for item in node.items:
                     expr = ast.unparse(item.context_expr)
-                    assert expr.startswith(("open(", "self.open(", "self.lister.open(", "storage_errors(", "self._changing_columns(")), f"{name}:{node.lineno} uses {expr}"
+                    assert expr.startswith(("open(", "self.open(", "self.lister.open(", "storage_errors(", "self._changing_columns(", "steps(")), f"{name}:{node.lineno} uses {expr}"

@@ -46,8 +46,22 @@ tools:
 soak: setup
 	$(BIN)/python -m pytest -q -m slow
 
-bench: setup
+# The Flink anchor's own virtualenv: PyFlink pins pandas<2.3, pyarrow<21 and
+# py4j 0.10.9.7, which clash with ours (bench/anchors/README.md).
+FLINK_VENV  := .venv-flink
+FLINK_STAMP := $(FLINK_VENV)/.installed
+
+$(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
+	test -x $(FLINK_VENV)/bin/python || $(PYTHON) -m venv $(FLINK_VENV)
+	$(FLINK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLINK_VENV)/bin/python -m pip install -q -r bench/anchors/flink_requirements.txt
+	touch $(FLINK_STAMP)
+
+# Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
+# micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md).
+bench: setup $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/continuous.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
 lock:

@@ -651,14 +651,14 @@ def plot_cpu(phases: list[dict[str, Any]], through: list[dict[str, Any]], path: 
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    names = [f"{'project' if p['engine'].startswith('project') else 'Flink'} {p['setting'].replace('checkpoint ', 'ckpt ')}{' C' if 'Connect' in p['engine'] else ''}" for p in phases]
+    names = [f"{'project' if p['engine'].startswith('project') else 'Flink'} {p['setting'].replace('checkpoint ', 'ckpt ')}{' (Connect)' if 'Connect' in p['engine'] else ''}" for p in phases]
     values = [p.get("stream_cpu_s", p["cpu_s"]) / p["records"] * 1e6 for p in phases]
     left.barh(names, values, color=["#2f6f9f" if p["engine"].startswith("project") else "#c9a26b" for p in phases])
     left.set_xlabel(f"CPU-s per million records at {RECORDS_PER_FILE / LAND_EVERY_S:,.0f} records/s")
     left.tick_params(axis="y", labelsize=7)
     right.bar([t["engine"] for t in through], [t["cpu_s"] / t["records"] * 1e6 for t in through], color=["#2f6f9f", "#c9a26b"][: len(through)])
     right.set_ylabel("CPU-s per million records")
-    right.set_title("backlog of a million records", fontsize=9)
+    right.set_title(f"a backlog of {through[0]['records']:,} records", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

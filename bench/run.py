@@ -476,6 +476,7 @@ def main() -> None:
                         help="state sizes, keys, with the batch's keys clustered in one file")
     parser.add_argument("--spread-sizes", default="1000000,10000000", help="state sizes with the batch's keys in every file")
     parser.add_argument("--no-flink", action="store_true", help="leave the Flink anchor out")
+    parser.add_argument("--only-state", action="store_true", help="only the state-size curve (rewrites only its section)")
     parser.add_argument("--child-steady", help=argparse.SUPPRESS)
     parser.add_argument("--child-state", help=argparse.SUPPRESS)
     parser.add_argument("--batches", type=int, default=6, help=argparse.SUPPRESS)
@@ -487,6 +488,15 @@ def main() -> None:
     if args.child_state:
         return child_state(args.child_state, [int(s) for s in args.sizes.split(",")], [int(s) for s in args.spread.split(",") if s])
 
+    if args.only_state:
+        work = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
+        try:
+            curve = state_size_curve(work, [int(s) for s in args.state_sizes.split(",")],
+                                     [int(s) for s in args.spread_sizes.split(",") if s])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print("\n".join(write_state_doc(curve)))
+        return
     missing = None if not args.no_flink else "left out (--no-flink)"
     missing = missing or flink_available()
     if missing:
@@ -516,7 +526,6 @@ def main() -> None:
 def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady: dict[str, Any],
                curve: list[dict[str, Any]], flink_missing: str | None, minutes: float) -> None:
     plot_side_by_side(figures, ROOT / "docs" / "bench_side_by_side.png")
-    plot_state(curve, ROOT / "docs" / "bench_state_size.png")
     one, _, steady_figure, connect = figures
     steps = detail_one["project_steps"]
     median_step = {k: statistics.median(s.get(k, 0) for s in steps) / 1000 for k in steps[0]}
@@ -561,13 +570,19 @@ def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady:
         lines.append("* One steady run of Structured Streaming, batch by batch (`triggerExecution`): " + ", ".join(f"{t:.2f}" for t in times) + " s")
     lines += ["", "![side by side](bench_side_by_side.png)", ""]
     replace_section(DOC, "## Side by side", lines)
+    write_state_doc(curve)
+
+
+def write_state_doc(curve: list[dict[str, Any]]) -> list[str]:
+    """The "State size" section of docs/benchmarks.md, and its plot."""
+    plot_state(curve, ROOT / "docs" / "bench_state_size.png")
     state = [
         "## State size",
         "",
-        "Measured by `make bench` in the same run. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
+        f"Measured by `make bench` (`bench/run.py`) on {machine()}. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
         "in one process with Spark warm (6 batches on a small state first); each row is the median of 3 batches on its "
         "state. The state is seeded in files of a million rows, two ways: **clustered**, the batch's users' keys sort "
-        "apart from the old ones, so the MERGE (which prunes files by the batch's key range) rewrites one file; "
+        "apart from the old ones, so the MERGE (unstreamed, so delta-rs prunes files by the batch's key range) rewrites one file; "
         "**spread**, every file holds some of the batch's keys, so every batch rewrites the whole state: the worst case "
         "of a copy-on-write MERGE. `read` is Spark (read, parse, aggregate, result to Arrow), `commit` the delta-rs "
         "MERGE and the ledger's commit.",
@@ -585,6 +600,7 @@ def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady:
         f"{c['keys']:,} {c['layout']} " + ", ".join(f"{v:.2f}" for v in c["all_s"]) for c in curve) + " s.",
         "", "![state size](bench_state_size.png)", ""]
     replace_section(DOC, "## State size", state)
+    return state
 
 
 if __name__ == "__main__":

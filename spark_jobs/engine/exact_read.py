@@ -38,11 +38,13 @@ def text_records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> D
     # U+FFFD, and `split` works on the decoded text: validity can only be
     # tested on the whole file, before the split. In a file that is not
     # valid UTF-8, the lines holding U+FFFD are the ones that were not.
-    lines = _whole_files(spark, paths).select(
-        FILE,
-        F.expr("is_valid_utf8(value)").alias("__utf8_file"),
-        F.posexplode(F.split(F.col("value"), "\r?\n")).alias("__pos", RAW),
-    )
+    #
+    # Validity is taken in a select of its own, before the explode: in the
+    # same select it would be computed over the explode's output, so every
+    # line's row would carry (and copy) its whole file, quadratic memory
+    # that ran a 15k-record batch out of heap.
+    files = _whole_files(spark, paths).select(FILE, F.expr("is_valid_utf8(value)").alias("__utf8_file"), "value")
+    lines = files.select(FILE, "__utf8_file", F.posexplode(F.split(F.col("value"), "\r?\n")).alias("__pos", RAW))
     # A byte-order mark is not part of the first record (editors on
     # Windows write one; left in, it breaks the first JSON object or header).
     lines = lines.withColumn(RAW, F.when(F.col("__pos") == 0, F.regexp_replace(RAW, "^\ufeff", "")).otherwise(F.col(RAW)))

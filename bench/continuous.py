@@ -547,7 +547,7 @@ def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[
         f"By `bench/continuous.py` (`make bench`) in one run of {minutes:.0f} minutes on {machine()}.",
         "",
         f"**Stream**: a file of {RECORDS_PER_FILE:,} click records every {LAND_EVERY_S:g} s ({rate:,.0f} records/s) for "
-        f"{window:g} s per setting, each file ending with a probe record; per user count, sum, hash-sum and max "
+        f"at least {window:g} s per setting (the project's: until its first run after that), each file ending with a probe record; per user count, sum, hash-sum and max "
         "(`ORACLE_TRANSFORM`). Latency: from a file's rename into the landing folder to its probe being readable "
         "(project: in the Delta state table; Flink: in a committed part file of its exactly-once sink), polled every 0.1 s.",
         "",

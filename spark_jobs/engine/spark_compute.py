@@ -9,14 +9,15 @@ batch with bad records runs a second job, which collects them for
 quarantine.
 
 Local JSON and CSV files are read by Spark's own readers, which parse
-straight from the bytes but number no lines; a file with anything suspect
-in it is read again the exact way, numbered by line
-(`spark_jobs.engine.native_read` says what is suspect, and why the two
-reads agree on every other file). S3 objects, Parquet files and Kafka
-records are always read the exact way (`spark_jobs.engine.exact_read`).
-Files are read by the executors, not the driver; only the (small,
-aggregated) transform result and the quarantined records come back to the
-driver, as Arrow.
+straight from the bytes but number no lines. A file goes the exact way,
+numbered by line, when the driver's scan of its bytes finds it suspect
+before the batch is read, or when one of its records fails in the native
+read (then it is read again); `spark_jobs.engine.native_read` says what is
+suspect, and why the two reads agree on every other file. S3 objects,
+Parquet files and Kafka records are always read the exact way
+(`spark_jobs.engine.exact_read`). Records are parsed by the executors, not
+the driver; only the (small, aggregated) transform result and the
+quarantined records come back to the driver, as Arrow.
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ class SparkCompute:
         query = self._query(
             spec,
             rows,
-            valid=F.col(native_read.IS_RECORD) & ~F.col(native_read.SUSPECT),
-            records=F.count_if(native_read.IS_RECORD),
+            valid=~F.col(native_read.SUSPECT),
+            records=F.count(F.lit(1)),
             suspect=F.collect_set(F.when(F.col(native_read.SUSPECT), F.col(FILE))),
         )
         return _FirstRead(batch, query, native=(clean, suspect))
@@ -245,7 +246,7 @@ class SparkCompute:
         log.info("%d of %d file(s) hold a bad or unusual line: reading them by line", len(suspect), len(clean) + len(suspect))
         parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
         if clean:
-            native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], scan_lines=False)
+            native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
             parsed = parsed.unionByName(_numbered_like_exact(spec, native))
         return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed)
 

@@ -244,3 +244,42 @@ class _QueryCounter:
         new = [e for e in self._newest() if e.executionId() > self._last]
         self._last = max([e.executionId() for e in new], default=self._last)
         return sum(1 for e in new if e.jobs().size() > 0)
+
+
+# -- the driver's scan, rule by rule ----------------------------------------------------
+
+_CLEAN_JSON = b'{"event_id": "a", "user_id": "u1", "amount": 1.5}\r\n{"event_id": "b", "user_id": "\xc3\xbc3", "pad": "[x]"}\n'
+_CLEAN_CSV = b"event_id,user_id,amount,n,ts\r\ne1,u1,1.5,2,\r\n e2 , u2 ,\t,\x0b,\x0c\n"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content", "suspect"),
+    [
+        ("json", _CLEAN_JSON, False),
+        ("json", b"", False),
+        ("json", _CLEAN_JSON + b'{"event_id": "c", "user_id": "u\xff"}\n', True),  # not UTF-8
+        ("json", _CLEAN_JSON + b'{"event_id": "c", "user_id": "u\xc0\x80"}', True),  # overlong, last line
+        ("json", _CLEAN_JSON + b'\xef\xbb\xbf{"event_id": "c", "user_id": "u1"}\n', True),  # BOM on a later line
+        ("json", _CLEAN_JSON + b'{"event_id": "c", "user_id": "u1"}\x00\n', True),  # NUL
+        ("json", _CLEAN_JSON + b"\x01\n", True),  # control character
+        ("json", _CLEAN_JSON + b" \t\r[1, 2]\n", True),  # top-level array, later line
+        ("json", b'[{"event_id": "c", "user_id": "u1"}]', True),  # top-level array, first line
+        ("json", _CLEAN_JSON + b'{"event_id": "c", "user_id": "u1", "pad": "' + b"x" * MAX_LINE_BYTES + b'"}\n', True),
+        ("json", b'{"pad": "' + b"x" * (MAX_LINE_BYTES - 11) + b'"}\n' + _CLEAN_JSON, False),  # exactly the limit
+        ("csv", _CLEAN_CSV, False),
+        ("csv", _CLEAN_CSV + b"e3,u3\r1,2,\n", True),  # CR inside a line
+        ("csv", _CLEAN_CSV + b"e3,u3,1,2,\r", True),  # CR after the last LF
+        ("csv", _CLEAN_CSV + b"\x01\x02\n", True),  # control characters only
+        ("csv", b"event_id,user,amount,n,ts\ne1,u1,1,2,\n", True),  # header does not fit
+    ],
+)
+@pytest.mark.parametrize("chunk", [7, 1 << 24], ids=["small-chunks", "one-chunk"])
+def test_the_driver_scan_finds_what_the_reads_might_read_differently(tmp_path, monkeypatch, fmt, content, suspect, chunk):
+    """Every rule of the scan, also with chunk ends anywhere in a line."""
+    from spark_jobs.engine import native_read
+
+    monkeypatch.setattr(native_read, "_CHUNK_BYTES", chunk)
+    spec = _spec(tmp_path, fmt)
+    path = tmp_path / f"f.{fmt}"
+    path.write_bytes(content)
+    assert native_read.suspect_on_driver(spec, str(path)) is suspect

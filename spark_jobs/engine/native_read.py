@@ -152,10 +152,8 @@ def _odd(spec: PipelineSpec, text: bytes, limit: int) -> bool:
     if len(text) > limit:
         # Line lengths from the LFs' positions; a CR before an LF counts,
         # which can only make a file suspect that the exact read would take.
-        ends = np.flatnonzero(octets == 0x0A)
-        starts = np.concatenate(([0], ends + 1))
-        ends = np.concatenate((ends, [len(text)]))
-        if int((ends - starts).max()) > limit:
+        lengths = np.diff(np.flatnonzero(octets == 0x0A), prepend=-1, append=len(text)) - 1
+        if int(lengths.max()) > limit:
             return True
     if spec.source.format == "json":
         return b"[" in text and bool(_ARRAY_FIRST.match(text) or _ARRAY_LATER.search(text))

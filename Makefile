@@ -7,7 +7,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test soak bench lock java clean
 
+# The JVM class archives are checked every time (a no-op when built): their
+# key changes with the JDK, which can change under an unchanged virtualenv.
 setup: $(STAMP)
+	@$(BIN)/python -m spark_jobs.demo.warm_jvm
 
 java:
 	@command -v java >/dev/null 2>&1 || { echo "Java 17 or newer is required for Spark: apt-get install openjdk-17-jre-headless"; exit 1; }
@@ -20,7 +23,6 @@ $(STAMP): requirements.lock pyproject.toml | java
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
-	$(BIN)/python -m spark_jobs.demo.warm_jvm
 	touch $(STAMP)
 
 demo: setup

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import uuid
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from spark_jobs import __version__
 from spark_jobs.core import shutdown
@@ -141,10 +142,32 @@ def main(argv: list[str] | None = None) -> int:
     # the next protocol boundary with a clear, retryable error.
     shutdown.install()
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
     except MicrobatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return exit_code(exc)
+        code = exit_code(exc)
+    if args.process_ends:
+        _end_process(code)
+    return code
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the program now, without Python's teardown.
+
+    By now everything the command writes is committed and its output
+    printed. The teardown would add nothing but time: py4j's and pyspark's
+    exit handlers and the finalisation of a thousand modules took a quarter
+    of a second of a one-batch run (docs/benchmarks.md). A driver JVM this
+    process started exits by itself when our end closes its standard input,
+    and runs its own shutdown hooks (its temporary folders).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away: nothing left to tell it
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def _run_id(kind: str) -> str:

@@ -1,10 +1,11 @@
-"""Build the driver JVM's class archive (`spark_jobs.engine.jvm_cache`).
+"""Build the JVM class archives (`spark_jobs.engine.jvm_cache`).
 
 `python -m spark_jobs.demo.warm_jvm` (run by `make setup`) runs one small real
-batch (JSON, quarantine, transform, merge) in a child process whose JVM dumps
-the classes it loaded when it exits. The archive is written under a
-temporary name and renamed into place only after that JVM has exited: a run
-never maps a half-written archive. `--force` rebuilds it.
+batch (JSON, quarantine, transform, merge) in a child process whose JVMs (the
+driver, and `spark-submit`'s launcher before it) dump the classes they
+loaded when they exit. Each archive is written under a temporary name and
+renamed into place only after its JVM has exited: a run never maps a
+half-written archive. Present archives are kept; `--force` rebuilds them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from spark_jobs.engine.jvm_cache import OPTIONS_ENV, SHORT_JOB_JVM_OPTIONS, archive_path
+from spark_jobs.engine.jvm_cache import LAUNCHER_ENV, OPTIONS_ENV, SHORT_JOB_JVM_OPTIONS, archive_path, launcher_archive_path
 
 
 def _warm_up(workdir: str) -> None:
@@ -52,27 +53,34 @@ def _warm_up(workdir: str) -> None:
 
 
 def build(force: bool = False) -> Path | None:
-    """Build the archive if missing. Returns its path, or None if it could not be built."""
-    target = archive_path()
-    if target.is_file() and not force:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Build the archives if either is missing. Returns the driver's, or None if it could not be built."""
+    targets = [archive_path(), launcher_archive_path()]
+    if all(t.is_file() for t in targets) and not force:
+        return targets[0]
+    targets[0].parent.mkdir(parents=True, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="microbatch-jvm-warm-")
-    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    partials = [t.with_name(f".{t.name}.{os.getpid()}.tmp") for t in targets]
     try:
-        env = {**os.environ, OPTIONS_ENV: f"{SHORT_JOB_JVM_OPTIONS} -XX:ArchiveClassesAtExit={partial}"}
+        env = {
+            **os.environ,
+            OPTIONS_ENV: f"{SHORT_JOB_JVM_OPTIONS} -XX:ArchiveClassesAtExit={partials[0]}",
+            LAUNCHER_ENV: f"{SHORT_JOB_JVM_OPTIONS} -XX:ArchiveClassesAtExit={partials[1]}",
+        }
         result = subprocess.run(
             [sys.executable, "-m", "spark_jobs.demo.warm_jvm", "--warm-up", workdir],
             env=env, capture_output=True, text=True, timeout=600,
         )
-        if result.returncode != 0 or not partial.is_file():
+        if result.returncode != 0 or not partials[0].is_file():
             sys.stderr.write(f"microbatch: no JVM class archive (runs work, start slower):\n{result.stderr[-2000:]}\n")
             return None
-        os.replace(partial, target)
-        return target
+        for partial, target in zip(partials, targets):
+            if partial.is_file():  # (the launcher's is a bonus: runs work without it)
+                os.replace(partial, target)
+        return targets[0]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        partial.unlink(missing_ok=True)
+        for partial in partials:
+            partial.unlink(missing_ok=True)
 
 
 def main() -> None:

@@ -1,17 +1,21 @@
-"""The driver JVM's flags, and its class-data sharing (AppCDS) archive.
+"""The driver JVM's flags, and its class-data sharing (AppCDS) archives.
 
 One micro-batch per process means the JVM starts cold every run, and most of
 Spark's start-up is loading and verifying some ten thousand classes. Java 17
 can dump the classes a run loaded into an archive (``-XX:ArchiveClassesAtExit``)
 and map it on later starts (``-XX:SharedArchiveFile``), which roughly halves
-Spark's start (figures in docs/benchmarks.md).
+Spark's start (figures in docs/benchmarks.md). `spark-submit` first runs a
+small launcher JVM that only works out the driver's command line; it gets an
+archive of its own and the same short-lived flags (``SPARK_LAUNCHER_OPTS``).
 
-This module only names the archive and picks the flags, so a session can
+This module only names the archives and picks the flags, so a session can
 import it without importing the protocol. `python -m spark_jobs.demo.warm_jvm`
-(run by `make setup`) builds the archive with a small real batch. Runs use it
-only if it exists. It is keyed by the pyspark version, the Java version and
-the install location; a mismatch makes the JVM silently skip it
-(``-Xshare:auto`` is the default; its log lines are switched off).
+(run by `make setup`) builds the archives with a small real batch. Runs use
+them only if they exist. They are keyed by the pyspark version and install
+location and by the Java binary (its resolved path, size and modification
+time: a stat, not a `java -version`, which cost a tenth of a second a run);
+a mismatch makes the JVM silently skip an archive (``-Xshare:auto`` is the
+default; its log lines are switched off).
 """
 
 from __future__ import annotations
@@ -19,10 +23,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import subprocess
+import shutil
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "OPTIONS_ENV", "SHORT_JOB_JVM_OPTIONS", "archive_path", "driver_java_options"]
+__all__ = [
+    "CACHE_ENV",
+    "LAUNCHER_ENV",
+    "OPTIONS_ENV",
+    "SHORT_JOB_JVM_OPTIONS",
+    "archive_path",
+    "driver_java_options",
+    "launcher_archive_path",
+    "launcher_java_options",
+]
 
 #: A one-batch process lives for seconds: the C1 compiler alone reaches fast
 #: enough code sooner than tiered C2, and the serial collector starts
@@ -31,23 +44,50 @@ __all__ = ["CACHE_ENV", "OPTIONS_ENV", "SHORT_JOB_JVM_OPTIONS", "archive_path", 
 SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
+#: Read by `spark-class` for the launcher JVM that builds the driver's command line.
+LAUNCHER_ENV = "SPARK_LAUNCHER_OPTS"
+_QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 @functools.cache
-def _java_version() -> str:
+def _java_identity() -> str:
+    """The Java binary `spark-class` will run (``$JAVA_HOME/bin/java``, else
+    the one on the PATH), as resolved path, size and modification time: a
+    new or upgraded JDK gets new archives."""
+    home = os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    if not java:
+        return "no java"
     try:
-        out = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30).stderr
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.splitlines()[0] if out else "unknown"
+        real = os.path.realpath(java)
+        st = os.stat(real)
+    except OSError:
+        return f"unreadable {java}"
+    return f"{real}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
+
+
+def _key() -> str:
+    import pyspark
+
+    return hashlib.sha256(f"{pyspark.__version__}|{_java_identity()}|{pyspark.__file__}".encode()).hexdigest()[:16]
 
 
 def archive_path() -> Path:
+    """The driver JVM's archive."""
     import pyspark
 
-    key = hashlib.sha256(f"{pyspark.__version__}|{_java_version()}|{pyspark.__file__}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
-    return cache / f"spark-driver-{pyspark.__version__}-{key}.jsa"
+    return _cache_dir() / f"spark-driver-{pyspark.__version__}-{_key()}.jsa"
+
+
+def launcher_archive_path() -> Path:
+    """The `spark-submit` launcher JVM's archive."""
+    import pyspark
+
+    return _cache_dir() / f"spark-launcher-{pyspark.__version__}-{_key()}.jsa"
 
 
 def driver_java_options(short_lived: bool = True) -> str:
@@ -58,5 +98,17 @@ def driver_java_options(short_lived: bool = True) -> str:
     options = [SHORT_JOB_JVM_OPTIONS] if short_lived else []
     archive = archive_path()
     if archive.is_file():
-        options.append(f"-XX:SharedArchiveFile={archive} -Xlog:cds=off -Xlog:cds+dynamic=off")
+        options.append(f"-XX:SharedArchiveFile={archive} {_QUIET_CDS}")
     return " ".join(options)
+
+
+def launcher_java_options() -> str | None:
+    """Options for `spark-submit`'s launcher JVM, or None to leave it alone
+    (no archive yet, or ``SPARK_LAUNCHER_OPTS`` already set by the user).
+    It runs for a tenth of a second, so it always gets the short-lived flags."""
+    if LAUNCHER_ENV in os.environ:
+        return None
+    archive = launcher_archive_path()
+    if not archive.is_file():
+        return None
+    return f"{SHORT_JOB_JVM_OPTIONS} -XX:SharedArchiveFile={archive} {_QUIET_CDS}"

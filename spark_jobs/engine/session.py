@@ -7,13 +7,17 @@ process that runs one batch, for a fast JVM start (`jvm_cache`).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from spark_jobs.core.spec import PipelineSpec
-from spark_jobs.engine.jvm_cache import driver_java_options
+from spark_jobs.engine.jvm_cache import LAUNCHER_ENV, driver_java_options, launcher_java_options
 from spark_jobs.engine.jvm_output import relayed_output
 
 if TYPE_CHECKING:
@@ -68,12 +72,50 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     if SparkContext._active_spark_context is None and not under_spark_submit():
         # A new driver JVM: its console output goes to logging at its own
         # level, not to stderr (which Airflow shows as errors).
-        with relayed_output():
+        _import_pandas_meanwhile()
+        with relayed_output(), _launcher_options():
             session = builder.getOrCreate()
     else:
         session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
     return session
+
+
+def _import_pandas_meanwhile() -> None:
+    """Import pandas on a thread while the driver JVM boots.
+
+    pyspark's first call into a new JVM passes its configuration through a
+    py4j converter whose check imports `pyspark.testing.utils`, and so
+    pandas: a third of a second of Python on the start's critical path while
+    the JVM waits. Begun now, the import runs during the second or so that
+    Python only waits for the JVM (measured: docs/benchmarks.md). Only pandas,
+    which imports nothing of pyspark: importing pyspark modules from two
+    threads at once can meet a partly initialised module.
+    """
+    if "pandas" in sys.modules:
+        return
+
+    def load() -> None:
+        try:
+            importlib.import_module("pandas")
+        except ImportError:  # pyspark then reports it, on its own path
+            pass
+
+    threading.Thread(target=load, name="microbatch-import-pandas", daemon=True).start()
+
+
+@contextmanager
+def _launcher_options() -> Iterator[None]:
+    """`spark-submit`'s launcher JVM with its class archive, for this launch only."""
+    options = launcher_java_options()
+    if options is None:
+        yield
+        return
+    os.environ[LAUNCHER_ENV] = options
+    try:
+        yield
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
 
 
 def under_spark_submit() -> bool:

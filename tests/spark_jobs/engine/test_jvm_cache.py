@@ -31,3 +31,38 @@ def test_a_corrupt_archive_does_not_break_a_run(spec_path, tmp_path, monkeypatch
     assert result.returncode == 0, result.stderr[-2000:]
     assert "committed" in result.stdout
     assert_exact(spec_path)
+
+
+def test_the_launcher_gets_its_archive_unless_the_user_set_its_options(tmp_path, monkeypatch):
+    monkeypatch.setenv(jvm_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(jvm_cache.LAUNCHER_ENV, raising=False)
+    assert jvm_cache.launcher_java_options() is None  # no archive yet: the launcher as Spark ships it
+    archive = jvm_cache.launcher_archive_path()
+    assert archive != jvm_cache.archive_path()
+    archive.write_bytes(b"x")
+    options = jvm_cache.launcher_java_options()
+    assert options is not None and f"-XX:SharedArchiveFile={archive}" in options
+    monkeypatch.setenv(jvm_cache.LAUNCHER_ENV, "-Xmx64m")
+    assert jvm_cache.launcher_java_options() is None
+
+
+def test_the_archives_follow_the_java_binary(tmp_path, monkeypatch):
+    """A new or upgraded JDK (another binary, or the same path rewritten) gets
+    new archive names: a stale archive is never even offered to it."""
+    monkeypatch.setenv(jvm_cache.CACHE_ENV, str(tmp_path / "cache"))
+    java = tmp_path / "jdk" / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text("a")
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "jdk"))
+    jvm_cache._java_identity.cache_clear()
+    try:
+        first = jvm_cache.archive_path(), jvm_cache.launcher_archive_path()
+        java.write_text("an upgrade")
+        jvm_cache._java_identity.cache_clear()
+        second = jvm_cache.archive_path(), jvm_cache.launcher_archive_path()
+        assert first[0] != second[0] and first[1] != second[1]
+        monkeypatch.setenv("JAVA_HOME", str(tmp_path / "elsewhere"))
+        jvm_cache._java_identity.cache_clear()
+        assert jvm_cache.archive_path() not in (first[0], second[0])
+    finally:
+        jvm_cache._java_identity.cache_clear()

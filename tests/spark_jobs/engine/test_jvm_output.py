@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
+from pathlib import Path
 
+from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.jvm_output import relay_line
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_exact, run_cli
 
 STARTUP = [
     "WARNING: Using incubator modules: jdk.incubator.vector",
@@ -67,3 +72,33 @@ def test_the_driver_jvm_holds_none_of_the_process_streams():
     ours = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("STREAMS"))
     jvm = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("JVM"))
     assert len(ours) == 2 and not set(ours) & set(jvm), (ours, jvm)
+
+
+def _marked(mark: str) -> list[int]:
+    """Pids of live processes whose environment holds `mark`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"MICROBATCH_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def test_the_cli_ends_without_teardown_and_its_driver_jvm_ends_by_itself(spec_path):
+    """The CLI leaves with `os._exit` once its output is flushed: the output is
+    whole, the exit code is the run's, the batch is committed, and the driver
+    JVM, which watches its standard input, exits after it."""
+    mark = uuid.uuid4().hex
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=50)
+    result = run_cli("run", str(spec_path), "--json", env={"MICROBATCH_TEST_MARK": mark})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.rstrip().endswith("}") and '"committed"' in result.stdout
+    assert_exact(spec_path)
+    deadline = time.monotonic() + 60
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"still running after the CLI ended: {left}"
+    failed = run_cli("run", str(spec_path.parent / "missing.yaml"))
+    assert failed.returncode != 0 and failed.stderr.startswith("error:"), failed.stderr[-2000:]

@@ -46,7 +46,6 @@ OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.
 LAUNCHER_ENV = "SPARK_LAUNCHER_OPTS"
-_QUIET_CDS = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 @functools.cache
@@ -66,28 +65,28 @@ def _java_identity() -> str:
     return f"{real}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
-
-
-def _key() -> str:
+def _archive(jvm: str) -> Path:
+    """Where the archive of `jvm` ("driver" or "launcher") lives."""
     import pyspark
 
-    return hashlib.sha256(f"{pyspark.__version__}|{_java_identity()}|{pyspark.__file__}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{pyspark.__version__}|{_java_identity()}|{pyspark.__file__}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
+    return cache / f"spark-{jvm}-{pyspark.__version__}-{key}.jsa"
+
+
+def _mapping(archive: Path) -> str:
+    """The flags that map `archive`, quietly."""
+    return f"-XX:SharedArchiveFile={archive} -Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 def archive_path() -> Path:
     """The driver JVM's archive."""
-    import pyspark
-
-    return _cache_dir() / f"spark-driver-{pyspark.__version__}-{_key()}.jsa"
+    return _archive("driver")
 
 
 def launcher_archive_path() -> Path:
     """The `spark-submit` launcher JVM's archive."""
-    import pyspark
-
-    return _cache_dir() / f"spark-launcher-{pyspark.__version__}-{_key()}.jsa"
+    return _archive("launcher")
 
 
 def driver_java_options(short_lived: bool = True) -> str:
@@ -98,7 +97,7 @@ def driver_java_options(short_lived: bool = True) -> str:
     options = [SHORT_JOB_JVM_OPTIONS] if short_lived else []
     archive = archive_path()
     if archive.is_file():
-        options.append(f"-XX:SharedArchiveFile={archive} {_QUIET_CDS}")
+        options.append(_mapping(archive))
     return " ".join(options)
 
 
@@ -111,4 +110,4 @@ def launcher_java_options() -> str | None:
     archive = launcher_archive_path()
     if not archive.is_file():
         return None
-    return f"{SHORT_JOB_JVM_OPTIONS} -XX:SharedArchiveFile={archive} {_QUIET_CDS}"
+    return f"{SHORT_JOB_JVM_OPTIONS} {_mapping(archive)}"

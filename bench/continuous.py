@@ -583,7 +583,7 @@ def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[
         "",
         "### While nothing arrives",
         "",
-        f"* The project, a run that finds nothing new (a new process that reads the ledger and lists the folder; no JVM): "
+        f"* The project, a run that finds nothing new (a new process that reads the ledger and lists the folder, and stops the driver JVM it launched ahead of need): "
         f"{idle['cpu_s']:.2f} CPU-s and {idle['wall_s']:.2f} s wall. Scheduled every minute: {idle['cpu_s'] * 60:.0f} CPU-s an hour.",
     ]
     for p in flink:

@@ -10,7 +10,7 @@ checkpoint and state:
   start, planning, reading, parsing, merging, committing);
 * one batch in a warm process (one Spark session shared by the runs: what
   the source's read costs once Spark runs);
-* a run with nothing new (planning only, no JVM).
+* a run with nothing new (planning only, no Spark session).
 
 The two states must come out equal (checked), so both read the same
 records. Results go to docs/benchmarks.md, section "Kafka against files".
@@ -173,7 +173,7 @@ def write_doc(records: int, produce_s: float, cold: dict, noop: dict, warm: dict
         "|---|---|---|---|",
         row("new process (`microbatch run`)", cold),
         row("warm process (Spark session running)", warm),
-        row("run with nothing new (no JVM)", noop),
+        row("run with nothing new (no Spark session)", noop),
         "",
         "Kafka records are fetched by Python consumers on the executors (one task per partition range; "
         "confluent-kafka) and reach Spark as Arrow batches; files are read by Spark's own text reader. All "

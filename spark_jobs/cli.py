@@ -25,6 +25,7 @@ from spark_jobs.errors import EXIT_OK, MicrobatchError, exit_code
 
 if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
+    from spark_jobs.core.spec import PipelineSpec
 
 __all__ = ["build_parser", "main"]
 
@@ -175,15 +176,17 @@ def _run_id(kind: str) -> str:
     return f"cli{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    from spark_jobs.core.inspect import history, status
-    from spark_jobs.core.protocol import RunOptions, run_batch
-    from spark_jobs.core.rewind import rewind
-    from spark_jobs.core.spec import load_spec
+def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    """`microbatch run`: one batch."""
     from spark_jobs.engine import compute_factory
 
-    spec = load_spec(args.spec, storage_roots=args.storage_root)
-    if args.command == "run":
+    # The driver JVM is launched first, so that it boots while the protocol's
+    # libraries load and the batch is planned; a run that finds nothing new
+    # (or fails before its batch) stops it in `discard`.
+    factory = compute_factory(spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run)
+    try:
+        from spark_jobs.core.protocol import RunOptions, run_batch
+
         options = RunOptions(
             run_id=args.run_id or _run_id(""),
             interval_end=args.until,
@@ -191,9 +194,22 @@ def _dispatch(args: argparse.Namespace) -> int:
             max_records=args.max_records,
             dry_run=args.dry_run,
         )
-        outcome = run_batch(spec, options, compute_factory(spec, args.master, process_ends=args.process_ends))
-        _print_outcome(outcome, args.json)
-        return EXIT_OK
+        outcome = run_batch(spec, options, factory)
+    finally:
+        factory.discard()
+    _print_outcome(outcome, args.json)
+    return EXIT_OK
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from spark_jobs.core.spec import load_spec
+
+    spec = load_spec(args.spec, storage_roots=args.storage_root)
+    if args.command == "run":
+        return _run(spec, args)
+    from spark_jobs.core.inspect import history, status
+    from spark_jobs.core.rewind import rewind
+
     if args.command == "status":
         st = status(spec)
         if args.json:

@@ -160,6 +160,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300)
     )
 
 
+def marked_processes(mark: str) -> list[int]:
+    """Pids of live processes (other than this one) whose environment holds
+    ``MICROBATCH_TEST_MARK=<mark>``: a CLI run given that mark, and the JVMs it started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"MICROBATCH_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return [pid for pid in found if pid != os.getpid()]
+
+
 def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full_env = {**os.environ, **(env or {})}
     return subprocess.Popen(

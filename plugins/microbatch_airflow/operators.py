@@ -166,7 +166,13 @@ class MicroBatchOperator(BaseOperator):
             dry_run=bool(params.get("dry_run", False)),
         )
         conn_id = self.spark_conn_id or airflow_spec(spec).spark_conn_id
-        make_compute = compute_factory(spec, self.spark_master or (spark_master(conn_id) if conn_id else None))
+        # The driver JVM boots while the run reconciles and plans; a run with
+        # nothing new (or a rewind alone) stops it in `discard`.
+        make_compute = compute_factory(
+            spec,
+            self.spark_master or (spark_master(conn_id) if conn_id else None),
+            start_driver=not options.dry_run and not params.get("rewind_only"),
+        )
         rewound: BatchOutcome | None = None
         try:
             if rewind_to is not None and not options.dry_run:
@@ -182,6 +188,8 @@ class MicroBatchOperator(BaseOperator):
             if is_retryable(exc):
                 raise
             raise AirflowFailException(str(exc)) from exc
+        finally:
+            make_compute.discard()
 
         if rewound is not None:
             # The state changed even if nothing new was processed after it.

@@ -102,7 +102,7 @@ def main() -> None:
     for wave in range(3):
         land(wave)
         cli("run", str(spec_file))
-    cli("run", str(spec_file))  # nothing new: no JVM, well under a second
+    cli("run", str(spec_file))  # nothing new: no Spark session, well under a second
 
     banner("2. The offset ledger and the state")
     cli("history", str(spec_file))

@@ -3,41 +3,69 @@
 `spark_compute` reads a planned range, quarantines bad records and runs the
 transform; `session` makes and configures Spark sessions (local, standalone
 cluster, Spark Connect); `s3_read` fetches S3 objects on the executors;
-`jvm_cache` supplies the driver JVM's flags and class archive.
+`driver` launches the local driver JVM (ahead of need, for a one-batch
+process); `jvm_cache` supplies its flags and class archive.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from spark_jobs.core.compute import Compute
     from spark_jobs.core.spec import PipelineSpec
+    from spark_jobs.engine.driver import DriverLaunch
 
-__all__ = ["compute_factory"]
+__all__ = ["SparkFactory", "compute_factory"]
 
 log = logging.getLogger("microbatch")
 
 
-def compute_factory(spec: PipelineSpec, master: str | None = None, *, process_ends: bool = False) -> Callable[[], Compute]:
+class SparkFactory:
+    """Makes a run's `SparkCompute`; the protocol calls it only when a batch has work.
+
+    Holds the driver JVM launched ahead of need (`start_driver`), hands it to
+    the compute it makes, and stops it in `discard` if no batch used it.
+    """
+
+    def __init__(self, master: str | None, *, process_ends: bool, launch: DriverLaunch | None) -> None:
+        self._master = master
+        self._process_ends = process_ends
+        self._launch = launch
+
+    def __call__(self) -> Compute:
+        from spark_jobs.engine.session import redact_master
+        from spark_jobs.engine.spark_compute import SparkCompute
+
+        log.info("Spark master: %s", redact_master(self._master))
+        launch, self._launch = self._launch, None
+        return SparkCompute(master=self._master, stop_on_close=not self._process_ends, launch=launch)
+
+    def discard(self) -> None:
+        """Stop the driver launched ahead of need if no batch took it (nothing new, a dry run, an error)."""
+        launch, self._launch = self._launch, None
+        if launch is not None:
+            launch.cancel()
+
+
+def compute_factory(
+    spec: PipelineSpec, master: str | None = None, *, process_ends: bool = False, start_driver: bool = False
+) -> SparkFactory:
     """Spark for `spec`'s runs, on `master` or the one `resolve_master` picks.
 
     The one place the CLI, the operator and the warm-up choose their engine.
-    Returns a factory: the protocol calls it only when a batch has work, so a
-    run with nothing new never imports pyspark or starts a JVM.
-    `process_ends`: the process exits after the run (the CLI), so a driver
-    JVM it started is left to end with it rather than stopped first.
+    Returns a factory: the protocol calls it only when a batch has work, so
+    a run with nothing new starts no session. `process_ends`: the process
+    exits after the run (the CLI), so a driver JVM it started is left to end
+    with it rather than stopped first. `start_driver`: for a run that most
+    likely has a batch to process, launch the local driver JVM now, so that
+    it boots while the run plans (`spark_jobs.engine.driver`); the caller
+    calls `discard()` when the run is over, which stops it if unused.
     """
-    from spark_jobs.engine.session import redact_master, resolve_master
+    from spark_jobs.engine.session import launch_driver, resolve_master
 
     resolved = resolve_master(master, spec)
-
-    def make() -> Compute:
-        from spark_jobs.engine.spark_compute import SparkCompute
-
-        log.info("Spark master: %s", redact_master(resolved))
-        return SparkCompute(master=resolved, stop_on_close=not process_ends)
-
-    return make
+    remote = resolved is not None and resolved.startswith("sc://")
+    launch = launch_driver(resolved) if start_driver and not remote else None
+    return SparkFactory(resolved, process_ends=process_ends, launch=launch)

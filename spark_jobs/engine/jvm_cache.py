@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -65,13 +67,20 @@ def _java_identity() -> str:
     return f"{real}|{st.st_size}|{st.st_mtime_ns}"
 
 
+@functools.cache
+def _pyspark() -> tuple[str, str]:
+    """pyspark's version and location, found without importing it: a run
+    launches its driver before it imports pyspark (`spark_jobs.engine.driver`)."""
+    found = importlib.util.find_spec("pyspark")
+    return importlib.metadata.version("pyspark"), str(found.origin if found else None)
+
+
 def _archive(jvm: str) -> Path:
     """Where the archive of `jvm` ("driver" or "launcher") lives."""
-    import pyspark
-
-    key = hashlib.sha256(f"{pyspark.__version__}|{_java_identity()}|{pyspark.__file__}".encode()).hexdigest()[:16]
+    version, location = _pyspark()
+    key = hashlib.sha256(f"{version}|{_java_identity()}|{location}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
-    return cache / f"spark-{jvm}-{pyspark.__version__}-{key}.jsa"
+    return cache / f"spark-{jvm}-{version}-{key}.jsa"
 
 
 def _mapping(archive: Path) -> str:

@@ -3,12 +3,12 @@
 Spark's JVM writes its log (log4j: ``26/11/23 22:56:47 WARN Logger: ...``)
 and a few start-up notices to the standard error it inherits. Under Airflow
 that stream is the task's stderr, which Airflow logs at ERROR: every
-successful run showed five red lines, none of them an error. So while a
-session starts, the JVM is handed a pipe for its standard output and error
-instead, and a thread relays each line to the ``microbatch.spark`` logger
-at the level log4j gave it. Lines
-without a level (a stack trace's frames) keep the level of the record they
-continue; the start-up notices no user needs are dropped (`QUIET`).
+successful run showed five red lines, none of them an error. So the JVM is
+launched (`spark_jobs.engine.driver`) with a pipe for its standard output
+and error instead (`relay_pipe`), and a thread relays each line to the
+``microbatch.spark`` logger at the level log4j gave it. Lines without a
+level (a stack trace's frames) keep the level of the record they continue;
+the start-up notices no user needs are dropped (`QUIET`).
 
 The JVM keeps the pipe for its whole life, and so do the Python workers it
 starts, so their tracebacks are relayed too (at WARNING: they have no level
@@ -21,10 +21,8 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-__all__ = ["QUIET", "relay_line", "relayed_output"]
+__all__ = ["QUIET", "relay_line", "relay_pipe"]
 
 log = logging.getLogger("microbatch.spark")
 
@@ -63,11 +61,10 @@ def relay_line(line: str, previous: int | None) -> tuple[int | None, str | None]
     return previous, line
 
 
-@contextmanager
-def relayed_output() -> Iterator[None]:
-    """Processes started inside the block (the driver JVM) write their
-    standard output and error to a pipe whose lines are relayed to logging;
-    this process's own streams are untouched after the block.
+def relay_pipe() -> int:
+    """The write end of a pipe whose lines are relayed to logging, for a
+    child process's standard output and error. The caller hands it to the
+    child and closes its own copy; the relay ends when every holder has.
 
     Standard output goes there too, so that the JVM holds no copy of this
     process's streams: whoever reads them (a shell's pipe, Airflow's task
@@ -75,38 +72,14 @@ def relayed_output() -> Iterator[None]:
     the JVM has finished shutting down half a second later.
     """
     read_fd, write_fd = os.pipe()
-    released = threading.Event()
-    # Read from the start (a full pipe would stall the JVM), but log only
-    # after the block: inside it this process's own streams are the pipe
-    # too, and a handler writing there would feed its output back in.
-    threading.Thread(target=_relay, args=(read_fd, released), name="jvm-output-relay", daemon=True).start()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    for fd in saved:
-        os.dup2(write_fd, fd)
-    os.close(write_fd)
-    try:
-        yield
-    finally:
-        # The JVM holds its own copies of the write end; once it (and its
-        # workers) exit, the relay reads EOF and ends.
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
-        released.set()
+    threading.Thread(target=_relay, args=(read_fd,), name="jvm-output-relay", daemon=True).start()
+    return write_fd
 
 
-def _relay(read_fd: int, released: threading.Event) -> None:
+def _relay(read_fd: int) -> None:
     level: int | None = None
-    held: list[tuple[int, str]] = []
     with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as stream:
         for line in stream:
             level, text = relay_line(line, level)
-            if text is None:
-                continue
-            held.append((level if level is not None else logging.WARNING, text))
-            if released.is_set():
-                for at, message in held:
-                    log.log(at, "%s", message)
-                held.clear()
-    for at, message in held:
-        log.log(at, "%s", message)
+            if text is not None:
+                log.log(level if level is not None else logging.WARNING, "%s", text)

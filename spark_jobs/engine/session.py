@@ -12,31 +12,93 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from spark_jobs.core.spec import PipelineSpec
-from spark_jobs.engine.jvm_cache import LAUNCHER_ENV, driver_java_options, launcher_java_options
-from spark_jobs.engine.jvm_output import relayed_output
+from spark_jobs.engine.driver import DriverLaunch
+from spark_jobs.engine.jvm_cache import driver_java_options
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["connect_session", "default_session", "redact_master", "resolve_master", "under_spark_submit"]
+#: Set to 0 to start a run's driver JVM only once its batch has work (`launch_driver`).
+EARLY_DRIVER_ENV = "MICROBATCH_EARLY_DRIVER"
+
+__all__ = [
+    "EARLY_DRIVER_ENV",
+    "connect_session",
+    "default_session",
+    "launch_driver",
+    "redact_master",
+    "resolve_master",
+    "session_options",
+    "under_spark_submit",
+]
 
 
-def default_session(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> SparkSession:
+def default_session(
+    master: str | None = None,
+    app_name: str = "microbatch",
+    *,
+    short_lived: bool = True,
+    launch: DriverLaunch | None = None,
+) -> SparkSession:
     """A Spark session tuned for micro-batches.
 
     Few shuffle partitions, UTC session time zone so timestamps mean the
     same everywhere, no UI. `short_lived`: the process runs one batch and
     exits (CLI, Airflow task), which picks JVM flags for a fast start
     (`spark_jobs.engine.jvm_cache`) and no adaptive re-planning; pass False
-    for a session that runs many batches.
+    for a session that runs many batches. `launch`: a driver JVM already
+    starting for this session (`launch_driver`), used if its settings are
+    this session's; else it is stopped and the driver launched now.
     """
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
+    options = session_options(master, app_name, short_lived=short_lived)
+    builder = SparkSession.builder
+    for key, value in options.items():
+        builder = builder.config(key, value)
+    if SparkContext._active_spark_context is None and not under_spark_submit():
+        # A new driver JVM, launched by us (`spark_jobs.engine.driver`): its
+        # console output goes to logging at its own level, not to stderr
+        # (which Airflow shows as errors).
+        if launch is None or launch.options != options:
+            if launch is not None:
+                launch.cancel()
+            launch = DriverLaunch(options)
+        _import_pandas_meanwhile()
+        # pyspark attaches a new context to a gateway it has, instead of launching its own.
+        SparkContext._ensure_initialized(gateway=launch.gateway())
+    elif launch is not None:
+        launch.cancel()  # a session exists already (or spark-submit runs us): nothing to attach to
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
+    return session
+
+
+def launch_driver(master: str | None = None, app_name: str = "microbatch") -> DriverLaunch | None:
+    """Start the driver JVM of a one-batch process's `default_session` now, on
+    a thread, or None where that session would not start one (under
+    spark-submit; a session already running) or ``MICROBATCH_EARLY_DRIVER=0``
+    says not to (pipelines whose runs mostly find nothing new, where the
+    launch costs each such run a tenth of a second and its JVM's first CPU)."""
+    if os.environ.get(EARLY_DRIVER_ENV, "1") == "0":
+        return None
+    if under_spark_submit() or ("pyspark" in sys.modules and _has_active_context()):
+        return None
+    return DriverLaunch(session_options(master, app_name, short_lived=True))
+
+
+def _has_active_context() -> bool:
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context is not None
+
+
+def session_options(master: str | None, app_name: str, *, short_lived: bool) -> dict[str, str]:
+    """The Spark configuration of `default_session` (and of its driver's launch)."""
     if master is None and not under_spark_submit():
         master = os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
     # Python workers (S3 fetches, Arrow transfers) need this interpreter's
@@ -45,40 +107,28 @@ def default_session(master: str | None = None, app_name: str = "microbatch", *, 
     if master and master.startswith("local"):
         # Bind the driver to loopback: nothing local needs another interface.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    builder = SparkSession.builder.appName(app_name)
+    options = {"spark.app.name": app_name}
     if master is not None:  # else spark-submit's --master applies
-        builder = builder.master(master)
-    builder = (
-        builder
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.shuffle.partitions", os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"))
+        options["spark.master"] = master
+    options.update({
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"),
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning
         # cost a third of a second a batch (measured: docs/benchmarks.md).
-        .config("spark.sql.adaptive.enabled", "false" if short_lived else "true")
-        .config("spark.driver.memory", os.environ.get("MICROBATCH_DRIVER_MEMORY", "2g"))
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .config("spark.driver.extraJavaOptions", driver_java_options(short_lived))
+        "spark.sql.adaptive.enabled": "false" if short_lived else "true",
+        "spark.driver.memory": os.environ.get("MICROBATCH_DRIVER_MEMORY", "2g"),
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.driver.extraJavaOptions": driver_java_options(short_lived),
         # Hadoop's default local file system looks for a `.<name>.crc` beside
         # each file it reads, and cannot even form that name for a file whose
         # name holds a ':' (common in timestamped names). Source files never
         # have Hadoop checksums, so read them through the raw file system.
-        .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
-    )
-    from pyspark import SparkContext
-
-    if SparkContext._active_spark_context is None and not under_spark_submit():
-        # A new driver JVM: its console output goes to logging at its own
-        # level, not to stderr (which Airflow shows as errors).
-        _import_pandas_meanwhile()
-        with relayed_output(), _launcher_options():
-            session = builder.getOrCreate()
-    else:
-        session = builder.getOrCreate()
-    session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
-    return session
+        "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    })
+    return options
 
 
 def _import_pandas_meanwhile() -> None:
@@ -102,20 +152,6 @@ def _import_pandas_meanwhile() -> None:
             pass
 
     threading.Thread(target=load, name="microbatch-import-pandas", daemon=True).start()
-
-
-@contextmanager
-def _launcher_options() -> Iterator[None]:
-    """`spark-submit`'s launcher JVM with its class archive, for this launch only."""
-    options = launcher_java_options()
-    if options is None:
-        yield
-        return
-    os.environ[LAUNCHER_ENV] = options
-    try:
-        yield
-    finally:
-        os.environ.pop(LAUNCHER_ENV, None)
 
 
 def under_spark_submit() -> bool:

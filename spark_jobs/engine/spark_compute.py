@@ -49,6 +49,8 @@ from spark_jobs.storage.s3 import is_s3
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
+    from spark_jobs.engine.driver import DriverLaunch
+
 __all__ = ["SparkCompute", "spark_path"]
 
 log = logging.getLogger("microbatch")
@@ -97,9 +99,12 @@ class SparkCompute:
         *,
         native_reads: bool = True,
         stop_on_close: bool = True,
+        launch: DriverLaunch | None = None,
     ) -> None:
         self._session = session
         self._master = master
+        #: A driver JVM already starting for this compute's session (`SparkFactory`).
+        self._launch = launch
         self._owns_session = False
         #: False for a process that exits after the batch: its driver JVM
         #: ends when this process does (it watches its standard input), and
@@ -115,14 +120,21 @@ class SparkCompute:
         if self._session is None:
             from pyspark.sql import SparkSession
 
+            launch, self._launch = self._launch, None
             if self._master and self._master.startswith("sc://"):
+                if launch is not None:
+                    launch.cancel()
                 log.info("connecting to Spark Connect at %s", redact_master(self._master))
                 self._session, self._owns_session = connect_session(self._master), True
                 return self._session
             active = SparkSession.getActiveSession()
             if active is None:
                 log.info("starting Spark (master %s)", redact_master(self._master))
-            self._session = active or default_session(self._master)
+                self._session = default_session(self._master, launch=launch)
+            else:
+                if launch is not None:
+                    launch.cancel()
+                self._session = active
             self._owns_session = active is None
         return self._session
 
@@ -131,6 +143,9 @@ class SparkCompute:
         self.spark  # noqa: B018 - the property starts the session
 
     def close(self) -> None:
+        if self._launch is not None:  # started ahead of need, never used
+            self._launch.cancel()
+            self._launch = None
         if self._session is not None and self._owns_session and (self._stop_on_close or _is_connect(self._session)):
             session, self._session = self._session, None
             try:

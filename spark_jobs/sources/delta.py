@@ -27,7 +27,7 @@ version reads its log entry and checks its files exist: the cost is the
 batch's, never the table's age.
 
 Planning reads only the table's log (no data, no JVM), so a run with nothing
-new never starts Spark.
+new never starts a Spark session.
 """
 
 from __future__ import annotations

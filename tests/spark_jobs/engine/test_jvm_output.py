@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
-from pathlib import Path
 
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.jvm_output import relay_line
-from tests.conftest import ROOT, assert_exact, run_cli
+from tests.conftest import ROOT, assert_exact, marked_processes, run_cli
 
 STARTUP = [
     "WARNING: Using incubator modules: jdk.incubator.vector",
@@ -74,18 +72,6 @@ def test_the_driver_jvm_holds_none_of_the_process_streams():
     assert len(ours) == 2 and not set(ours) & set(jvm), (ours, jvm)
 
 
-def _marked(mark: str) -> list[int]:
-    """Pids of live processes whose environment holds `mark`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"MICROBATCH_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return [pid for pid in found if pid != os.getpid()]
-
-
 def test_the_cli_ends_without_teardown_and_its_driver_jvm_ends_by_itself(spec_path):
     """The CLI leaves with `os._exit` once its output is flushed: the output is
     whole, the exit code is the run's, the batch is committed, and the driver
@@ -97,7 +83,7 @@ def test_the_cli_ends_without_teardown_and_its_driver_jvm_ends_by_itself(spec_pa
     assert result.stdout.rstrip().endswith("}") and '"committed"' in result.stdout
     assert_exact(spec_path)
     deadline = time.monotonic() + 60
-    while (left := _marked(mark)) and time.monotonic() < deadline:
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"still running after the CLI ended: {left}"
     failed = run_cli("run", str(spec_path.parent / "missing.yaml"))

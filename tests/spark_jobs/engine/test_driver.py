@@ -1,0 +1,72 @@
+"""The driver JVM launched ahead of need (`spark_jobs.engine.driver`): used
+by the batch that needs it, stopped by a run that does not, and a JVM that
+cannot start says why."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.engine.driver import DriverExitedError, DriverLaunch
+from spark_jobs.engine.session import EARLY_DRIVER_ENV, launch_driver, session_options
+from tests.conftest import assert_exact, marked_processes, run_cli
+
+
+def _gone(mark: str, seconds: float = 60) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_a_run_with_nothing_new_stops_the_driver_it_launched(spec_path, tmp_path):
+    """The CLI launches the driver before it knows whether there is work. A
+    batch uses it; a run that then finds nothing new stops it and removes
+    the launch's files, and says nothing about it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=40)
+    first = run_cli("run", str(spec_path), "--json", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert json.loads(first.stdout)["status"] == "committed"
+    assert_exact(spec_path)
+
+    mark = uuid.uuid4().hex
+    idle = run_cli("run", str(spec_path), "--json", env={**env, "MICROBATCH_TEST_MARK": mark})
+    assert idle.returncode == 0, idle.stderr[-2000:]
+    assert json.loads(idle.stdout)["status"] == "no_new_data"
+    assert "Spark" not in idle.stderr, idle.stderr  # no session, no JVM output relayed
+    assert not _gone(mark), "the driver launched ahead of need is still running"
+    assert not list(scratch.glob("microbatch-driver-*"))
+    assert_exact(spec_path)
+
+
+def test_a_cancelled_launch_ends_its_jvm_and_cannot_be_attached_to(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("MICROBATCH_TEST_MARK", mark)
+    launch = DriverLaunch(session_options("local[1]", "cancelled", short_lived=True))
+    time.sleep(0.5)  # mid-boot
+    launch.cancel()
+    with pytest.raises(DriverExitedError, match="cancelled"):
+        launch.gateway()
+    monkeypatch.delenv("MICROBATCH_TEST_MARK")
+    assert not _gone(mark), "the cancelled driver JVM is still running"
+    assert not list(tmp_path.glob("microbatch-driver-*"))
+
+
+def test_a_driver_that_cannot_start_says_what_to_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "no-jdk-here"))
+    launch = DriverLaunch(session_options("local[1]", "no-java", short_lived=True))
+    with pytest.raises(DriverExitedError, match=r"exited with code \d+ before it started.*Java 17"):
+        launch.gateway()
+
+
+def test_the_early_launch_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(EARLY_DRIVER_ENV, "0")
+    assert launch_driver("local[1]") is None

@@ -60,10 +60,12 @@ def default_session(
     builder = SparkSession.builder
     for key, value in options.items():
         builder = builder.config(key, value)
-    if SparkContext._active_spark_context is None and not under_spark_submit():
-        # A new driver JVM, launched by us (`spark_jobs.engine.driver`): its
-        # console output goes to logging at its own level, not to stderr
-        # (which Airflow shows as errors).
+    if SparkContext._gateway is None and not under_spark_submit():
+        # The process's first driver JVM, launched by us
+        # (`spark_jobs.engine.driver`): its console output goes to logging at
+        # its own level, not to stderr (which Airflow shows as errors). (A
+        # session stopped earlier in this process leaves its JVM running, and
+        # pyspark starts the next context on it.)
         if launch is None or launch.options != options:
             if launch is not None:
                 launch.cancel()
@@ -72,7 +74,7 @@ def default_session(
         # pyspark attaches a new context to a gateway it has, instead of launching its own.
         SparkContext._ensure_initialized(gateway=launch.gateway())
     elif launch is not None:
-        launch.cancel()  # a session exists already (or spark-submit runs us): nothing to attach to
+        launch.cancel()  # this process has its JVM already (or spark-submit's): nothing to attach to
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
     return session
@@ -81,20 +83,21 @@ def default_session(
 def launch_driver(master: str | None = None, app_name: str = "microbatch") -> DriverLaunch | None:
     """Start the driver JVM of a one-batch process's `default_session` now, on
     a thread, or None where that session would not start one (under
-    spark-submit; a session already running) or ``MICROBATCH_EARLY_DRIVER=0``
+    spark-submit; a JVM already running in this process) or ``MICROBATCH_EARLY_DRIVER=0``
     says not to (pipelines whose runs mostly find nothing new, where the
     launch costs each such run a tenth of a second and its JVM's first CPU)."""
     if os.environ.get(EARLY_DRIVER_ENV, "1") == "0":
         return None
-    if under_spark_submit() or ("pyspark" in sys.modules and _has_active_context()):
+    if under_spark_submit() or ("pyspark" in sys.modules and _has_gateway()):
         return None
     return DriverLaunch(session_options(master, app_name, short_lived=True))
 
 
-def _has_active_context() -> bool:
+def _has_gateway() -> bool:
+    """Whether this process already has a driver JVM (a session, running or stopped)."""
     from pyspark import SparkContext
 
-    return SparkContext._active_spark_context is not None
+    return SparkContext._gateway is not None
 
 
 def session_options(master: str | None, app_name: str, *, short_lived: bool) -> dict[str, str]:

@@ -5,6 +5,10 @@ cannot start says why."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
@@ -13,7 +17,7 @@ import pytest
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.driver import DriverExitedError, DriverLaunch
 from spark_jobs.engine.session import EARLY_DRIVER_ENV, launch_driver, session_options
-from tests.conftest import assert_exact, marked_processes, run_cli
+from tests.conftest import ROOT, assert_exact, marked_processes, run_cli
 
 
 def _gone(mark: str, seconds: float = 60) -> list[int]:
@@ -70,3 +74,27 @@ def test_a_driver_that_cannot_start_says_what_to_check(tmp_path, monkeypatch):
 def test_the_early_launch_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(EARLY_DRIVER_ENV, "0")
     assert launch_driver("local[1]") is None
+
+
+def test_a_process_keeps_its_one_jvm_across_sessions():
+    """pyspark starts a new context on the JVM of a stopped one: no second
+    JVM is launched, early or late, and none is left behind."""
+    script = textwrap.dedent(
+        """
+        from spark_jobs.engine.session import default_session, launch_driver
+        first = default_session("local[1]")
+        jvm = first._jvm.java.lang.ProcessHandle.current().pid()
+        first.stop()
+        assert launch_driver("local[1]") is None
+        second = default_session("local[1]")
+        assert second.range(3).count() == 3
+        print("JVMS", jvm, second._jvm.java.lang.ProcessHandle.current().pid(), flush=True)
+        """
+    )
+    mark = uuid.uuid4().hex
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "MICROBATCH_TEST_MARK": mark})
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("JVMS"))
+    assert first == second
+    assert not _gone(mark)

@@ -160,17 +160,23 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300)
     )
 
 
-def marked_processes(mark: str) -> list[int]:
-    """Pids of live processes (other than this one) whose environment holds
-    ``MICROBATCH_TEST_MARK=<mark>``: a CLI run given that mark, and the JVMs it started."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"MICROBATCH_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return [pid for pid in found if pid != os.getpid()]
+def marked_processes_left(mark: str, within: float = 60) -> list[int]:
+    """Pids of processes (other than this one) whose environment holds
+    ``MICROBATCH_TEST_MARK=<mark>`` (a CLI run given that mark, and the JVMs
+    it started) still running after waiting up to `within` seconds for them to end."""
+    deadline = time.monotonic() + within
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and f"MICROBATCH_TEST_MARK={mark}".encode() in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+        left = [pid for pid in found if pid != os.getpid()]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
 
 
 def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

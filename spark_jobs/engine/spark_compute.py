@@ -122,20 +122,18 @@ class SparkCompute:
 
             launch, self._launch = self._launch, None
             if self._master and self._master.startswith("sc://"):
-                if launch is not None:
-                    launch.cancel()
                 log.info("connecting to Spark Connect at %s", redact_master(self._master))
                 self._session, self._owns_session = connect_session(self._master), True
-                return self._session
-            active = SparkSession.getActiveSession()
-            if active is None:
-                log.info("starting Spark (master %s)", redact_master(self._master))
-                self._session = default_session(self._master, launch=launch)
             else:
-                if launch is not None:
-                    launch.cancel()
-                self._session = active
-            self._owns_session = active is None
+                active = SparkSession.getActiveSession()
+                if active is None:
+                    log.info("starting Spark (master %s)", redact_master(self._master))
+                    self._session, launch = default_session(self._master, launch=launch), None
+                else:
+                    self._session = active
+                self._owns_session = active is None
+            if launch is not None:  # a driver launched for nothing: the session is elsewhere
+                launch.cancel()
         return self._session
 
     def start(self) -> None:

@@ -17,14 +17,7 @@ import pytest
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.driver import DriverExitedError, DriverLaunch
 from spark_jobs.engine.session import EARLY_DRIVER_ENV, launch_driver, session_options
-from tests.conftest import ROOT, assert_exact, marked_processes, run_cli
-
-
-def _gone(mark: str, seconds: float = 60) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while (left := marked_processes(mark)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+from tests.conftest import ROOT, assert_exact, marked_processes_left, run_cli
 
 
 def test_a_run_with_nothing_new_stops_the_driver_it_launched(spec_path, tmp_path):
@@ -45,7 +38,7 @@ def test_a_run_with_nothing_new_stops_the_driver_it_launched(spec_path, tmp_path
     assert idle.returncode == 0, idle.stderr[-2000:]
     assert json.loads(idle.stdout)["status"] == "no_new_data"
     assert "Spark" not in idle.stderr, idle.stderr  # no session, no JVM output relayed
-    assert not _gone(mark), "the driver launched ahead of need is still running"
+    assert not marked_processes_left(mark), "the driver launched ahead of need is still running"
     assert not list(scratch.glob("microbatch-driver-*"))
     assert_exact(spec_path)
 
@@ -60,7 +53,7 @@ def test_a_cancelled_launch_ends_its_jvm_and_cannot_be_attached_to(tmp_path, mon
     with pytest.raises(DriverExitedError, match="cancelled"):
         launch.gateway()
     monkeypatch.delenv("MICROBATCH_TEST_MARK")
-    assert not _gone(mark), "the cancelled driver JVM is still running"
+    assert not marked_processes_left(mark), "the cancelled driver JVM is still running"
     assert not list(tmp_path.glob("microbatch-driver-*"))
 
 
@@ -97,4 +90,4 @@ def test_a_process_keeps_its_one_jvm_across_sessions():
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("JVMS"))
     assert first == second
-    assert not _gone(mark)
+    assert not marked_processes_left(mark)

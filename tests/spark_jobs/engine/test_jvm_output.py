@@ -6,12 +6,11 @@ import logging
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.jvm_output import relay_line
-from tests.conftest import ROOT, assert_exact, marked_processes, run_cli
+from tests.conftest import ROOT, assert_exact, marked_processes_left, run_cli
 
 STARTUP = [
     "WARNING: Using incubator modules: jdk.incubator.vector",
@@ -82,9 +81,7 @@ def test_the_cli_ends_without_teardown_and_its_driver_jvm_ends_by_itself(spec_pa
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip().endswith("}") and '"committed"' in result.stdout
     assert_exact(spec_path)
-    deadline = time.monotonic() + 60
-    while (left := marked_processes(mark)) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    left = marked_processes_left(mark)
     assert not left, f"still running after the CLI ended: {left}"
     failed = run_cli("run", str(spec_path.parent / "missing.yaml"))
     assert failed.returncode != 0 and failed.stderr.startswith("error:"), failed.stderr[-2000:]

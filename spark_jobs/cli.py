@@ -92,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--until", type=_parse_time, help="only read data that arrived before this ISO time")
     run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
     run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
-    run.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    run.add_argument("--json", action="store_true", help="print the outcome as JSON (with --catch-up: one object per line, per batch)")
+    run.add_argument(
+        "--catch-up",
+        action="store_true",
+        help="run batches back to back until nothing new is left (each its own exactly-once batch; "
+        "the next batch is read while one commits)",
+    )
+    run.add_argument("--max-batches", type=_positive, help="with --catch-up: stop after this many committed batches")
     run.add_argument(
         "--master",
         type=_master,
@@ -177,15 +184,20 @@ def _run_id(kind: str) -> str:
 
 
 def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
-    """`microbatch run`: one batch."""
+    """`microbatch run`: one batch, or (`--catch-up`) batches until nothing new is left."""
     from spark_jobs.engine import compute_factory
+
+    if args.max_batches and not args.catch_up:
+        raise SystemExit("microbatch run: --max-batches needs --catch-up")
+    if args.catch_up and args.dry_run:
+        raise SystemExit("microbatch run: --catch-up plans and commits batch after batch; a --dry-run shows one batch: drop one of the two")
 
     # The driver JVM is launched first, so that it boots while the protocol's
     # libraries load and the batch is planned; a run that finds nothing new
     # (or fails before its batch) stops it in `discard`.
     factory = compute_factory(spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run)
     try:
-        from spark_jobs.core.protocol import RunOptions, run_batch
+        from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
 
         options = RunOptions(
             run_id=args.run_id or _run_id(""),
@@ -194,6 +206,14 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
             max_records=args.max_records,
             dry_run=args.dry_run,
         )
+        if args.catch_up:
+
+            def shown(outcome: BatchOutcome) -> None:
+                _print_outcome(outcome, args.json, lines=True)
+                sys.stdout.flush()  # each batch as it commits, also into a pipe or a log
+
+            catch_up(spec, options, factory, max_batches=args.max_batches, on_outcome=shown)
+            return EXIT_OK
         outcome = run_batch(spec, options, factory)
     finally:
         factory.discard()
@@ -284,11 +304,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 # -- output -------------------------------------------------------------------------
 
 
-def _print_outcome(outcome: BatchOutcome, as_json: bool) -> None:
+def _print_outcome(outcome: BatchOutcome, as_json: bool, *, lines: bool = False) -> None:
+    """An outcome for people, or as JSON (`lines`: on one line, one outcome of several)."""
     from spark_jobs.core.outcome import Outcome
 
     if as_json:
-        print(json.dumps(outcome.to_dict(), indent=2, default=str))
+        print(json.dumps(outcome.to_dict(), indent=None if lines else 2, default=str))
         return
     print(f"{outcome.status}: {outcome.message}")
     if outcome.status is Outcome.COMMITTED:

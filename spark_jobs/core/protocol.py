@@ -64,6 +64,17 @@ and reports its batch committed.
 
 Each step is one function below, in this order: `reconcile`, `plan`,
 `read_and_quarantine`, `commit_state`, `project`; `run_batch` runs them.
+
+A process that runs batches back to back (`catch_up`: a backlog, a
+long-lived runner) runs the same five steps per batch, in the same order,
+and overlaps one thing: while batch N commits (steps 4 and 5, on a worker
+thread), the engine *reads ahead* the range N+1 will most likely get, the
+source's next range after N's as if N were committed. Reading writes
+nothing. Step 3 of N+1 uses that read only if step 2 then planned exactly
+its range; otherwise it is dropped and the planned range read, as in any
+run. A crash, a racing run or a file landing between the two plans costs
+the early read, never a record: the range recorded, read and committed is
+step 2's, as always.
 A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
 status and history (`spark_jobs.core.inspect`) only read.
 """
@@ -73,17 +84,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from spark_jobs.core import shutdown
 from spark_jobs.core.commits import CommitKind, CommitMetadata, StateCommit
-from spark_jobs.core.compute import Compute
+from spark_jobs.core.compute import Compute, ComputeResult
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
@@ -98,13 +110,15 @@ from spark_jobs.errors import (
     StateBehindLedgerError,
     StateChangedOutsideError,
     StateLedgerMismatchError,
+    first_line,
 )
 from spark_jobs.sources import BatchRange, Caps
+from spark_jobs.sources.base import Lineage
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["RunOptions", "check_spec", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
+__all__ = ["RunOptions", "catch_up", "check_spec", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
 
 log = logging.getLogger("microbatch")
 
@@ -429,12 +443,18 @@ def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute) -> Processed | Done:
+def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute, ahead: ReadAhead | None = None) -> Processed | Done:
     """Step 3: compute reads exactly the planned range; the state makes room
     for the batch (a new or widened merge column); bad records go to the
-    quarantine, once."""
+    quarantine, once. A read made ahead (`catch_up`) stands in for the
+    read only if it covers exactly the planned range."""
     spec, n = p.spec, plan_.position
-    result = compute.process(spec, plan_.batch)
+    if ahead is not None and ahead.covers(plan_.batch):
+        result = ahead.result
+    else:
+        if ahead is not None:
+            log.info("the range read ahead is not the one planned for %s: reading the planned range", n)
+        result = compute.process(spec, plan_.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
         table = p.state.open() or p.state.create(result.updates)
@@ -572,6 +592,143 @@ def project(p: Pipeline) -> None:
         p.source.after_commit(lineage)
     except Exception as exc:  # noqa: BLE001 - the batch is committed: releasing files never fails the run
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
+
+
+# -- Back to back: catching up, reading ahead ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadAhead:
+    """The engine's read of a range before step 2 planned it (`catch_up`)."""
+
+    batch: BatchRange
+    result: ComputeResult
+    seconds: float
+
+    def covers(self, batch: BatchRange) -> bool:
+        """Whether this read is of exactly `batch`: same offsets, same manifest
+        (for files: the same files, sizes and modification times)."""
+        return (self.batch.start.to_dict(), self.batch.end.to_dict(), self.batch.manifest.to_dict()) == (
+            batch.start.to_dict(),
+            batch.end.to_dict(),
+            batch.manifest.to_dict(),
+        )
+
+
+class _Ahead:
+    """The lineage as it will be once `batch` commits: what the read-ahead plans from."""
+
+    def __init__(self, lineage: Lineage, batch: BatchRange) -> None:
+        self._lineage = lineage
+        self._batch = batch
+
+    @property
+    def end(self) -> dict[str, Any]:
+        return self._batch.end.to_dict()
+
+    def consumed(self, keys: Collection[str]) -> dict[str, set[str]]:
+        wanted = set(keys)
+        found = self._lineage.consumed(wanted)
+        for key, version in self._batch.manifest.units():
+            if key in wanted:
+                found.setdefault(key, set()).add(version)
+        return found
+
+
+def catch_up(
+    spec: PipelineSpec,
+    options: RunOptions,
+    compute_factory: Callable[[], Compute],
+    *,
+    max_batches: int | None = None,
+    on_outcome: Callable[[BatchOutcome], None] | None = None,
+) -> list[BatchOutcome]:
+    """Run batches back to back on one engine until one does not commit
+    (nothing new is left, or another run got there first) or `max_batches`
+    have committed; each outcome goes to `on_outcome` as it is known.
+
+    Every batch is steps 1-5 of the module docstring, in order, with the
+    same fault points and SIGTERM stops as `run_batch`. While N's steps 4
+    and 5 run on a worker thread, this thread reads ahead N+1's likely
+    range (the module docstring says why that changes no guarantee). The
+    worker touches the pipeline's tables; this thread only the source's
+    files through the engine, so the two share nothing but the CPU. Steps
+    1 and 2 of N+1 wait for N's commit: they read what it wrote.
+    """
+    p = Pipeline(spec)
+    engine = _Engine(compute_factory)
+    outcomes: list[BatchOutcome] = []
+
+    def report(outcome: BatchOutcome) -> None:
+        outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    worker = ThreadPoolExecutor(1, thread_name_prefix="microbatch-commit")
+    ahead: ReadAhead | None = None
+    try:
+        while True:
+            started = time.monotonic()
+            steps = _Steps(engine)
+            with steps("reconcile"):
+                view = reconcile(p)
+            _boundary("after_reconcile", spec)
+            with steps("plan"):
+                plan_ = plan(p, view, options, engine)
+            if isinstance(plan_, Done):
+                report(_outcome(spec, options, started, plan_, steps=steps))
+                break
+            _boundary("after_plan", spec)
+            with steps("read"):
+                processed = read_and_quarantine(p, plan_, engine.get(), ahead)
+            if ahead is not None and ahead.covers(plan_.batch):
+                steps.ms["read_ahead"] = int(ahead.seconds * 1000)
+            if isinstance(processed, Done):
+                report(_outcome(spec, options, started, processed, steps=steps))
+                break
+            last = max_batches is not None and len(outcomes) + 1 >= max_batches
+            committing = worker.submit(_commit_and_project, p, plan_, processed, options, started, steps)
+            ahead = None if last else _read_ahead(p, plan_, options, engine.get())
+            outcome = committing.result()
+            report(outcome)
+            if last or outcome.status is not Outcome.COMMITTED:
+                break
+    finally:
+        worker.shutdown(wait=True)
+        engine.close()
+    return outcomes
+
+
+def _commit_and_project(
+    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: _Steps
+) -> BatchOutcome:
+    """Steps 4 and 5 of a batch whose step 3 is done, as `run_batch` runs them."""
+    spec = p.spec
+    with steps("commit"):
+        committed = commit_state(p, plan_, processed, options, started)
+    if isinstance(committed, Done):
+        return _outcome(spec, options, started, committed, steps=steps)
+    log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
+    with steps("project"):
+        project(p)
+    done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
+    return _outcome(spec, options, started, done, processed, committed, steps=steps)
+
+
+def _read_ahead(p: Pipeline, plan_: Plan, options: RunOptions, compute: Compute) -> ReadAhead | None:
+    """Read the range the source would plan after `plan_`'s, were it committed;
+    None if there is none or the read fails (the batch's own step 3 then
+    reads, and raises what there is to raise)."""
+    begun = time.monotonic()
+    try:
+        caps = Caps(options.max_files or p.spec.batch.max_files, options.max_records or p.spec.batch.max_records)
+        batch = p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=caps)
+        if batch is None:
+            return None
+        return ReadAhead(batch, compute.process(p.spec, batch), time.monotonic() - begun)
+    except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
+        log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
+        return None
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -1,0 +1,144 @@
+"""Batches back to back (`catch_up`): each exactly once, the next read while one commits.
+
+The read ahead is only an early read: these tests make it right, wrong (a
+file lands between its plan and the batch's own) and fail, and crash the
+run while it is in flight; the state must equal the oracle every time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spark_jobs.core import faults
+from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
+from spark_jobs.core.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from tests.conftest import assert_exact, run_cli
+
+
+class _Watched:
+    """A compute that calls `on_process(n)` before its n-th `process` (1-based)."""
+
+    def __init__(self, inner, on_process) -> None:
+        self._inner = inner
+        self._on_process = on_process
+        self.calls = 0
+
+    def start(self) -> None:
+        self._inner.start()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def check(self, spec, batch) -> None:
+        self._inner.check(spec, batch)
+
+    def process(self, spec, batch):
+        self.calls += 1
+        self._on_process(self.calls)
+        return self._inner.process(spec, batch)
+
+
+def test_a_backlog_commits_batch_after_batch_each_read_once(spec_path, compute):
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=5, records_per_file=200, users=40, bad_every=53)
+    seen = []
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=2), compute, on_outcome=seen.append)
+    assert [o.status for o in outcomes] == ["committed", "committed", "committed", "no_new_data"]
+    assert seen == outcomes
+    assert [len(o.inputs) for o in outcomes[:3]] == [2, 2, 1]
+    assert [o.batch_id for o in outcomes[:3]] == [1, 2, 3]
+    # Batches 2 and 3 were read while the one before committed, and used.
+    assert "read_ahead" not in outcomes[0].steps_ms
+    assert all("read_ahead" in o.steps_ms for o in outcomes[1:3])
+    assert sum(o.records_quarantined for o in outcomes[:3]) == 5 * (200 // 53)
+    assert len(assert_exact(spec_path)) == 3
+
+
+def test_max_batches_stops_after_that_many_commits(spec_path, compute):
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=4, records_per_file=50)
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=1), compute, max_batches=2)
+    assert [o.status for o in outcomes] == ["committed", "committed"]
+    assert_exact(spec_path, drained=False)
+    # What is left is there for the next run, nothing read ahead was lost.
+    rest = catch_up(spec, RunOptions(run_id="catch-up", max_files=1), compute)
+    assert [o.status for o in rest] == ["committed", "committed", "no_new_data"]
+    assert len(assert_exact(spec_path)) == 4
+
+
+def test_a_file_landing_after_the_read_ahead_planned_drops_it(spec_path, compute):
+    """Batch 2 is read ahead as file 3 alone; a fourth file lands during that
+    read, so step 2 plans files 3 and 4: the early read must not stand in."""
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=3, records_per_file=100, users=20)
+
+    def land_during_read_ahead(n: int) -> None:
+        if n == 2:
+            write_wave(spec.source_path, 1, files=1, records_per_file=100, users=20)
+
+    watched = _Watched(compute(), land_during_read_ahead)
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=2), lambda: watched)
+    assert [o.status for o in outcomes] == ["committed", "committed", "no_new_data"]
+    assert [len(o.inputs) for o in outcomes[:2]] == [2, 2]
+    assert "read_ahead" not in outcomes[1].steps_ms
+    assert watched.calls == 3  # batch 1, the dropped read ahead, batch 2 as planned
+    assert len(assert_exact(spec_path)) == 2
+
+
+def test_a_read_ahead_that_fails_costs_only_its_time(spec_path, compute):
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=2, records_per_file=100)
+
+    def fail_the_read_ahead(n: int) -> None:
+        if n == 2:
+            raise RuntimeError("executor lost")
+
+    watched = _Watched(compute(), fail_the_read_ahead)
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=1), lambda: watched)
+    assert [o.status for o in outcomes] == ["committed", "committed", "no_new_data"]
+    assert "read_ahead" not in outcomes[1].steps_ms
+    assert len(assert_exact(spec_path)) == 2
+
+
+@pytest.mark.parametrize("point", ["after_state_commit", "after_ledger_commit", "after_plan"])
+def test_a_crash_while_reading_ahead_loses_and_repeats_nothing(spec_path, compute, point):
+    """The run dies at `point` of batch 2: in its commit, while batch 3 is
+    read ahead, or after its plan, with its own read ahead in hand. A plain
+    run and another catch-up then finish the backlog, exactly."""
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=5, records_per_file=100, users=30, bad_every=41)
+    reached = []
+
+    def crash(name: str) -> None:
+        if name == point:
+            reached.append(name)
+            if len(reached) == 2:
+                raise RuntimeError(f"crash at {name}")
+
+    faults.set_hook(crash)
+    try:
+        with pytest.raises(RuntimeError, match="crash at"):
+            catch_up(spec, RunOptions(run_id="catch-up", max_files=1), compute)
+    finally:
+        faults.set_hook(None)
+    # A plain run first: it records a ledger row the crash left out, if any.
+    assert run_batch(spec, RunOptions(run_id="after", max_files=1), compute_factory=compute).status == "committed"
+    assert_exact(spec_path, drained=False)
+    rest = catch_up(spec, RunOptions(run_id="after", max_files=1), compute)
+    assert rest[-1].status == "no_new_data"
+    assert len(assert_exact(spec_path)) == 5
+
+
+def test_cli_catch_up_prints_one_json_line_per_batch(spec_path):
+    write_wave(spec_path.parent / "landing", 0, files=3, records_per_file=50)
+    done = run_cli("-q", "run", str(spec_path), "--catch-up", "--max-files", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["status"] for line in lines] == ["committed"] * 3 + ["no_new_data"]
+    assert [line["batch_id"] for line in lines[:3]] == [1, 2, 3]
+    assert len(assert_exact(spec_path)) == 3
+    refused = run_cli("run", str(spec_path), "--max-batches", "2")
+    assert refused.returncode != 0 and "--max-batches needs --catch-up" in refused.stderr

@@ -650,10 +650,11 @@ def catch_up(
     Every batch is steps 1-5 of the module docstring, in order, with the
     same fault points and SIGTERM stops as `run_batch`. While N's steps 4
     and 5 run on a worker thread, this thread reads ahead N+1's likely
-    range (the module docstring says why that changes no guarantee). The
-    worker touches the pipeline's tables; this thread only the source's
-    files through the engine, so the two share nothing but the CPU. Steps
-    1 and 2 of N+1 wait for N's commit: they read what it wrote.
+    range (the module docstring says why that changes no guarantee). That
+    range is planned before the worker starts; then the worker alone
+    touches the pipeline's tables, and this thread only the source's data
+    through the engine: the two share nothing but the CPU. Steps 1 and 2
+    of N+1 wait for N's commit: they read what it wrote.
     """
     p = Pipeline(spec)
     engine = _Engine(compute_factory)
@@ -687,8 +688,12 @@ def catch_up(
                 report(_outcome(spec, options, started, processed, steps=steps))
                 break
             last = max_batches is not None and len(outcomes) + 1 >= max_batches
+            # Planned ahead before the worker starts: from then on it alone
+            # reads and writes the pipeline's tables.
+            begun = time.monotonic()
+            upcoming = None if last else _plan_ahead(p, plan_, options)
             committing = worker.submit(_commit_and_project, p, plan_, processed, options, started, steps)
-            ahead = None if last else _read_ahead(p, plan_, options, engine.get())
+            ahead = _read_ahead(spec, engine.get(), upcoming, begun) if upcoming is not None else None
             outcome = committing.result()
             report(outcome)
             if last or outcome.status is not Outcome.COMMITTED:
@@ -715,17 +720,23 @@ def _commit_and_project(
     return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
 
-def _read_ahead(p: Pipeline, plan_: Plan, options: RunOptions, compute: Compute) -> ReadAhead | None:
-    """Read the range the source would plan after `plan_`'s, were it committed;
-    None if there is none or the read fails (the batch's own step 3 then
-    reads, and raises what there is to raise)."""
-    begun = time.monotonic()
+def _plan_ahead(p: Pipeline, plan_: Plan, options: RunOptions) -> BatchRange | None:
+    """The range the source would plan after `plan_`'s, were it committed;
+    None if nothing waits, or if the source cannot tell now (the next
+    batch's own step 2 then raises what there is to raise)."""
+    caps = Caps(options.max_files or p.spec.batch.max_files, options.max_records or p.spec.batch.max_records)
     try:
-        caps = Caps(options.max_files or p.spec.batch.max_files, options.max_records or p.spec.batch.max_records)
-        batch = p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=caps)
-        if batch is None:
-            return None
-        return ReadAhead(batch, compute.process(p.spec, batch), time.monotonic() - begun)
+        return p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=caps)
+    except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
+        log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
+        return None
+
+
+def _read_ahead(spec: PipelineSpec, compute: Compute, batch: BatchRange, begun: float) -> ReadAhead | None:
+    """The engine's read of `batch`, or None if it fails (the batch's own
+    step 3 then reads it, and raises what there is to raise)."""
+    try:
+        return ReadAhead(batch, compute.process(spec, batch), time.monotonic() - begun)
     except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
         log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
         return None

@@ -65,6 +65,9 @@ and reports its batch committed.
 Each step is one function below, in this order: `reconcile`, `plan`,
 `read_and_quarantine`, `commit_state`, `project`; `run_batch` runs them.
 
+A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
+status and history (`spark_jobs.core.inspect`) only read.
+
 A process that runs batches back to back (`catch_up`: a backlog, a
 long-lived runner) runs the same five steps per batch, in the same order,
 and overlaps one thing: while batch N commits (steps 4 and 5, on a worker
@@ -75,12 +78,11 @@ its range; otherwise it is dropped and the planned range read, as in any
 run. A crash, a racing run or a file landing between the two plans costs
 the early read, never a record: the range recorded, read and committed is
 step 2's, as always.
-A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
-status and history (`spark_jobs.core.inspect`) only read.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 import uuid
@@ -690,16 +692,22 @@ def catch_up(
             last = max_batches is not None and len(outcomes) + 1 >= max_batches
             # Planned ahead before the worker starts: from then on it alone
             # reads and writes the pipeline's tables.
+            # A stop asked for meanwhile (SIGTERM) lets the read ahead finish,
+            # as any step does, and stops the run at N+1's first boundary.
             begun = time.monotonic()
             upcoming = None if last else _plan_ahead(p, plan_, options)
-            committing = worker.submit(_commit_and_project, p, plan_, processed, options, started, steps)
+            # The worker runs in this thread's context: storage sessions and
+            # connection settings are context variables.
+            committing = worker.submit(
+                contextvars.copy_context().run, _commit_and_project, p, plan_, processed, options, started, steps
+            )
             ahead = _read_ahead(spec, engine.get(), upcoming, begun) if upcoming is not None else None
             outcome = committing.result()
             report(outcome)
             if last or outcome.status is not Outcome.COMMITTED:
                 break
     finally:
-        worker.shutdown(wait=True)
+        worker.shutdown(wait=True, cancel_futures=True)
         engine.close()
     return outcomes
 

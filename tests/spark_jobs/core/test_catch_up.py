@@ -11,10 +11,11 @@ import json
 
 import pytest
 
-from spark_jobs.core import faults
+from spark_jobs.core import faults, shutdown
 from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.errors import Terminated
 from tests.conftest import assert_exact, run_cli
 
 
@@ -130,6 +131,26 @@ def test_a_crash_while_reading_ahead_loses_and_repeats_nothing(spec_path, comput
     rest = catch_up(spec, RunOptions(run_id="after", max_files=1), compute)
     assert rest[-1].status == "no_new_data"
     assert len(assert_exact(spec_path)) == 5
+
+
+def test_a_stop_asked_during_a_commit_ends_the_run_after_it(spec_path, compute):
+    """SIGTERM while batch 1 commits (and batch 2 is read ahead): batch 1
+    finishes and is reported, the read ahead finishes as any step does, and
+    the run stops at batch 2's first boundary with nothing of it written."""
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=3, records_per_file=50)
+    faults.set_hook(lambda point: shutdown.request() if point == "after_state_commit" else None)
+    watched = _Watched(compute(), lambda n: None)
+    seen = []
+    try:
+        with pytest.raises(Terminated, match="stopped after reconcile"):
+            catch_up(spec, RunOptions(run_id="catch-up", max_files=1), lambda: watched, on_outcome=seen.append)
+    finally:
+        faults.set_hook(None)
+        shutdown._requested.clear()
+    assert [o.status for o in seen] == ["committed"]
+    assert watched.calls == 2  # batch 1, and batch 2 read ahead
+    assert len(assert_exact(spec_path, drained=False)) == 1
 
 
 def test_cli_catch_up_prints_one_json_line_per_batch(spec_path):

@@ -422,10 +422,11 @@ def test_no_cleanup_writes_on_unwind():
     translate an OSError or a lost race into our errors) and ``steps(...)``
     (which times a step in memory, and only when it completes), and
     ``finally`` only releases the compute engine, and in `catch_up` waits
-    for a commit already in flight on its worker thread (nothing new
-    begins: a kill at that instant may as well land after that commit).
+    for a commit already in flight on its worker thread and cancels one
+    not yet begun (a kill at that instant may as well land after the
+    commit in flight).
     """
-    allowed_finally = {"engine.close()", "worker.shutdown(wait=True)"}
+    allowed_finally = {"engine.close()", "worker.shutdown(wait=True, cancel_futures=True)"}
     for name in PROTOCOL_MODULES:
         tree = ast.parse((ROOT / "spark_jobs" / name).read_text(encoding="utf-8"))
         for node in ast.walk(tree):

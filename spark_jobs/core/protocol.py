@@ -192,27 +192,55 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
     engine = _Engine(compute_factory)
     steps = _Steps(engine)
     try:
-        with steps("reconcile"):
-            view = reconcile(p)
-        _boundary("after_reconcile", spec)
-        with steps("plan"):
-            plan_ = plan(p, view, options, engine)
-        if isinstance(plan_, Done):
-            return _outcome(spec, options, started, plan_, steps=steps)
-        _boundary("after_plan", spec)
-        with steps("read"):
-            processed = read_and_quarantine(p, plan_, engine.get())
-        if isinstance(processed, Done):
-            return _outcome(spec, options, started, processed, steps=steps)
-        with steps("commit"):
-            committed = commit_state(p, plan_, processed, options, started)
-        if isinstance(committed, Done):
-            return _outcome(spec, options, started, committed, steps=steps)
-        log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
-        with steps("project"):
-            project(p)
+        ready = _reconcile_plan_read(p, options, engine, steps, started)
+        if isinstance(ready, BatchOutcome):
+            return ready
+        return _commit_and_project(p, *ready, options, started, steps)
     finally:
         engine.close()
+
+
+def _reconcile_plan_read(
+    p: Pipeline, options: RunOptions, engine: _Engine, steps: _Steps, started: float, ahead: ReadAhead | None = None
+) -> tuple[Plan, Processed] | BatchOutcome:
+    """Steps 1-3 of a batch: its plan and its fitted updates, or the outcome
+    of a run that ends before its commit. `ahead`: a read made before the
+    plan (`catch_up`), used only if it covers exactly the planned range."""
+    spec = p.spec
+    with steps("reconcile"):
+        view = reconcile(p)
+    _boundary("after_reconcile", spec)
+    with steps("plan"):
+        plan_ = plan(p, view, options, engine)
+    if isinstance(plan_, Done):
+        return _outcome(spec, options, started, plan_, steps=steps)
+    _boundary("after_plan", spec)
+    early = None
+    if ahead is not None:
+        if ahead.covers(plan_.batch):
+            early = ahead.result
+            steps.ms["read_ahead"] = int(ahead.seconds * 1000)
+        else:
+            log.info("the range read ahead is not the one planned for %s: reading the planned range", plan_.position)
+    with steps("read"):
+        processed = read_and_quarantine(p, plan_, engine.get(), early)
+    if isinstance(processed, Done):
+        return _outcome(spec, options, started, processed, steps=steps)
+    return plan_, processed
+
+
+def _commit_and_project(
+    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: _Steps
+) -> BatchOutcome:
+    """Steps 4 and 5 of a batch whose step 3 is done."""
+    spec = p.spec
+    with steps("commit"):
+        committed = commit_state(p, plan_, processed, options, started)
+    if isinstance(committed, Done):
+        return _outcome(spec, options, started, committed, steps=steps)
+    log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
+    with steps("project"):
+        project(p)
     done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
     return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
@@ -358,8 +386,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
         p.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:
-        caps = Caps(options.max_files or spec.batch.max_files, options.max_records or spec.batch.max_records)
-        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=caps)
+        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=_caps(spec, options))
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, _nothing_new(options, head), head)
         batch = planned
@@ -445,18 +472,12 @@ def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute, ahead: ReadAhead | None = None) -> Processed | Done:
-    """Step 3: compute reads exactly the planned range; the state makes room
-    for the batch (a new or widened merge column); bad records go to the
-    quarantine, once. A read made ahead (`catch_up`) stands in for the
-    read only if it covers exactly the planned range."""
+def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute, early: ComputeResult | None = None) -> Processed | Done:
+    """Step 3: compute reads exactly the planned range (or `early` is its
+    read, made ahead by `catch_up`); the state makes room for the batch (a
+    new or widened merge column); bad records go to the quarantine, once."""
     spec, n = p.spec, plan_.position
-    if ahead is not None and ahead.covers(plan_.batch):
-        result = ahead.result
-    else:
-        if ahead is not None:
-            log.info("the range read ahead is not the one planned for %s: reading the planned range", n)
-        result = compute.process(spec, plan_.batch)
+    result = early if early is not None else compute.process(spec, plan_.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
         table = p.state.open() or p.state.create(result.updates)
@@ -673,22 +694,11 @@ def catch_up(
         while True:
             started = time.monotonic()
             steps = _Steps(engine)
-            with steps("reconcile"):
-                view = reconcile(p)
-            _boundary("after_reconcile", spec)
-            with steps("plan"):
-                plan_ = plan(p, view, options, engine)
-            if isinstance(plan_, Done):
-                report(_outcome(spec, options, started, plan_, steps=steps))
+            ready = _reconcile_plan_read(p, options, engine, steps, started, ahead)
+            if isinstance(ready, BatchOutcome):
+                report(ready)
                 break
-            _boundary("after_plan", spec)
-            with steps("read"):
-                processed = read_and_quarantine(p, plan_, engine.get(), ahead)
-            if ahead is not None and ahead.covers(plan_.batch):
-                steps.ms["read_ahead"] = int(ahead.seconds * 1000)
-            if isinstance(processed, Done):
-                report(_outcome(spec, options, started, processed, steps=steps))
-                break
+            plan_, processed = ready
             last = max_batches is not None and len(outcomes) + 1 >= max_batches
             # Planned ahead before the worker starts: from then on it alone
             # reads and writes the pipeline's tables.
@@ -712,29 +722,12 @@ def catch_up(
     return outcomes
 
 
-def _commit_and_project(
-    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: _Steps
-) -> BatchOutcome:
-    """Steps 4 and 5 of a batch whose step 3 is done, as `run_batch` runs them."""
-    spec = p.spec
-    with steps("commit"):
-        committed = commit_state(p, plan_, processed, options, started)
-    if isinstance(committed, Done):
-        return _outcome(spec, options, started, committed, steps=steps)
-    log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
-    with steps("project"):
-        project(p)
-    done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
-    return _outcome(spec, options, started, done, processed, committed, steps=steps)
-
-
 def _plan_ahead(p: Pipeline, plan_: Plan, options: RunOptions) -> BatchRange | None:
     """The range the source would plan after `plan_`'s, were it committed;
     None if nothing waits, or if the source cannot tell now (the next
     batch's own step 2 then raises what there is to raise)."""
-    caps = Caps(options.max_files or p.spec.batch.max_files, options.max_records or p.spec.batch.max_records)
     try:
-        return p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=caps)
+        return p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=_caps(p.spec, options))
     except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
         log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
         return None
@@ -792,6 +785,11 @@ class _Steps:
         self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
         if engine_start:
             self.ms["engine_start"] = int(engine_start * 1000)
+
+
+def _caps(spec: PipelineSpec, options: RunOptions) -> Caps:
+    """A batch's caps: the run's overrides, else the spec's `batch:` block."""
+    return Caps(options.max_files or spec.batch.max_files, options.max_records or spec.batch.max_records)
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:

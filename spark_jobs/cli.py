@@ -194,8 +194,11 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
 
     # The driver JVM is launched first, so that it boots while the protocol's
     # libraries load and the batch is planned; a run that finds nothing new
-    # (or fails before its batch) stops it in `discard`.
-    factory = compute_factory(spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run)
+    # (or fails before its batch) stops it in `discard`. A catch-up runs many
+    # batches on it, so it gets a long-lived session's flags.
+    factory = compute_factory(
+        spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run, short_lived=not args.catch_up
+    )
     try:
         from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
 

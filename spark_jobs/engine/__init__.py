@@ -29,10 +29,13 @@ class SparkFactory:
     the compute it makes, and stops it in `discard` if no batch used it.
     """
 
-    def __init__(self, master: str | None, *, process_ends: bool, launch: DriverLaunch | None) -> None:
+    def __init__(
+        self, master: str | None, *, process_ends: bool, launch: DriverLaunch | None, short_lived: bool = True
+    ) -> None:
         self._master = master
         self._process_ends = process_ends
         self._launch = launch
+        self._short_lived = short_lived
 
     def __call__(self) -> Compute:
         from spark_jobs.engine.session import redact_master
@@ -40,7 +43,9 @@ class SparkFactory:
 
         log.info("Spark master: %s", redact_master(self._master))
         launch, self._launch = self._launch, None
-        return SparkCompute(master=self._master, stop_on_close=not self._process_ends, launch=launch)
+        return SparkCompute(
+            master=self._master, stop_on_close=not self._process_ends, launch=launch, short_lived=self._short_lived
+        )
 
     def discard(self) -> None:
         """Stop the driver launched ahead of need if no batch took it (nothing new, a dry run, an error)."""
@@ -50,7 +55,12 @@ class SparkFactory:
 
 
 def compute_factory(
-    spec: PipelineSpec, master: str | None = None, *, process_ends: bool = False, start_driver: bool = False
+    spec: PipelineSpec,
+    master: str | None = None,
+    *,
+    process_ends: bool = False,
+    start_driver: bool = False,
+    short_lived: bool = True,
 ) -> SparkFactory:
     """Spark for `spec`'s runs, on `master` or the one `resolve_master` picks.
 
@@ -62,10 +72,13 @@ def compute_factory(
     likely has a batch to process, launch the local driver JVM now, so that
     it boots while the run plans (`spark_jobs.engine.driver`); the caller
     calls `discard()` when the run is over, which stops it if unused.
+    `short_lived`: the local session runs one batch (JVM flags for a fast
+    start, `spark_jobs.engine.jvm_cache`); False for a run of many batches
+    (`catch_up`), whose JVM compiles for the long run.
     """
     from spark_jobs.engine.session import launch_driver, resolve_master
 
     resolved = resolve_master(master, spec)
     remote = resolved is not None and resolved.startswith("sc://")
-    launch = launch_driver(resolved) if start_driver and not remote else None
-    return SparkFactory(resolved, process_ends=process_ends, launch=launch)
+    launch = launch_driver(resolved, short_lived=short_lived) if start_driver and not remote else None
+    return SparkFactory(resolved, process_ends=process_ends, launch=launch, short_lived=short_lived)

@@ -29,8 +29,10 @@ import shutil
 from pathlib import Path
 
 __all__ = [
+    "C2_DIRECTIVES",
     "CACHE_ENV",
     "LAUNCHER_ENV",
+    "LONG_JOB_JVM_OPTIONS",
     "OPTIONS_ENV",
     "SHORT_JOB_JVM_OPTIONS",
     "archive_path",
@@ -42,8 +44,18 @@ __all__ = [
 #: A one-batch process lives for seconds: the C1 compiler alone reaches fast
 #: enough code sooner than tiered C2, and the serial collector starts
 #: cheapest. A long-lived session running many batches wants C2, so it does
-#: not get these (both measured in docs/benchmarks.md).
+#: not get these (both measured in docs/benchmarks.md), but
+#: `LONG_JOB_JVM_OPTIONS`.
 SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: Methods a long-lived session's C2 compiler leaves to C1 (`c2_directives.json`):
+#: Java serialization (task closures and results) and the ASM class reader
+#: of Spark's closure cleaner. Each batch runs them just often enough to make
+#: them hot, and they are among the largest methods C2 compiles: in batches
+#: 2-6 of a session they took a third of C2's time (the JVM's compilation
+#: log), CPU the batch's own tasks wait for on a small machine. Compiled by
+#: C1 they stay fast enough for the few hundred kilobytes a batch serialises.
+C2_DIRECTIVES = Path(__file__).with_name("c2_directives.json")
+LONG_JOB_JVM_OPTIONS = f"-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile={C2_DIRECTIVES}"
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.
@@ -103,7 +115,7 @@ def driver_java_options(short_lived: bool = True) -> str:
     session's life span plus the class archive if it has been built."""
     if OPTIONS_ENV in os.environ:
         return os.environ[OPTIONS_ENV]
-    options = [SHORT_JOB_JVM_OPTIONS] if short_lived else []
+    options = [SHORT_JOB_JVM_OPTIONS if short_lived else LONG_JOB_JVM_OPTIONS]
     archive = archive_path()
     if archive.is_file():
         options.append(_mapping(archive))

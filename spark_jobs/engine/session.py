@@ -80,9 +80,12 @@ def default_session(
     return session
 
 
-def launch_driver(master: str | None = None, app_name: str = "microbatch") -> DriverLaunch | None:
-    """Start the driver JVM of a one-batch process's `default_session` now, on
-    a thread, or None where that session would not start one (under
+def launch_driver(
+    master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True
+) -> DriverLaunch | None:
+    """Start the driver JVM of this process's `default_session` (one batch, or
+    many when not `short_lived`) now, on a thread, or None where that session
+    would not start one (under
     spark-submit; a JVM already running in this process) or ``MICROBATCH_EARLY_DRIVER=0``
     says not to (pipelines whose runs mostly find nothing new, where the
     launch costs each such run a tenth of a second and its JVM's first CPU)."""
@@ -90,7 +93,7 @@ def launch_driver(master: str | None = None, app_name: str = "microbatch") -> Dr
         return None
     if under_spark_submit() or ("pyspark" in sys.modules and _has_gateway()):
         return None
-    return DriverLaunch(session_options(master, app_name, short_lived=True))
+    return DriverLaunch(session_options(master, app_name, short_lived=short_lived))
 
 
 def _has_gateway() -> bool:

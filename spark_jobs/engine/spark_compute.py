@@ -65,6 +65,43 @@ _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
+class _Split:
+    """How a read's rows split: the `valid` ones go to the transform (as its
+    `fields`), and `metrics` are observed over all of them."""
+
+    valid: Column
+    metrics: list[Column]
+    fields: list[Column]
+
+
+#: Built once per session and read path: columns are plans' parts, not data,
+#: and building them anew cost some ninety calls into the JVM a batch (a
+#: function's lookup alone is several).
+_SPLITS: WeakKeyDictionary[SparkSession, dict[tuple[str, ...], _Split]] = WeakKeyDictionary()
+
+
+def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tuple[str, ...] = ()) -> _Split:
+    """The split of natively read rows (`native_read.SUSPECT` marks the failed),
+    or of records numbered by line (a `REASON` marks them; `extra` columns
+    pass through to the transform)."""
+    from pyspark.sql import functions as F
+
+    key = ("native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra)
+    built = _SPLITS.setdefault(spark, {})
+    if key not in built:
+        if native:
+            valid = ~F.col(native_read.SUSPECT)
+            suspect = F.collect_set(F.when(F.col(native_read.SUSPECT), F.col(FILE)))
+            metrics = {"records": F.count(F.lit(1)), "suspect": suspect}
+        else:
+            valid = F.col(REASON).isNull()
+            metrics = {"records": F.count(F.lit(1)), "bad": F.count(REASON)}
+        fields = [F.col(spark_identifier(f.name)) for f in spec.source.fields] + [F.col(name) for name in extra]
+        built[key] = _Split(valid, [column.alias(name) for name, column in metrics.items()], fields)
+    return built[key]
+
+
+@dataclass(frozen=True)
 class _Query:
     """A batch's transform, built and analysed, with the metrics observed over its rows."""
 
@@ -100,9 +137,12 @@ class SparkCompute:
         native_reads: bool = True,
         stop_on_close: bool = True,
         launch: DriverLaunch | None = None,
+        short_lived: bool = True,
     ) -> None:
         self._session = session
         self._master = master
+        #: The session it starts runs one batch (`default_session`'s flags for a fast start), or many.
+        self._short_lived = short_lived
         #: A driver JVM already starting for this compute's session (`SparkFactory`).
         self._launch = launch
         self._owns_session = False
@@ -128,7 +168,8 @@ class SparkCompute:
                 active = SparkSession.getActiveSession()
                 if active is None:
                     log.info("starting Spark (master %s)", redact_master(self._master))
-                    self._session, launch = default_session(self._master, launch=launch), None
+                    self._session = default_session(self._master, short_lived=self._short_lived, launch=launch)
+                    launch = None
                 else:
                     self._session = active
                 self._owns_session = active is None
@@ -210,8 +251,6 @@ class SparkCompute:
         suspect on the driver (`native_read.suspect_on_driver`); S3
         objects, Parquet files and Kafka records the exact way.
         """
-        from pyspark.sql import functions as F
-
         if isinstance(batch.manifest, KafkaManifest):
             # Cached: fetching the records from the brokers again for the
             # quarantine pass would cost more than keeping them.
@@ -236,13 +275,7 @@ class SparkCompute:
             parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
             return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
         rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
-        query = self._query(
-            spec,
-            rows,
-            valid=~F.col(native_read.SUSPECT),
-            records=F.count(F.lit(1)),
-            suspect=F.collect_set(F.when(F.col(native_read.SUSPECT), F.col(FILE))),
-        )
+        query = self._query(spec, rows, _split(self.spark, spec, native=True))
         return _FirstRead(batch, query, native=(clean, suspect))
 
     def _finish(self, spec: PipelineSpec, first: _FirstRead) -> ComputeResult:
@@ -265,9 +298,7 @@ class SparkCompute:
 
     def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, extra: tuple[str, ...] = ()) -> _Query:
         """The transform of the valid records of `parsed` (records numbered by line)."""
-        from pyspark.sql import functions as F
-
-        return self._query(spec, parsed, valid=F.col(REASON).isNull(), extra=extra, records=F.count(F.lit(1)), bad=F.count(REASON))
+        return self._query(spec, parsed, _split(self.spark, spec, native=False, extra=extra))
 
     def _numbered_result(self, spec: PipelineSpec, query: _Query, parsed: DataFrame) -> ComputeResult:
         """Run `query`; then quarantine the failed records of `parsed`, if any."""
@@ -279,10 +310,8 @@ class SparkCompute:
                 parsed.unpersist()
         return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]))
 
-    def _query(
-        self, spec: PipelineSpec, rows: DataFrame, *, valid: Column, extra: tuple[str, ...] = (), **metrics: Column
-    ) -> _Query:
-        """The transform of the `valid` rows, with `metrics` observed over all `rows`:
+    def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split) -> _Query:
+        """The transform of the valid rows, with the split's metrics observed over all `rows`:
         built and analysed (a bad transform fails here), not run.
 
         The metrics are observed where the rows are made (`DataFrame.observe`),
@@ -292,8 +321,8 @@ class SparkCompute:
         observed node, and the transform's plan holds it only inside the
         `batch` view, so it would wait forever.)
         """
-        columns = [column.alias(name) for name, column in metrics.items()]
-        batch = rows.observe(_METRICS, *columns).where(valid).select(*[spark_identifier(f.name) for f in spec.source.fields], *extra)
+        columns = split.metrics
+        batch = rows.observe(_METRICS, *columns).where(split.valid).select(*split.fields)
         if not _is_connect(self.spark):
             result = self._transform(spec, batch)
             check_result_columns(spec, result.columns)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 from spark_jobs.engine import jvm_cache
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, run_cli
@@ -16,8 +19,37 @@ def test_options_use_the_archive_only_when_present(tmp_path, monkeypatch):
     archive.write_bytes(b"x")
     assert f"-XX:SharedArchiveFile={archive}" in jvm_cache.driver_java_options()
     assert jvm_cache.SHORT_JOB_JVM_OPTIONS not in jvm_cache.driver_java_options(short_lived=False)
+    assert jvm_cache.LONG_JOB_JVM_OPTIONS in jvm_cache.driver_java_options(short_lived=False)
     monkeypatch.setenv(jvm_cache.OPTIONS_ENV, "-Xmx1g")
     assert jvm_cache.driver_java_options() == "-Xmx1g"
+
+
+def test_the_jvm_takes_the_long_lived_compiler_directives():
+    """A directives file the JVM cannot parse stops it at start, so every
+    long-lived session would fail: start a JVM with the shipped one."""
+    java = os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else "java"
+    done = subprocess.run(
+        [java, *jvm_cache.LONG_JOB_JVM_OPTIONS.split(), "-XX:+CompilerDirectivesPrint", "-version"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 compiler directives added" in done.stdout + done.stderr
+    assert "java/io/ObjectInputStream" in done.stdout + done.stderr
+
+
+def test_a_catch_up_gets_a_long_lived_session(spec_path):
+    """`microbatch run --catch-up` runs many batches on its session: its
+    compute (and the driver launched for it) takes the long-lived flags."""
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.engine import compute_factory
+    from spark_jobs.engine.session import session_options
+
+    spec = load_spec(spec_path)
+    assert compute_factory(spec, "local[1]", short_lived=False)()._short_lived is False
+    assert compute_factory(spec, "local[1]")()._short_lived is True
+    options = session_options("local[1]", "catch-up", short_lived=False)
+    assert options["spark.sql.adaptive.enabled"] == "true"
+    assert "CompilerDirectivesFile" in options["spark.driver.extraJavaOptions"]
 
 
 def test_a_corrupt_archive_does_not_break_a_run(spec_path, tmp_path, monkeypatch):

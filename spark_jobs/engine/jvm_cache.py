@@ -55,7 +55,11 @@ SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: log), CPU the batch's own tasks wait for on a small machine. Compiled by
 #: C1 they stay fast enough for the few hundred kilobytes a batch serialises.
 C2_DIRECTIVES = Path(__file__).with_name("c2_directives.json")
-LONG_JOB_JVM_OPTIONS = f"-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile={C2_DIRECTIVES}"
+#: The path is quoted: spark-submit splits a driver's option string at spaces
+#: but honours quotes, and a JVM that cannot read the file does not start (a
+#: missing archive is only skipped). Driver-only: `spark-class` expands the
+#: launcher's options unquoted.
+LONG_JOB_JVM_OPTIONS = f'-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile="{C2_DIRECTIVES}"'
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.

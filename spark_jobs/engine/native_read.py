@@ -48,13 +48,13 @@ from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.engine.parse import CORRUPT, FILE, failing, reader_options, text_schema, typed_fields
+from spark_jobs.engine.session import built_once
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -93,17 +93,10 @@ def records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> DataFr
     return parsed.select(*_columns(spark, spec))
 
 
-#: Built once per session and spec: the list is some hundred calls into the
-#: JVM (a tenth of a second a batch), and columns are plans' parts, not data.
-_BUILT: WeakKeyDictionary[SparkSession, dict[str, list[Column]]] = WeakKeyDictionary()
-
-
 def _columns(spark: SparkSession, spec: PipelineSpec) -> list[Column]:
-    key = spec.source.model_dump_json() + "|" + ",".join(spec.state.keys)
-    built = _BUILT.setdefault(spark, {})
-    if key not in built:
-        built[key] = _record_columns(spec)
-    return built[key]
+    """The record columns, built once per session and spec (`built_once`)."""
+    key = ("native records", spec.source.model_dump_json(), *spec.state.keys)
+    return built_once(spark, key, lambda: _record_columns(spec))
 
 
 def _record_columns(spec: PipelineSpec) -> list[Column]:

@@ -12,7 +12,9 @@ import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
+from weakref import WeakKeyDictionary
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.engine.driver import DriverLaunch
@@ -26,6 +28,7 @@ EARLY_DRIVER_ENV = "MICROBATCH_EARLY_DRIVER"
 
 __all__ = [
     "EARLY_DRIVER_ENV",
+    "built_once",
     "connect_session",
     "default_session",
     "launch_driver",
@@ -34,6 +37,22 @@ __all__ = [
     "session_options",
     "under_spark_submit",
 ]
+
+
+_T = TypeVar("_T")
+#: Plan parts (`Column` lists and the like) built per session, by `built_once`.
+_BUILT: WeakKeyDictionary[SparkSession, dict[Hashable, Any]] = WeakKeyDictionary()
+
+
+def built_once(spark: SparkSession, key: Hashable, build: Callable[[], _T]) -> _T:
+    """`build()`, made once per session and `key`. For columns a batch's
+    query is made of: they are plans' parts, not data, and building them
+    is many calls into the JVM (a function's lookup alone is several), a
+    tenth of a second a batch before they were kept."""
+    built = _BUILT.setdefault(spark, {})
+    if key not in built:
+        built[key] = build()
+    return built[key]
 
 
 def default_session(
@@ -85,9 +104,8 @@ def launch_driver(
 ) -> DriverLaunch | None:
     """Start the driver JVM of this process's `default_session` (one batch, or
     many when not `short_lived`) now, on a thread, or None where that session
-    would not start one (under
-    spark-submit; a JVM already running in this process) or ``MICROBATCH_EARLY_DRIVER=0``
-    says not to (pipelines whose runs mostly find nothing new, where the
+    would not start one (under spark-submit; a JVM already running in this
+    process) or ``MICROBATCH_EARLY_DRIVER=0`` says not to (pipelines whose runs mostly find nothing new, where the
     launch costs each such run a tenth of a second and its JVM's first CPU)."""
     if os.environ.get(EARLY_DRIVER_ENV, "1") == "0":
         return None

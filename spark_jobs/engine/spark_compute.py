@@ -38,7 +38,7 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.engine import delta_read, exact_read, native_read
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
-from spark_jobs.engine.session import connect_session, default_session, redact_master
+from spark_jobs.engine.session import built_once, connect_session, default_session, redact_master
 from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
@@ -74,21 +74,13 @@ class _Split:
     fields: list[Column]
 
 
-#: Built once per session and read path: columns are plans' parts, not data,
-#: and building them anew cost some ninety calls into the JVM a batch (a
-#: function's lookup alone is several).
-_SPLITS: WeakKeyDictionary[SparkSession, dict[tuple[str, ...], _Split]] = WeakKeyDictionary()
-
-
 def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tuple[str, ...] = ()) -> _Split:
     """The split of natively read rows (`native_read.SUSPECT` marks the failed),
     or of records numbered by line (a `REASON` marks them; `extra` columns
-    pass through to the transform)."""
+    pass through to the transform); built once per session (`built_once`)."""
     from pyspark.sql import functions as F
 
-    key = ("native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra)
-    built = _SPLITS.setdefault(spark, {})
-    if key not in built:
+    def build() -> _Split:
         if native:
             valid = ~F.col(native_read.SUSPECT)
             suspect = F.collect_set(F.when(F.col(native_read.SUSPECT), F.col(FILE)))
@@ -97,8 +89,10 @@ def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tupl
             valid = F.col(REASON).isNull()
             metrics = {"records": F.count(F.lit(1)), "bad": F.count(REASON)}
         fields = [F.col(spark_identifier(f.name)) for f in spec.source.fields] + [F.col(name) for name in extra]
-        built[key] = _Split(valid, [column.alias(name) for name, column in metrics.items()], fields)
-    return built[key]
+        return _Split(valid, [column.alias(name) for name, column in metrics.items()], fields)
+
+    key = ("split", "native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra)
+    return built_once(spark, key, build)
 
 
 @dataclass(frozen=True)
@@ -321,12 +315,11 @@ class SparkCompute:
         observed node, and the transform's plan holds it only inside the
         `batch` view, so it would wait forever.)
         """
-        columns = split.metrics
-        batch = rows.observe(_METRICS, *columns).where(split.valid).select(*split.fields)
+        batch = rows.observe(_METRICS, *split.metrics).where(split.valid).select(*split.fields)
         if not _is_connect(self.spark):
             result = self._transform(spec, batch)
             check_result_columns(spec, result.columns)
-            return _Query(result, rows, columns)
+            return _Query(result, rows, split.metrics)
         # Through Spark Connect, the server returns the metrics of observed
         # nodes the request holds, not those inside a temporary view: the
         # transform's SQL goes with `batch` as a reference to the observed
@@ -343,7 +336,7 @@ class SparkCompute:
                 f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
             ) from exc
         check_result_columns(spec, result.columns)
-        return _Query(result, rows, columns)
+        return _Query(result, rows, split.metrics)
 
     def _execute(self, query: _Query) -> tuple[pa.Table, dict[str, Any]]:
         """Run `query` (one Spark job): the transform's result, and the metrics."""

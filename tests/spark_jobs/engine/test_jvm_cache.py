@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 from spark_jobs.engine import jvm_cache
@@ -29,7 +30,7 @@ def test_the_jvm_takes_the_long_lived_compiler_directives():
     long-lived session would fail: start a JVM with the shipped one."""
     java = os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else "java"
     done = subprocess.run(
-        [java, *jvm_cache.LONG_JOB_JVM_OPTIONS.split(), "-XX:+CompilerDirectivesPrint", "-version"],
+        [java, *shlex.split(jvm_cache.LONG_JOB_JVM_OPTIONS), "-XX:+CompilerDirectivesPrint", "-version"],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr

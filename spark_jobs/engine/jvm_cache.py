@@ -55,11 +55,19 @@ SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: log), CPU the batch's own tasks wait for on a small machine. Compiled by
 #: C1 they stay fast enough for the few hundred kilobytes a batch serialises.
 C2_DIRECTIVES = Path(__file__).with_name("c2_directives.json")
-#: The path is quoted: spark-submit splits a driver's option string at spaces
-#: but honours quotes, and a JVM that cannot read the file does not start (a
-#: missing archive is only skipped). Driver-only: `spark-class` expands the
-#: launcher's options unquoted.
-LONG_JOB_JVM_OPTIONS = f'-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile="{C2_DIRECTIVES}"'
+#: C2 also waits for more calls before it compiles a method: 30,000 where the
+#: default is 5,000 (tier 4's thresholds; the one that counts calls and loop
+#: iterations together goes from 15,000 to 60,000, and loops alone, counted
+#: by their back-edges, keep theirs). The per-record code of a batch makes millions of
+#: calls and gets there within the first batch all the same; what no longer
+#: does is the driver's planning code, which runs a few times a batch and,
+#: at the default thresholds, kept C2 busy batch after batch compiling it.
+_TIER4_THRESHOLDS = "-XX:Tier4InvocationThreshold=30000 -XX:Tier4MinInvocationThreshold=3600 -XX:Tier4CompileThreshold=60000"
+#: The directives' path is quoted: spark-submit splits a driver's option
+#: string at spaces but honours quotes, and a JVM that cannot read the file
+#: does not start (a missing archive is only skipped). Driver-only:
+#: `spark-class` expands the launcher's options unquoted.
+LONG_JOB_JVM_OPTIONS = f'-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile="{C2_DIRECTIVES}" {_TIER4_THRESHOLDS}'
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlparse
@@ -57,6 +58,8 @@ log = logging.getLogger("microbatch")
 
 #: The name of a batch's observed metrics.
 _METRICS = "microbatch_batch"
+#: Spark's thread-local properties naming the jobs (and RDDs) a thread creates (`_call_site`).
+_DESCRIPTION, _CALL_SITE_SHORT, _CALL_SITE_LONG = "spark.job.description", "callSite.short", "callSite.long"
 #: Spec identities whose transform a session has checked.
 _CHECKED: WeakKeyDictionary[SparkSession, set[str]] = WeakKeyDictionary()
 
@@ -211,12 +214,17 @@ class SparkCompute:
         checked = _CHECKED.setdefault(self.spark, set())
         key = SpecIdentity.of(spec).fingerprint
         if key not in checked:
-            self._first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
+            with _call_site(self.spark, spec, batch):
+                self._first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
             checked.add(key)
 
     # -- a batch ------------------------------------------------------------------
 
     def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+        with _call_site(self.spark, spec, batch):
+            return self._process(spec, batch)
+
+    def _process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         if isinstance(batch.manifest, DeltaManifest):
             return self._process_versions(spec, batch.manifest)
         first, self._first = self._first, None
@@ -419,6 +427,37 @@ def spark_path(uri: str) -> str:
 def _local_path(uri: str) -> str:
     """A local file's path from a URI as Spark or the manifest writes it."""
     return unquote(urlparse(uri).path)
+
+
+@contextmanager
+def _call_site(spark: SparkSession, spec: PipelineSpec, batch: BatchRange) -> Iterator[None]:
+    """Name the Spark jobs this thread runs after the pipeline and its batch,
+    and give the thread back what it had after.
+
+    The job description is what the Spark UI lists a job by. The call site
+    (short and long form) is also a saving: where none is set, Spark finds
+    one by walking the driver thread's stack, py4j's frames and all, for
+    every RDD and job it creates, dozens a batch, and in a long-lived session
+    the JIT compiler kept spending CPU on that walk (Spark sets a dummy call
+    site in its own loops for the same reason, `Utils.withDummyCallSite`).
+    PySpark names each action's call site itself (``toArrow at ...``) but
+    only in the short form, so without the long one the walk still ran. Not
+    through Spark Connect, whose server names its own jobs.
+    """
+    if _is_connect(spark):
+        yield
+        return
+    context = spark.sparkContext
+    name = f"microbatch {spec.name}: {batch.manifest.describe()}"
+    ours = {_DESCRIPTION: name, _CALL_SITE_SHORT: name, _CALL_SITE_LONG: f"{name}, offsets after {batch.end.to_dict()}"[:2000]}
+    before = {key: context.getLocalProperty(key) for key in ours}
+    for key, value in ours.items():
+        context.setLocalProperty(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            context.setLocalProperty(key, value)
 
 
 def _is_connect(spark: SparkSession) -> bool:

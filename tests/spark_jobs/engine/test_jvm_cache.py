@@ -25,17 +25,20 @@ def test_options_use_the_archive_only_when_present(tmp_path, monkeypatch):
     assert jvm_cache.driver_java_options() == "-Xmx1g"
 
 
-def test_the_jvm_takes_the_long_lived_compiler_directives():
-    """A directives file the JVM cannot parse stops it at start, so every
-    long-lived session would fail: start a JVM with the shipped one."""
+def test_the_jvm_takes_the_long_lived_options():
+    """A directives file the JVM cannot parse, or a flag it does not know,
+    stops it at start, so every long-lived session would fail: start a JVM
+    with the shipped options."""
     java = os.path.join(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else "java"
     done = subprocess.run(
-        [java, *shlex.split(jvm_cache.LONG_JOB_JVM_OPTIONS), "-XX:+CompilerDirectivesPrint", "-version"],
+        [java, *shlex.split(jvm_cache.LONG_JOB_JVM_OPTIONS), "-XX:+CompilerDirectivesPrint", "-XX:+PrintFlagsFinal", "-version"],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert "1 compiler directives added" in done.stdout + done.stderr
     assert "java/io/ObjectInputStream" in done.stdout + done.stderr
+    flags = dict(line.split()[1:4:2] for line in done.stdout.splitlines() if line.strip().startswith("intx Tier4"))
+    assert flags["Tier4InvocationThreshold"] == "30000" and flags["Tier4BackEdgeThreshold"] == "40000"
 
 
 def test_a_catch_up_gets_a_long_lived_session(spec_path):

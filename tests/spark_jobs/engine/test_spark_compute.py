@@ -141,3 +141,31 @@ def test_transform_sql_error_names_the_problem(tmp_path, compute):
     with pytest.raises(TransformError, match="transform SQL failed"):
         run_batch(spec, RunOptions(run_id="test"), compute_factory=compute)
     assert not (tmp_path / "lake").exists()
+
+
+
+def _scala_list(seq):
+    items, it = [], seq.iterator()
+    while it.hasNext():
+        items.append(it.next())
+    return items
+
+
+def test_a_batch_names_its_spark_jobs_and_gives_the_thread_its_properties_back(tmp_path, spark, compute):
+    spec = load_spec(write_spec(tmp_path, oracle_spec_dict(**SIMPLE)))
+    (tmp_path / "landing" / "a.json").write_text('{"event_id":"1","user_id":"u1","amount":1.5}\n')
+    context = spark.sparkContext
+    store = context._jsc.sc().statusStore()
+    jobs_before = {job.jobId() for job in _scala_list(store.jobsList(None))}
+    context.setJobDescription("the embedding application's")
+    try:
+        assert run_batch(spec, RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+        assert context.getLocalProperty("spark.job.description") == "the embedding application's"
+        assert context.getLocalProperty("callSite.long") is None
+    finally:
+        context.setJobDescription(None)
+    jobs = [job for job in _scala_list(store.jobsList(None)) if job.jobId() not in jobs_before]
+    assert jobs and {job.description().get() for job in jobs} == {"microbatch clicks: 1 file(s)"}
+    stages = {stage for job in jobs for stage in _scala_list(job.stageIds())}
+    details = {store.lastStageAttempt(stage).details() for stage in stages}
+    assert details and all(d.startswith("microbatch clicks: 1 file(s), offsets after {") for d in details), details

@@ -58,10 +58,10 @@ C2_DIRECTIVES = Path(__file__).with_name("c2_directives.json")
 #: C2 also waits for more calls before it compiles a method: 30,000 where the
 #: default is 5,000 (tier 4's thresholds; the one that counts calls and loop
 #: iterations together goes from 15,000 to 60,000, and loops alone, counted
-#: by their back-edges, keep theirs). The per-record code of a batch makes millions of
-#: calls and gets there within the first batch all the same; what no longer
-#: does is the driver's planning code, which runs a few times a batch and,
-#: at the default thresholds, kept C2 busy batch after batch compiling it.
+#: by their back-edges, keep theirs). The per-record code of a batch makes
+#: millions of calls and gets there within the first batch all the same;
+#: what no longer does is the driver's planning code, which runs a few times
+#: a batch and, at the default thresholds, kept C2 busy batch after batch.
 _TIER4_THRESHOLDS = "-XX:Tier4InvocationThreshold=30000 -XX:Tier4MinInvocationThreshold=3600 -XX:Tier4CompileThreshold=60000"
 #: The directives' path is quoted: spark-submit splits a driver's option
 #: string at spaces but honours quotes, and a JVM that cannot read the file

@@ -105,8 +105,9 @@ def launch_driver(
     """Start the driver JVM of this process's `default_session` (one batch, or
     many when not `short_lived`) now, on a thread, or None where that session
     would not start one (under spark-submit; a JVM already running in this
-    process) or ``MICROBATCH_EARLY_DRIVER=0`` says not to (pipelines whose runs mostly find nothing new, where the
-    launch costs each such run a tenth of a second and its JVM's first CPU)."""
+    process) or ``MICROBATCH_EARLY_DRIVER=0`` says not to (pipelines whose
+    runs mostly find nothing new, where the launch costs each such run a
+    tenth of a second and its JVM's first CPU)."""
     if os.environ.get(EARLY_DRIVER_ENV, "1") == "0":
         return None
     if under_spark_submit() or ("pyspark" in sys.modules and _has_gateway()):

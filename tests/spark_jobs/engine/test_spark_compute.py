@@ -143,8 +143,8 @@ def test_transform_sql_error_names_the_problem(tmp_path, compute):
     assert not (tmp_path / "lake").exists()
 
 
-
 def _scala_list(seq):
+    """A Scala collection's items, through py4j."""
     items, it = [], seq.iterator()
     while it.hasNext():
         items.append(it.next())

@@ -40,6 +40,11 @@ class ComputeResult:
 
 
 class Compute(Protocol):
+    """A batch engine. One may also run several `process` calls at once, from
+    different threads, and say so with an int attribute ``reads_at_once``:
+    `catch_up` then reads that many batches ahead (at most
+    `spark_jobs.core.protocol.READ_AHEAD`). Without it, one at a time."""
+
     def start(self) -> None:
         """Start the engine (a JVM, a session, a connection). Called once, and
         only when a batch has work."""

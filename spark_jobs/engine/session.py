@@ -42,6 +42,7 @@ __all__ = [
 _T = TypeVar("_T")
 #: Plan parts (`Column` lists and the like) built per session, by `built_once`.
 _BUILT: WeakKeyDictionary[SparkSession, dict[Hashable, Any]] = WeakKeyDictionary()
+_BUILT_LOCK = threading.Lock()
 
 
 def built_once(spark: SparkSession, key: Hashable, build: Callable[[], _T]) -> _T:
@@ -49,10 +50,11 @@ def built_once(spark: SparkSession, key: Hashable, build: Callable[[], _T]) -> _
     query is made of: they are plans' parts, not data, and building them
     is many calls into the JVM (a function's lookup alone is several), a
     tenth of a second a batch before they were kept."""
-    built = _BUILT.setdefault(spark, {})
-    if key not in built:
-        built[key] = build()
-    return built[key]
+    with _BUILT_LOCK:  # reads run on several threads (`SparkCompute.reads_at_once`)
+        built = _BUILT.setdefault(spark, {})
+        if key not in built:
+            built[key] = build()
+        return built[key]
 
 
 def default_session(

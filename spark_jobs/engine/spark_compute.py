@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ class SparkCompute:
         self._native_reads = native_reads
         #: The batch `check` built the read of, for `process` to run.
         self._first: _FirstRead | None = None
+        #: Guards `_first` and the session's `batch` view: reads run on several threads (`reads_at_once`).
+        self._lock = threading.Lock()
 
     @property
     def spark(self) -> SparkSession:
@@ -173,6 +176,13 @@ class SparkCompute:
             if launch is not None:  # a driver launched for nothing: the session is elsewhere
                 launch.cancel()
         return self._session
+
+    @property
+    def reads_at_once(self) -> int:
+        """Two batches may be read at once, from two threads (`catch_up`
+        reads ahead): Spark runs their jobs side by side. One through Spark
+        Connect, whose client's concurrent use this project has not tested."""
+        return 1 if _is_connect(self.spark) else 2
 
     def start(self) -> None:
         """Start (or connect to) Spark now rather than at the first query."""
@@ -227,9 +237,12 @@ class SparkCompute:
     def _process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
         if isinstance(batch.manifest, DeltaManifest):
             return self._process_versions(spec, batch.manifest)
-        first, self._first = self._first, None
-        if first is None or first.batch != batch:  # (another run's plan won the race)
-            first = None
+        with self._lock:
+            first = self._first
+            if first is not None and first.batch == batch:
+                self._first = None
+            else:  # (another run's plan won the race, or this is a read ahead)
+                first = None
 
         def run() -> ComputeResult:
             return self._finish(spec, first or self._first_read(spec, batch))
@@ -399,9 +412,13 @@ class SparkCompute:
     # -- internals ------------------------------------------------------------
 
     def _transform(self, spec: PipelineSpec, batch_df: DataFrame) -> DataFrame:
-        batch_df.createOrReplaceTempView("batch")
         try:
-            return self.spark.sql(spec.transform)
+            # The view is the session's: two reads at once must not swap it
+            # between one's creating it and its SQL's analysis (which binds
+            # the view's plan into the result).
+            with self._lock:
+                batch_df.createOrReplaceTempView("batch")
+                return self.spark.sql(spec.transform)
         except Exception as exc:
             raise TransformError(
                 f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name

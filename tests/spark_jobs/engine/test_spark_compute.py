@@ -169,3 +169,31 @@ def test_a_batch_names_its_spark_jobs_and_gives_the_thread_its_properties_back(t
     stages = {stage for job in jobs for stage in _scala_list(job.stageIds())}
     details = {store.lastStageAttempt(stage).details() for stage in stages}
     assert details and all(d.startswith("microbatch clicks: 1 file(s), offsets after {") for d in details), details
+
+
+def test_two_reads_at_once_on_one_engine_each_transform_its_own_records(tmp_path, compute):
+    """`catch_up` reads two batches at once (`reads_at_once`); each read's
+    transform must run over its own records, though both name them `batch`
+    in the one session. Two pipelines with different keys, read at once on
+    two threads, over and over: a read that saw the other's view would
+    return the other's keys."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spark_jobs.sources import make_source
+    from spark_jobs.sources.base import Caps
+    from tests.conftest import BatchesLineage
+
+    engine = compute()
+    assert engine.reads_at_once == 2
+    reads = []
+    for name in ("a", "b"):
+        spec = load_spec(write_spec(tmp_path / name, oracle_spec_dict(**SIMPLE)))
+        lines = [f'{{"event_id":"{i}","user_id":"{name}{i % 7}","amount":{i}}}' for i in range(50)]
+        (tmp_path / name / "landing" / "f.json").write_text("\n".join(lines) + "\n")
+        reads.append((name, spec, make_source(spec).plan(BatchesLineage(), until=None, caps=Caps())))
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(8):
+            results = list(pool.map(lambda read: (read[0], engine.process(read[1], read[2])), reads))
+            for name, result in results:
+                assert {key[0] for key in result.updates.column("user_id").to_pylist()} == {name}
+                assert result.updates.num_rows == 7 and result.records_in == 50

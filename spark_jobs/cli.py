@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--catch-up",
         action="store_true",
         help="run batches back to back until nothing new is left (each its own exactly-once batch; "
-        "the next batch is read while one commits)",
+        "the next two batches are read while one commits)",
     )
     run.add_argument("--max-batches", type=_positive, help="with --catch-up: stop after this many committed batches")
     run.add_argument(

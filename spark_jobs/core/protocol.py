@@ -71,13 +71,14 @@ status and history (`spark_jobs.core.inspect`) only read.
 A process that runs batches back to back (`catch_up`: a backlog, a
 long-lived runner) runs the same five steps per batch, in the same order,
 and overlaps one thing: while batch N commits (steps 4 and 5, on a worker
-thread), the engine *reads ahead* the range N+1 will most likely get, the
-source's next range after N's as if N were committed. Reading writes
-nothing. Step 3 of N+1 uses that read only if step 2 then planned exactly
-its range; otherwise it is dropped and the planned range read, as in any
-run. A crash, a racing run or a file landing between the two plans costs
-the early read, never a record: the range recorded, read and committed is
-step 2's, as always.
+thread), the engine *reads ahead* the ranges N+1 and N+2 will most likely
+get, each the source's next range after the one before as if that were
+committed (N+2's only on an engine that runs two reads at once). Reading
+writes nothing. Step 3 of N+1 uses its read only if step 2 then planned
+exactly its range; otherwise it is dropped, with every read after it, and
+the planned range read, as in any run. A crash, a racing run or a file
+landing between the two plans costs the early reads, never a record: the
+range recorded, read and committed is step 2's, as always.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ import contextvars
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -220,6 +222,9 @@ def _reconcile_plan_read(
         if ahead.covers(plan_.batch):
             early = ahead.result
             steps.ms["read_ahead"] = int(ahead.seconds * 1000)
+            # How long before this batch began its read had begun (a
+            # benchmark's window starts there: docs/benchmarks.md).
+            steps.ms["read_ahead_lead"] = int((started - ahead.begun) * 1000)
         else:
             log.info("the range read ahead is not the one planned for %s: reading the planned range", plan_.position)
     with steps("read"):
@@ -626,6 +631,8 @@ class ReadAhead:
 
     batch: BatchRange
     result: ComputeResult
+    #: When the read began (`time.monotonic()`), and how long it took.
+    begun: float
     seconds: float
 
     def covers(self, batch: BatchRange) -> bool:
@@ -672,12 +679,13 @@ def catch_up(
 
     Every batch is steps 1-5 of the module docstring, in order, with the
     same fault points and SIGTERM stops as `run_batch`. While N's steps 4
-    and 5 run on a worker thread, this thread reads ahead N+1's likely
-    range (the module docstring says why that changes no guarantee). That
-    range is planned before the worker starts; then the worker alone
-    touches the pipeline's tables, and this thread only the source's data
-    through the engine: the two share nothing but the CPU. Steps 1 and 2
-    of N+1 wait for N's commit: they read what it wrote.
+    and 5 run on a worker thread, reader threads read ahead N+1's and
+    N+2's likely ranges (`_ReadsAhead`; the module docstring says why that
+    changes no guarantee). Those ranges are planned on this thread before
+    the worker starts; then the worker alone touches the pipeline's
+    tables, and the readers only the source's data through the engine:
+    they share nothing but the CPU. Steps 1 and 2 of N+1 wait for N's
+    commit (they read what it wrote) and for N+1's read.
     """
     p = Pipeline(spec)
     engine = _Engine(compute_factory)
@@ -689,55 +697,127 @@ def catch_up(
             on_outcome(outcome)
 
     worker = ThreadPoolExecutor(1, thread_name_prefix="microbatch-commit")
-    ahead: ReadAhead | None = None
+    reads = _ReadsAhead(spec, engine)
     try:
         while True:
             started = time.monotonic()
             steps = _Steps(engine)
+            # A stop asked for while N committed (SIGTERM) lets this read
+            # finish, as any step does, and stops the run at N+1's first
+            # boundary.
+            ahead = reads.next()
             ready = _reconcile_plan_read(p, options, engine, steps, started, ahead)
             if isinstance(ready, BatchOutcome):
                 report(ready)
                 break
             plan_, processed = ready
-            last = max_batches is not None and len(outcomes) + 1 >= max_batches
+            if ahead is not None and not ahead.covers(plan_.batch):
+                reads.drop()  # planned after a range that turned out otherwise
+            room = None if max_batches is None else max_batches - len(outcomes) - 1
             # Planned ahead before the worker starts: from then on it alone
             # reads and writes the pipeline's tables.
-            # A stop asked for meanwhile (SIGTERM) lets the read ahead finish,
-            # as any step does, and stops the run at N+1's first boundary.
-            begun = time.monotonic()
-            upcoming = None if last else _plan_ahead(p, plan_, options)
+            reads.extend(p, plan_, options, room)
             # The worker runs in this thread's context: storage sessions and
             # connection settings are context variables.
             committing = worker.submit(
                 contextvars.copy_context().run, _commit_and_project, p, plan_, processed, options, started, steps
             )
-            ahead = _read_ahead(spec, engine.get(), upcoming, begun) if upcoming is not None else None
             outcome = committing.result()
             report(outcome)
-            if last or outcome.status is not Outcome.COMMITTED:
+            if (room is not None and room <= 0) or outcome.status is not Outcome.COMMITTED:
                 break
     finally:
         worker.shutdown(wait=True, cancel_futures=True)
+        reads.close()
         engine.close()
     return outcomes
 
 
-def _plan_ahead(p: Pipeline, plan_: Plan, options: RunOptions) -> BatchRange | None:
-    """The range the source would plan after `plan_`'s, were it committed;
-    None if nothing waits, or if the source cannot tell now (the next
-    batch's own step 2 then raises what there is to raise)."""
-    try:
-        return p.source.plan(_Ahead(p.lineage(plan_.view), plan_.batch), until=options.interval_end, caps=_caps(p.spec, options))
-    except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
-        log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
-        return None
+#: How many batches `catch_up` reads ahead at most, on an engine that runs
+#: that many reads at once (`Compute.reads_at_once`). Two: on a small
+#: machine one read leaves a core idle while its driver plans and its last
+#: stage runs on one task, and the next read fills it (two reads at once
+#: took 0.73 s a pair against 0.87 s one after the other, warm, 2 cores).
+#: Three ahead measured within the spread of two (docs/benchmarks.md).
+READ_AHEAD = 2
 
 
-def _read_ahead(spec: PipelineSpec, compute: Compute, batch: BatchRange, begun: float) -> ReadAhead | None:
+@dataclass(frozen=True)
+class _Pending:
+    """A read ahead in flight."""
+
+    batch: BatchRange
+    read: Future[ReadAhead | None]
+
+
+class _ReadsAhead:
+    """The reads ahead in flight, oldest (N+1's) first, each on a reader thread.
+
+    Each range is planned as the source would plan it were the ranges
+    before it committed (`_Ahead` chained). The engine decides how many run
+    at once: one read at a time on an engine that cannot run more, up to
+    `READ_AHEAD`.
+    """
+
+    def __init__(self, spec: PipelineSpec, engine: _Engine) -> None:
+        self._spec = spec
+        self._engine = engine
+        self._pending: deque[_Pending] = deque()
+        self._readers: ThreadPoolExecutor | None = None
+
+    def extend(self, p: Pipeline, plan_: Plan, options: RunOptions, room: int | None) -> None:
+        """Start reading the ranges after `plan_`'s until `READ_AHEAD` reads
+        (the engine's number, and no more than `room` batches) are in
+        flight. Planning stops at the first range the source cannot give:
+        nothing waits, or it cannot tell now (the batch's own step 2 then
+        raises what there is to raise)."""
+        compute = self._engine.get()
+        at_once = min(READ_AHEAD, max(1, getattr(compute, "reads_at_once", 1)))
+        if self._readers is None:
+            # As many threads as reads at once: a dropped read still running
+            # holds one, and the next waits for it rather than run beside it.
+            self._readers = ThreadPoolExecutor(at_once, thread_name_prefix="microbatch-read")
+        wanted = at_once if room is None else min(at_once, room)
+        if len(self._pending) >= wanted:
+            return
+        try:
+            after: Lineage = _Ahead(p.lineage(plan_.view), plan_.batch)
+            for pending in self._pending:
+                after = _Ahead(after, pending.batch)
+            while len(self._pending) < wanted:
+                batch = p.source.plan(after, until=options.interval_end, caps=_caps(p.spec, options))
+                if batch is None:
+                    return
+                # In this thread's context, as the commit worker.
+                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, self._spec, compute, batch)
+                self._pending.append(_Pending(batch, read))
+                after = _Ahead(after, batch)
+        except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
+            log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
+
+    def next(self) -> ReadAhead | None:
+        """The oldest read in flight, once done (None if there is none, or it failed)."""
+        return self._pending.popleft().read.result() if self._pending else None
+
+    def drop(self) -> None:
+        """Forget the reads in flight: those not begun are cancelled, the others' results unused."""
+        for pending in self._pending:
+            pending.read.cancel()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Wait for the reads that have begun (a read is not interrupted midway), cancel the rest."""
+        self._pending.clear()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_ahead(spec: PipelineSpec, compute: Compute, batch: BatchRange) -> ReadAhead | None:
     """The engine's read of `batch`, or None if it fails (the batch's own
     step 3 then reads it, and raises what there is to raise)."""
+    begun = time.monotonic()
     try:
-        return ReadAhead(batch, compute.process(spec, batch), time.monotonic() - begun)
+        return ReadAhead(batch, compute.process(spec, batch), begun, time.monotonic() - begun)
     except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
         log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
         return None

@@ -1,4 +1,4 @@
-"""Batches back to back (`catch_up`): each exactly once, the next read while one commits.
+"""Batches back to back (`catch_up`): each exactly once, the next two read while one commits.
 
 The read ahead is only an early read: these tests make it right, wrong (a
 file lands between its plan and the batch's own) and fail, and crash the
@@ -8,6 +8,8 @@ run while it is in flight; the state must equal the oracle every time.
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +22,14 @@ from tests.conftest import assert_exact, run_cli
 
 
 class _Watched:
-    """A compute that calls `on_process(n)` before its n-th `process` (1-based)."""
+    """A compute that calls `on_process(n)` before its n-th `process` (1-based),
+    or `on_process(batch)` with `with_batch`; one read at a time (no `reads_at_once`)."""
 
-    def __init__(self, inner, on_process) -> None:
+    def __init__(self, inner, on_process, *, with_batch: bool = False) -> None:
         self._inner = inner
         self._on_process = on_process
+        self._with_batch = with_batch
+        self._lock = threading.Lock()
         self.calls = 0
 
     def start(self) -> None:
@@ -37,9 +42,67 @@ class _Watched:
         self._inner.check(spec, batch)
 
     def process(self, spec, batch):
-        self.calls += 1
-        self._on_process(self.calls)
+        with self._lock:
+            self.calls += 1
+            calls = self.calls
+        self._on_process(batch if self._with_batch else calls)
         return self._inner.process(spec, batch)
+
+
+class _TwoAtOnce(_Watched):
+    """`_Watched` on an engine that runs two reads at once, as Spark does."""
+
+    reads_at_once = 2
+
+
+def _first_file(batch) -> str:
+    return batch.manifest.files[0].uri.rsplit("/", 1)[-1]
+
+
+def test_two_batches_are_read_ahead_at_once_each_as_planned(spec_path, compute):
+    """While batch 1 commits, batches 2 and 3 are read, at the same time:
+    each read waits at a barrier for the other to begin, so reads one after
+    the other would fail (and batches 2 and 3 read their ranges themselves)."""
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=6, records_per_file=100, users=30, bad_every=37)
+    both_begun = threading.Barrier(2, timeout=60)
+    reads: list[str] = []
+
+    def meet_the_other_read(batch) -> None:
+        reads.append(_first_file(batch))
+        if len(reads) in (2, 3):  # batch 1's own read is the first
+            both_begun.wait()
+
+    watched = _TwoAtOnce(compute(), meet_the_other_read, with_batch=True)
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=2), lambda: watched)
+    assert [o.status for o in outcomes] == ["committed"] * 3 + ["no_new_data"]
+    assert all("read_ahead" in o.steps_ms for o in outcomes[1:3])
+    assert len(reads) == 3  # each batch read once
+    assert len(assert_exact(spec_path)) == 3
+
+
+def test_a_file_landing_after_two_reads_ahead_drops_only_the_read_it_changes(spec_path, compute):
+    """Batches 2 (files 3-4) and 3 (file 5 alone) are read ahead; a sixth
+    file lands as batch 3's read begins, so batch 3 plans files 5 and 6:
+    batch 2's read stands in, batch 3's does not."""
+    spec = load_spec(spec_path)
+    write_wave(spec.source_path, 0, files=5, records_per_file=100, users=20)
+    fifth = sorted(path.name for path in Path(spec.source_path).iterdir())[4]
+
+    def land_during_batch_3s_read(batch) -> None:
+        if _first_file(batch) == fifth and not list(Path(spec.source_path).glob("*w00001*")):
+            write_wave(spec.source_path, 1, files=1, records_per_file=100, users=20)
+
+    watched = _TwoAtOnce(compute(), land_during_batch_3s_read, with_batch=True)
+    outcomes = catch_up(spec, RunOptions(run_id="catch-up", max_files=2), lambda: watched)
+    assert [o.status for o in outcomes] == ["committed"] * 3 + ["no_new_data"]
+    assert [len(o.inputs) for o in outcomes[:3]] == [2, 2, 2]
+    assert "read_ahead" in outcomes[1].steps_ms and "read_ahead" not in outcomes[2].steps_ms
+    # Batch 1, the reads ahead of 2 and 3, batch 3 as planned; and perhaps a
+    # read of the sixth file alone, planned after batch 3's stale range and
+    # dropped with it.
+    assert watched.calls in (4, 5)
+    assert len(assert_exact(spec_path)) == 3
 
 
 def test_a_backlog_commits_batch_after_batch_each_read_once(spec_path, compute):

@@ -40,10 +40,11 @@ class ComputeResult:
 
 
 class Compute(Protocol):
-    """A batch engine. One may also run several `process` calls at once, from
-    different threads, and say so with an int attribute ``reads_at_once``:
-    `catch_up` then reads that many batches ahead (at most
-    `spark_jobs.core.protocol.READ_AHEAD`). Without it, one at a time."""
+    """A batch engine. `catch_up` calls `process` for the batches it reads
+    ahead on reader threads, not the thread that started the engine; one at
+    a time unless the engine says, with an int attribute ``reads_at_once``,
+    that it runs that many at once (at most
+    `spark_jobs.core.protocol.READ_AHEAD`)."""
 
     def start(self) -> None:
         """Start the engine (a JVM, a session, a connection). Called once, and

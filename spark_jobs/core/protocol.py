@@ -636,13 +636,17 @@ class ReadAhead:
     seconds: float
 
     def covers(self, batch: BatchRange) -> bool:
-        """Whether this read is of exactly `batch`: same offsets, same manifest
-        (for files: the same files, sizes and modification times)."""
-        return (self.batch.start.to_dict(), self.batch.end.to_dict(), self.batch.manifest.to_dict()) == (
-            batch.start.to_dict(),
-            batch.end.to_dict(),
-            batch.manifest.to_dict(),
-        )
+        """Whether this read is of exactly `batch`."""
+        return _same_range(self.batch, batch)
+
+
+def _same_range(a: BatchRange, b: BatchRange) -> bool:
+    """Same offsets, same manifest (for files: the same files, sizes and modification times)."""
+    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict()) == (
+        b.start.to_dict(),
+        b.end.to_dict(),
+        b.manifest.to_dict(),
+    )
 
 
 class _Ahead:
@@ -702,21 +706,22 @@ def catch_up(
         while True:
             started = time.monotonic()
             steps = _Steps(engine)
-            # A stop asked for while N committed (SIGTERM) lets this read
-            # finish, as any step does, and stops the run at N+1's first
-            # boundary.
-            ahead = reads.next()
+            # A stop asked for while N committed (SIGTERM) waits for no read
+            # ahead: those begun finish, as any step does (`reads.close`),
+            # and the run stops at N+1's first boundary.
+            ahead = None if shutdown.requested() else reads.next()
             ready = _reconcile_plan_read(p, options, engine, steps, started, ahead)
             if isinstance(ready, BatchOutcome):
                 report(ready)
                 break
             plan_, processed = ready
-            if ahead is not None and not ahead.covers(plan_.batch):
-                reads.drop()  # planned after a range that turned out otherwise
+            # The reads after a range planned otherwise were planned after it.
+            reads.keep_if_planned(plan_.batch)
             room = None if max_batches is None else max_batches - len(outcomes) - 1
             # Planned ahead before the worker starts: from then on it alone
             # reads and writes the pipeline's tables.
-            reads.extend(p, plan_, options, room)
+            if not shutdown.requested():
+                reads.extend(p, plan_, options, room)
             # The worker runs in this thread's context: storage sessions and
             # connection settings are context variables.
             committing = worker.submit(
@@ -764,6 +769,8 @@ class _ReadsAhead:
         self._engine = engine
         self._pending: deque[_Pending] = deque()
         self._readers: ThreadPoolExecutor | None = None
+        #: The range of the read `next` last handed out (or dropped, if it failed).
+        self._taken: BatchRange | None = None
 
     def extend(self, p: Pipeline, plan_: Plan, options: RunOptions, room: int | None) -> None:
         """Start reading the ranges after `plan_`'s until `READ_AHEAD` reads
@@ -797,7 +804,19 @@ class _ReadsAhead:
 
     def next(self) -> ReadAhead | None:
         """The oldest read in flight, once done (None if there is none, or it failed)."""
-        return self._pending.popleft().read.result() if self._pending else None
+        if not self._pending:
+            self._taken = None
+            return None
+        oldest = self._pending.popleft()
+        self._taken = oldest.batch
+        return oldest.read.result()
+
+    def keep_if_planned(self, batch: BatchRange) -> None:
+        """Drop the reads in flight unless the range `next` handed out is
+        `batch` (whether or not its read succeeded): they were planned after
+        a range that turned out otherwise."""
+        if self._taken is not None and not _same_range(self._taken, batch):
+            self.drop()
 
     def drop(self) -> None:
         """Forget the reads in flight: those not begun are cancelled, the others' results unused."""

@@ -189,6 +189,15 @@ class SparkCompute:
         self.spark  # noqa: B018 - the property starts the session
 
     def close(self) -> None:
+        # A prepared read its batch never took (a read ahead stood in): its
+        # records, if marked for caching, hold no data yet (nothing ran on
+        # them), but the session's cache would keep the entry.
+        first, self._first = self._first, None
+        if first is not None and first.parsed is not None and self._session is not None:
+            try:
+                first.parsed.unpersist()
+            except Exception as exc:  # noqa: BLE001 - clean-up only, as stopping below
+                log.debug("a prepared read was not unpersisted (%s)", type(exc).__name__)
         if self._launch is not None:  # started ahead of need, never used
             self._launch.cancel()
             self._launch = None
@@ -225,7 +234,9 @@ class SparkCompute:
         key = SpecIdentity.of(spec).fingerprint
         if key not in checked:
             with _call_site(self.spark, spec, batch):
-                self._first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
+                first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
+            with self._lock:
+                self._first = first
             checked.add(key)
 
     # -- a batch ------------------------------------------------------------------

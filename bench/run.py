@@ -175,8 +175,8 @@ def child_steady(spec_path: str, batches: int, read_ahead: bool) -> None:
     """Run `batches` batches back to back in this process, one Spark session; print their timings.
 
     With `read_ahead`, as `microbatch run --catch-up` runs them (`catch_up`:
-    batches N+1 and N+2 are read while N commits): a batch's seconds run from the
-    previous batch's outcome to its own, and `at` is when its outcome came
+    batches N+1 and N+2 are read while N commits): a batch's seconds run
+    from the previous batch's outcome to its own, and `at` is when its outcome came
     (`steady_pace` turns them into the figure). Without, each batch is a
     `run_batch` call, timed from its start to its end.
     """
@@ -590,8 +590,8 @@ def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady:
         + (f" Not run this time: {flink_missing}." if flink_missing else ""),
         "* **The project**: `microbatch run` (a new process, as an Airflow task) with `max_files: 2`; the steady figure runs "
         "the batches in one process with one Spark session, as `microbatch run --catch-up` does: batches N+1 and N+2 are "
-        "read, at once, while N commits. Its figure is the time from the start of batch 2's read to batch N's commit, over N-1 batches (which "
-        "counts part of batch 1's commit as well).",
+        "read, at once, while N commits. Its figure is the time from the start of batch 2's read to batch N's commit, "
+        "over N-1 batches (which counts part of batch 1's commit as well).",
         "",
         *side_by_side_table(figures),
         "",

@@ -701,7 +701,7 @@ def catch_up(
             on_outcome(outcome)
 
     worker = ThreadPoolExecutor(1, thread_name_prefix="microbatch-commit")
-    reads = _ReadsAhead(spec, engine)
+    reads = _ReadsAhead(engine)
     try:
         while True:
             started = time.monotonic()
@@ -764,8 +764,7 @@ class _ReadsAhead:
     `READ_AHEAD`.
     """
 
-    def __init__(self, spec: PipelineSpec, engine: _Engine) -> None:
-        self._spec = spec
+    def __init__(self, engine: _Engine) -> None:
         self._engine = engine
         self._pending: deque[_Pending] = deque()
         self._readers: ThreadPoolExecutor | None = None
@@ -796,7 +795,7 @@ class _ReadsAhead:
                 if batch is None:
                     return
                 # In this thread's context, as the commit worker.
-                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, self._spec, compute, batch)
+                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, p.spec, compute, batch)
                 self._pending.append(_Pending(batch, read))
                 after = _Ahead(after, batch)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides

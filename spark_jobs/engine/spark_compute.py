@@ -193,7 +193,7 @@ class SparkCompute:
         # records, if marked for caching, hold no data yet (nothing ran on
         # them), but the session's cache would keep the entry.
         first, self._first = self._first, None
-        if first is not None and first.parsed is not None and self._session is not None:
+        if first is not None and first.parsed is not None and first.parsed.is_cached and self._session is not None:
             try:
                 first.parsed.unpersist()
             except Exception as exc:  # noqa: BLE001 - clean-up only, as stopping below

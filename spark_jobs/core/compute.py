@@ -44,18 +44,21 @@ class Compute(Protocol):
     ahead on reader threads, not the thread that started the engine; one at
     a time unless the engine says, with an int attribute ``reads_at_once``,
     that it runs that many at once (at most
-    `spark_jobs.core.protocol.READ_AHEAD`)."""
+    `spark_jobs.core.protocol.READ_AHEAD`). Such an engine's `check` and
+    `process` take a keyword ``alongside``: True for every batch of a run
+    whose reads overlap (`catch_up`), so the engine need not spread one
+    read over the whole machine while others share it."""
 
     def start(self) -> None:
         """Start the engine (a JVM, a session, a connection). Called once, and
         only when a batch has work."""
 
-    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+    def check(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> None:
         """Raise `TransformError` if the transform cannot produce the state's
         columns from `batch`; called before anything of it is written. May
         prepare `batch`'s read for `process`."""
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
         """Read exactly `batch`, quarantine bad records, run the transform."""
 
     def close(self) -> None:

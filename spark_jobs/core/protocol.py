@@ -228,7 +228,7 @@ def _reconcile_plan_read(
         else:
             log.info("the range read ahead is not the one planned for %s: reading the planned range", plan_.position)
     with steps("read"):
-        processed = read_and_quarantine(p, plan_, engine.get(), early)
+        processed = read_and_quarantine(p, plan_, engine, early)
     if isinstance(processed, Done):
         return _outcome(spec, options, started, processed, steps=steps)
     return plan_, processed
@@ -398,7 +398,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
-        engine.get().check(spec, batch)  # a transform that cannot fit the state fails before any write
+        engine.check(spec, batch)  # a transform that cannot fit the state fails before any write
         recorded = _record_plan(p, view, n, batch, identity, options)
         if isinstance(recorded, Done):
             return recorded
@@ -477,12 +477,12 @@ def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, compute: Compute, early: ComputeResult | None = None) -> Processed | Done:
+def read_and_quarantine(p: Pipeline, plan_: Plan, engine: _Engine, early: ComputeResult | None = None) -> Processed | Done:
     """Step 3: compute reads exactly the planned range (or `early` is its
     read, made ahead by `catch_up`); the state makes room for the batch (a
     new or widened merge column); bad records go to the quarantine, once."""
     spec, n = p.spec, plan_.position
-    result = early if early is not None else compute.process(spec, plan_.batch)
+    result = early if early is not None else engine.process(spec, plan_.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
         table = p.state.open() or p.state.create(result.updates)
@@ -692,7 +692,7 @@ def catch_up(
     commit (they read what it wrote) and for N+1's read.
     """
     p = Pipeline(spec)
-    engine = _Engine(compute_factory)
+    engine = _Engine(compute_factory, overlapping=True)
     outcomes: list[BatchOutcome] = []
 
     def report(outcome: BatchOutcome) -> None:
@@ -777,8 +777,7 @@ class _ReadsAhead:
         flight. Planning stops at the first range the source cannot give:
         nothing waits, or it cannot tell now (the batch's own step 2 then
         raises what there is to raise)."""
-        compute = self._engine.get()
-        at_once = min(READ_AHEAD, max(1, getattr(compute, "reads_at_once", 1)))
+        at_once = min(READ_AHEAD, self._engine.reads_at_once)
         if self._readers is None:
             # As many threads as reads at once: a dropped read still running
             # holds one, and the next waits for it rather than run beside it.
@@ -795,7 +794,7 @@ class _ReadsAhead:
                 if batch is None:
                     return
                 # In this thread's context, as the commit worker.
-                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, p.spec, compute, batch)
+                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, p.spec, self._engine, batch)
                 self._pending.append(_Pending(batch, read))
                 after = _Ahead(after, batch)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
@@ -830,12 +829,12 @@ class _ReadsAhead:
             self._readers.shutdown(wait=True, cancel_futures=True)
 
 
-def _read_ahead(spec: PipelineSpec, compute: Compute, batch: BatchRange) -> ReadAhead | None:
+def _read_ahead(spec: PipelineSpec, engine: _Engine, batch: BatchRange) -> ReadAhead | None:
     """The engine's read of `batch`, or None if it fails (the batch's own
     step 3 then reads it, and raises what there is to raise)."""
     begun = time.monotonic()
     try:
-        return ReadAhead(batch, compute.process(spec, batch), begun, time.monotonic() - begun)
+        return ReadAhead(batch, engine.process(spec, batch), begun, time.monotonic() - begun)
     except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
         log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
         return None
@@ -845,13 +844,34 @@ def _read_ahead(spec: PipelineSpec, compute: Compute, batch: BatchRange) -> Read
 
 
 class _Engine:
-    """The compute engine, started on first use: a run with nothing to do never starts Spark."""
+    """The compute engine, started on first use: a run with nothing to do never starts Spark.
 
-    def __init__(self, factory: Callable[[], Compute]) -> None:
+    `overlapping`: the run reads batches at once (`catch_up`), on an engine
+    that can (``reads_at_once`` > 1); its checks and reads then say so
+    (``alongside=True``, `Compute.process`), the first batch's too.
+    """
+
+    def __init__(self, factory: Callable[[], Compute], *, overlapping: bool = False) -> None:
         self._factory = factory
+        self._overlapping = overlapping
         self._compute: Compute | None = None
         #: Seconds its start took (a JVM, a session, a connection).
         self.start_s = 0.0
+
+    @property
+    def reads_at_once(self) -> int:
+        """How many reads the engine runs at once (`Compute`): 1 unless it says more."""
+        return max(1, getattr(self.get(), "reads_at_once", 1))
+
+    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        self.get().check(spec, batch, **self._alongside())
+
+    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+        return self.get().process(spec, batch, **self._alongside())
+
+    def _alongside(self) -> dict[str, bool]:
+        # Only to an engine that runs reads at once: no other takes the keyword.
+        return {"alongside": True} if self._overlapping and self.reads_at_once > 1 else {}
 
     def get(self) -> Compute:
         if self._compute is None:

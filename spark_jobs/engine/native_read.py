@@ -75,8 +75,9 @@ _ARRAY_LATER = re.compile(rb"\n[ \t\r]*\[")
 _LONE_CR = re.compile(rb"\r(?!\n)")
 
 
-def records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> DataFrame:
-    """The files' records as Spark's reader parses them.
+def records(spark: SparkSession, spec: PipelineSpec, paths: list[str], *, one_task: bool = False) -> DataFrame:
+    """The files' records as Spark's reader parses them, in one partition
+    with `one_task` (else as Spark splits the files).
 
     Columns: ``__file``, the typed fields and `SUSPECT`.
     """
@@ -90,7 +91,10 @@ def records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> DataFr
         # the reader ends lines at CR, LF or CRLF, and a CR anywhere but
         # before LF makes the file suspect (`suspect_on_driver`).
         parsed = reader.option("header", str(spec.source.csv.header).lower()).csv(paths)
-    return parsed.select(*_columns(spark, spec))
+    rows = parsed.select(*_columns(spark, spec))
+    # `coalesce` merges the files' splits into one task without a shuffle,
+    # and says so in the plan: one partition, which any grouping accepts.
+    return rows.coalesce(1) if one_task else rows
 
 
 def _columns(spark: SparkSession, spec: PipelineSpec) -> list[Column]:

@@ -214,7 +214,7 @@ class SparkCompute:
 
     # -- checks ---------------------------------------------------------------
 
-    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+    def check(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> None:
         """Analyse the transform over `batch` before anything is written; no job runs.
 
         The batch's first read is built for it (and kept for `process`), so
@@ -234,18 +234,18 @@ class SparkCompute:
         key = SpecIdentity.of(spec).fingerprint
         if key not in checked:
             with _call_site(self.spark, spec, batch):
-                first = self._explained(spec, batch, lambda: self._first_read(spec, batch))
+                first = self._explained(spec, batch, lambda: self._first_read(spec, batch, alongside=alongside))
             with self._lock:
                 self._first = first
             checked.add(key)
 
     # -- a batch ------------------------------------------------------------------
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
         with _call_site(self.spark, spec, batch):
-            return self._process(spec, batch)
+            return self._process(spec, batch, alongside)
 
-    def _process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+    def _process(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> ComputeResult:
         if isinstance(batch.manifest, DeltaManifest):
             return self._process_versions(spec, batch.manifest)
         with self._lock:
@@ -256,7 +256,7 @@ class SparkCompute:
                 first = None
 
         def run() -> ComputeResult:
-            return self._finish(spec, first or self._first_read(spec, batch))
+            return self._finish(spec, first or self._first_read(spec, batch, alongside=alongside))
 
         result = self._explained(spec, batch, run)
         return _named_as_planned(result, batch.manifest) if isinstance(batch.manifest, FilesManifest) else result
@@ -270,12 +270,23 @@ class SparkCompute:
                 raise _explain_kafka(spec, batch.manifest, exc) from exc
             raise _explain(spec, _files_manifest(spec, batch), exc) from exc
 
-    def _first_read(self, spec: PipelineSpec, batch: BatchRange) -> _FirstRead:
+    def _first_read(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> _FirstRead:
         """How a batch is read first, up to its transform (analysed, not run).
 
         Local JSON and CSV files are read natively, but for those found
         suspect on the driver (`native_read.suspect_on_driver`); S3
         objects, Parquet files and Kafka records the exact way.
+
+        A native read `alongside` others (a `catch_up`, whose reads run at
+        once) of no more than Spark's split size
+        (``spark.sql.files.maxPartitionBytes``) is one task. Spark splits a
+        read over every core, as if it ran alone, and the transform's
+        aggregation then needs a shuffle and a second stage; in one
+        partition the rows are already grouped, so the batch is one stage,
+        and the reads beside it use the other cores. The first batch of a
+        catch-up, read before any other, is one task as well: measured, it
+        was faster so on a cold JVM, and every batch then runs the same
+        plan, compiled once (docs/benchmarks.md).
         """
         if isinstance(batch.manifest, KafkaManifest):
             # Cached: fetching the records from the brokers again for the
@@ -300,9 +311,14 @@ class SparkCompute:
         if not clean:
             parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
             return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
-        rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
+        one_task = alongside and not _is_connect(self.spark) and sum(f.size for f in clean) <= self._split_bytes()
+        rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], one_task=one_task)
         query = self._query(spec, rows, _split(self.spark, spec, native=True))
         return _FirstRead(batch, query, native=(clean, suspect))
+
+    def _split_bytes(self) -> int:
+        """The most bytes Spark reads in one task (``spark.sql.files.maxPartitionBytes``)."""
+        return int(self.spark._jsparkSession.sessionState().conf().filesMaxPartitionBytes())
 
     def _finish(self, spec: PipelineSpec, first: _FirstRead) -> ComputeResult:
         """Run the first read; read the suspect files again by line, if any."""

@@ -23,7 +23,8 @@ from tests.conftest import assert_exact, run_cli
 
 class _Watched:
     """A compute that calls `on_process(n)` before its n-th `process` (1-based),
-    or `on_process(batch)` with `with_batch`; one read at a time (no `reads_at_once`)."""
+    or `on_process(batch)` with `with_batch`; one read at a time (no `reads_at_once`).
+    `alongside` lists, call by call, whether `process` was told other reads run beside it."""
 
     def __init__(self, inner, on_process, *, with_batch: bool = False) -> None:
         self._inner = inner
@@ -31,6 +32,7 @@ class _Watched:
         self._with_batch = with_batch
         self._lock = threading.Lock()
         self.calls = 0
+        self.alongside: list[bool] = []
 
     def start(self) -> None:
         self._inner.start()
@@ -38,15 +40,16 @@ class _Watched:
     def close(self) -> None:
         self._inner.close()
 
-    def check(self, spec, batch) -> None:
-        self._inner.check(spec, batch)
+    def check(self, spec, batch, **options) -> None:
+        self._inner.check(spec, batch, **options)
 
-    def process(self, spec, batch):
+    def process(self, spec, batch, **options):
         with self._lock:
             self.calls += 1
             calls = self.calls
+            self.alongside.append(options.get("alongside", False))
         self._on_process(batch if self._with_batch else calls)
-        return self._inner.process(spec, batch)
+        return self._inner.process(spec, batch, **options)
 
 
 class _TwoAtOnce(_Watched):
@@ -78,6 +81,8 @@ def test_two_batches_are_read_ahead_at_once_each_as_planned(spec_path, compute):
     assert [o.status for o in outcomes] == ["committed"] * 3 + ["no_new_data"]
     assert all("read_ahead" in o.steps_ms for o in outcomes[1:3])
     assert len(reads) == 3  # each batch read once
+    # The engine is told its reads overlap, the first batch's included.
+    assert watched.alongside == [True, True, True]
     assert len(assert_exact(spec_path)) == 3
 
 

@@ -197,3 +197,41 @@ def test_two_reads_at_once_on_one_engine_each_transform_its_own_records(tmp_path
             for name, result in results:
                 assert {key[0] for key in result.updates.column("user_id").to_pylist()} == {name}
                 assert result.updates.num_rows == 7 and result.records_in == 50
+
+
+def test_a_small_read_alongside_others_is_one_task_and_reads_the_same(tmp_path, compute):
+    """A catch-up's reads run at once (`alongside`): a batch no bigger than
+    Spark's split size is read in one partition, so the transform's
+    aggregation needs no shuffle; a bigger one is split as Spark splits it.
+    Either way the batch's result is the same as read alone."""
+    from spark_jobs.sources import make_source
+    from spark_jobs.sources.base import Caps
+    from tests.conftest import BatchesLineage
+
+    spec = load_spec(write_spec(tmp_path, oracle_spec_dict(**SIMPLE)))
+    for f in range(2):
+        lines = [f'{{"event_id":"{f}-{i}","user_id":"u{i % 13}","amount":{i}.25}}' for i in range(200)]
+        (tmp_path / "landing" / f"f{f}.json").write_text("\n".join(lines) + "\n")
+    batch = make_source(spec).plan(BatchesLineage(), until=None, caps=Caps())
+    engine = compute()
+
+    def plan_of(alongside: bool) -> str:
+        query = engine._first_read(spec, batch, alongside=alongside).query
+        return query.result._jdf.queryExecution().executedPlan().toString()
+
+    def rows(result) -> list[dict]:
+        return sorted(result.updates.to_pylist(), key=lambda r: r["user_id"])
+
+    alone = engine.process(spec, batch)
+    ahead = engine.process(spec, batch, alongside=True)
+    assert rows(ahead) == rows(alone) and len(rows(alone)) == 13
+    assert ahead.records_in == alone.records_in == 400
+    assert "Exchange" in plan_of(False)
+    assert "Exchange" not in plan_of(True) and "Coalesce 1" in plan_of(True)
+    conf = engine.spark.conf
+    try:
+        conf.set("spark.sql.files.maxPartitionBytes", "4k")  # the batch is some 20 kB
+        assert "Exchange" in plan_of(True)
+        assert rows(engine.process(spec, batch, alongside=True)) == rows(alone)
+    finally:
+        conf.unset("spark.sql.files.maxPartitionBytes")

@@ -155,6 +155,13 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # have Hadoop checksums, so read them through the raw file system.
         "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     })
+    if not short_lived:
+        # Hash aggregations go straight to Spark's main hash map, without
+        # its small first-level map in front: at a batch's tens of
+        # thousands of string keys that map overflows, and every row missing
+        # it is looked up twice. Measured on a long-lived session's steady
+        # batches (docs/benchmarks.md); a one-batch process keeps the default.
+        options["spark.sql.codegen.aggregate.map.twolevel.enabled"] = "false"
     return options
 
 

@@ -279,7 +279,9 @@ class SparkCompute:
 
         A native read `alongside` others (a `catch_up`, whose reads run at
         once) of no more than Spark's split size
-        (``spark.sql.files.maxPartitionBytes``) is one task. Spark splits a
+        (``spark.sql.files.maxPartitionBytes``) is one task, where those
+        reads occupy every core Spark has (`_reads_fill_cores`: on a bigger
+        machine a read still wants several). Spark splits a
         read over every core, as if it ran alone, and the transform's
         aggregation then needs a shuffle and a second stage; in one
         partition the rows are already grouped, so the batch is one stage,
@@ -311,10 +313,16 @@ class SparkCompute:
         if not clean:
             parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
             return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
-        one_task = alongside and not _is_connect(self.spark) and sum(f.size for f in clean) <= self._split_bytes()
+        one_task = alongside and self._reads_fill_cores() and sum(f.size for f in clean) <= self._split_bytes()
         rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], one_task=one_task)
         query = self._query(spec, rows, _split(self.spark, spec, native=True))
         return _FirstRead(batch, query, native=(clean, suspect))
+
+    def _reads_fill_cores(self) -> bool:
+        """Whether the reads run at once occupy every core Spark has (a classic
+        session's ``defaultParallelism``, no more than `reads_at_once`): only
+        then is a read of one task no slower than a read spread over them."""
+        return not _is_connect(self.spark) and self.spark.sparkContext.defaultParallelism <= self.reads_at_once
 
     def _split_bytes(self) -> int:
         """The most bytes Spark reads in one task (``spark.sql.files.maxPartitionBytes``)."""

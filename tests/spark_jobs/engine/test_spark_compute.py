@@ -235,3 +235,13 @@ def test_a_small_read_alongside_others_is_one_task_and_reads_the_same(tmp_path, 
         assert rows(engine.process(spec, batch, alongside=True)) == rows(alone)
     finally:
         conf.unset("spark.sql.files.maxPartitionBytes")
+    # Where the reads at once leave cores free (here: Spark has 2, the
+    # engine reads one at a time), a read is spread over them as alone.
+    from spark_jobs.engine.spark_compute import SparkCompute
+
+    class OneReadAtATime(SparkCompute):
+        reads_at_once = 1
+
+    engine = OneReadAtATime(session=engine.spark)
+    assert engine.spark.sparkContext.defaultParallelism == 2
+    assert "Exchange" in plan_of(True)

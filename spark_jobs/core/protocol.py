@@ -692,7 +692,7 @@ def catch_up(
     commit (they read what it wrote) and for N+1's read.
     """
     p = Pipeline(spec)
-    engine = _Engine(compute_factory, overlapping=True)
+    engine = _Engine(compute_factory, alongside=True)
     outcomes: list[BatchOutcome] = []
 
     def report(outcome: BatchOutcome) -> None:
@@ -846,14 +846,14 @@ def _read_ahead(spec: PipelineSpec, engine: _Engine, batch: BatchRange) -> ReadA
 class _Engine:
     """The compute engine, started on first use: a run with nothing to do never starts Spark.
 
-    `overlapping`: the run reads batches at once (`catch_up`), on an engine
-    that can (``reads_at_once`` > 1); its checks and reads then say so
+    `alongside`: the run reads batches at once (`catch_up`); on an engine
+    that can (``reads_at_once`` > 1) its checks and reads then say so
     (``alongside=True``, `Compute.process`), the first batch's too.
     """
 
-    def __init__(self, factory: Callable[[], Compute], *, overlapping: bool = False) -> None:
+    def __init__(self, factory: Callable[[], Compute], *, alongside: bool = False) -> None:
         self._factory = factory
-        self._overlapping = overlapping
+        self._alongside_reads = alongside
         self._compute: Compute | None = None
         #: Seconds its start took (a JVM, a session, a connection).
         self.start_s = 0.0
@@ -871,7 +871,7 @@ class _Engine:
 
     def _alongside(self) -> dict[str, bool]:
         # Only to an engine that runs reads at once: no other takes the keyword.
-        return {"alongside": True} if self._overlapping and self.reads_at_once > 1 else {}
+        return {"alongside": True} if self._alongside_reads and self.reads_at_once > 1 else {}
 
     def get(self) -> Compute:
         if self._compute is None:

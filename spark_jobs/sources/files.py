@@ -35,6 +35,8 @@ import logging
 import os
 import shutil
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -146,11 +148,16 @@ class Lister(Protocol):
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """Raise `SourceError` naming `f` if the batch could not read it."""
 
-    def remove(self, f: SourceFile) -> None:
-        """Delete the file (already gone: nothing to do)."""
+    def recover(self) -> int:
+        """Finish what an interrupted release left half done; how many files it put back."""
 
-    def move(self, f: SourceFile, archive: str) -> None:
-        """Move the file to the same relative name under `archive`, replacing what is there."""
+    def remove(self, f: SourceFile) -> bool:
+        """Delete the file if it is still the version `f` lists (its size and
+        mtime); False if it is gone or another file took its name."""
+
+    def move(self, f: SourceFile, archive: str) -> bool:
+        """Move the file to the same relative name under `archive`, replacing
+        what is there, if it is still the version `f` lists; else False."""
 
 
 class LocalLister:
@@ -196,14 +203,57 @@ class LocalLister:
             return None
         return SourceFile(f.name, f.uri, st.st_size, st.st_mtime_ns // 1_000_000)
 
-    def remove(self, f: SourceFile) -> None:
-        Path(self.root, f.name).unlink(missing_ok=True)
+    def remove(self, f: SourceFile) -> bool:
+        return self._release(f, os.unlink)
 
-    def move(self, f: SourceFile, archive: str) -> None:
+    def move(self, f: SourceFile, archive: str) -> bool:
         target = Path(archive, f.name)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # A rename where it can be (atomic on one file system), else copy and delete.
-        shutil.move(os.path.join(self.root, f.name), target)
+        # A rename where it can be (atomic on one file system), else copy and
+        # delete; either keeps the mtime.
+        return self._release(f, lambda held: shutil.move(held, target))
+
+    def _release(self, f: SourceFile, release: Callable[[str], object]) -> bool:
+        """Release exactly the consumed file, never one a writer put under its name.
+
+        A writer may rename a new file into place under a consumed name at any
+        moment (after the listing, after the check below). So the file is
+        first checked against the consumed version, then renamed aside to a
+        hidden name (listings skip it), and released only if what was moved is
+        the very file that was checked (same inode). Had a writer's rename
+        come in between, the new file is put back under its name: `_restore`.
+        """
+        path = os.path.join(self.root, f.name)
+        try:
+            checked = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if (checked.st_size, checked.st_mtime_ns // 1_000_000) != (f.size, f.mtime_ms):
+            return False
+        held = os.path.join(os.path.dirname(path), f"{RELEASE_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
+        try:
+            os.rename(path, held)
+        except FileNotFoundError:
+            return False
+        moved = os.stat(held)
+        if (moved.st_dev, moved.st_ino) != (checked.st_dev, checked.st_ino):
+            _restore(held, path)
+            return False
+        release(held)
+        return True
+
+    def recover(self) -> int:
+        """Put back files a release held aside and did not finish with (the
+        process died between two steps); the release then judges them afresh.
+        Returns how many were put back."""
+        found = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                if name.startswith(RELEASE_PREFIX):
+                    original = name[len(RELEASE_PREFIX) :].split("-", 1)[1]
+                    _restore(os.path.join(folder, name), os.path.join(folder, original))
+                    found += 1
+        return found
 
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         path = os.path.join(self.root, f.name)
@@ -228,6 +278,26 @@ class LocalLister:
                 "or move it out of the source folder (or rename it to start with '_'), then run again.",
                 path=path,
             ) from exc
+
+
+#: A file a release holds aside is renamed to this prefix, a uuid, '-' and its
+#: own name: hidden (listings skip it) and still telling where it came from.
+RELEASE_PREFIX = ".microbatch-release-"
+
+
+def _restore(held: str, path: str) -> None:
+    """Put a held file back under `path` without replacing a file that is
+    there now (a hard link fails if the name is taken); if it is, under a
+    new visible name beside it, so that the next batch reads it."""
+    try:
+        os.link(held, path)
+    except FileExistsError:
+        stem, dot, suffix = os.path.basename(path).rpartition(".")
+        alternative = f"{stem}.restored-{uuid.uuid4().hex[:8]}.{suffix}" if dot else f"{suffix}.restored-{uuid.uuid4().hex[:8]}"
+        os.rename(held, os.path.join(os.path.dirname(path), alternative))
+        log.warning("a file a release held aside could not go back to %s (taken): it is at %s", path, alternative)
+        return
+    os.unlink(held)
 
 
 def parquet_row_count(handle: IO[bytes]) -> int:
@@ -315,16 +385,23 @@ class FilesSource:
         """
         if self.release == "keep":
             return 0
+        self.lister.recover()
         listed = self.lister.list(None)
         done = [f for f, consumed in zip(listed, self.consumed(lineage, listed)) if consumed]
+        released = 0
         for f in done:
             if self.release == "delete":
-                self.lister.remove(f)
+                released += self.lister.remove(f)
             else:
-                self.lister.move(f, cast(str, self.archive))
-        if done:
-            log.info("%s %d consumed file(s)", "deleted" if self.release == "delete" else f"archived to {self.archive}", len(done))
-        return len(done)
+                released += self.lister.move(f, cast(str, self.archive))
+        if released:
+            log.info("%s %d consumed file(s)", "deleted" if self.release == "delete" else f"archived to {self.archive}", released)
+        if released < len(done):
+            log.info(
+                "left %d file(s) in place: another file took a consumed name after the listing (the next batch reads it)",
+                len(done) - released,
+            )
+        return released
 
     def verify(self, batch: BatchRange) -> None:
         """Each planned file must still be there with the size and mtime it was planned with."""

@@ -15,11 +15,18 @@ file's identity is its key relative to the prefix. Differences that matter:
 
 Listing is paginated (``list_objects_v2``, 1000 keys a page) and reads no
 object bodies; only the `max_records` cap downloads objects, to count them.
+
+Releasing a consumed object (`after_commit: delete | archive`) takes only
+the upload that was consumed: a HEAD checks its size and LastModified, and
+the delete is conditional on the ETag the HEAD saw (If-Match), so an upload
+under the same key after the listing or the HEAD is left for the next batch.
 """
 
 from __future__ import annotations
 
 import io
+import logging
+from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any
 
@@ -28,6 +35,20 @@ from spark_jobs.sources.files import SourceFile, parquet_row_count, is_ready
 from spark_jobs.storage.s3 import S3Location, s3_client
 
 __all__ = ["S3Lister"]
+
+log = logging.getLogger("microbatch")
+
+
+@dataclass(frozen=True)
+class _Version:
+    """Which upload of a key a release checked."""
+
+    etag: str
+    version_id: str | None
+
+
+def _code(exc: Exception) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
 class S3Lister:
@@ -85,21 +106,79 @@ class S3Lister:
         try:
             head = self.client.head_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise SourceError(f"cannot read source object {f.uri}: {exc}", path=f.uri) from exc
         return SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000))
 
-    def remove(self, f: SourceFile) -> None:
-        self.client.delete_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)
+    def remove(self, f: SourceFile) -> bool:
+        version = self._still(f)
+        return version is not None and self._delete(f, version)
 
-    def move(self, f: SourceFile, archive: str) -> None:
+    def move(self, f: SourceFile, archive: str) -> bool:
         # S3 has no rename: copy, then delete (a crash in between leaves the
         # object in both places; the next release deletes the source copy).
+        # The copy takes the checked version (by version id where the bucket
+        # keeps versions, else on condition of its ETag); so does the delete.
+        version = self._still(f)
+        if version is None:
+            return False
+        from botocore.exceptions import ClientError
+
         target = S3Location.parse(archive.rstrip("/") + "/" + f.name)
-        source = S3Location.parse(f.uri)
-        self.client.copy_object(Bucket=target.bucket, Key=target.key, CopySource={"Bucket": source.bucket, "Key": source.key})
-        self.remove(f)
+        source = {"Bucket": self.location.bucket, "Key": S3Location.parse(f.uri).key}
+        condition: dict[str, Any] = {"CopySourceIfMatch": version.etag}
+        if version.version_id:
+            source["VersionId"] = version.version_id
+        try:
+            self.client.copy_object(Bucket=target.bucket, Key=target.key, CopySource=source, **condition)
+        except ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):
+                return False
+            raise
+        return self._delete(f, version)
+
+    def recover(self) -> int:
+        return 0  # a conditional delete holds nothing aside
+
+    def _still(self, f: SourceFile) -> _Version | None:
+        """The object's version if it is still the one `f` lists (size and
+        LastModified), else None: another upload took its key."""
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.location.bucket, Key=S3Location.parse(f.uri).key)
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        if (head["ContentLength"], int(head["LastModified"].timestamp() * 1000)) != (f.size, f.mtime_ms):
+            return None
+        version_id = head.get("VersionId")
+        return _Version(head["ETag"], version_id if version_id not in (None, "null") else None)
+
+    def _delete(self, f: SourceFile, version: _Version) -> bool:
+        """Delete the object only if it is still the checked upload: S3's
+        conditional delete (If-Match on the ETag) fails with 412 when an
+        upload landed after the check. Not by version id: in a versioned
+        bucket that would bring the version before it back into the listing.
+        An upload of the very same bytes has the same ETag (a single-part
+        upload's is its MD5) and goes as the checked one would have; in a
+        versioned bucket it stays as a noncurrent version."""
+        from botocore.exceptions import ClientError
+
+        key = S3Location.parse(f.uri).key
+        try:
+            self.client.delete_object(Bucket=self.location.bucket, Key=key, IfMatch=version.etag)
+        except ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):
+                return False
+            if _code(exc) not in ("NotImplemented", "InvalidArgument"):
+                raise
+            # A store without conditional deletes: the check above is all there is.
+            log.warning("%s does not take conditional deletes (If-Match); deleting %s after a check by size and time", self.root, f.uri)
+            self.client.delete_object(Bucket=self.location.bucket, Key=key)
+        return True
 
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """As for local files: a Parquet object must have a readable footer before it is planned."""

@@ -3,6 +3,7 @@ JVM-free: the pure-Arrow compute runs the real protocol on real Delta tables."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,100 @@ def test_once_released_a_name_may_be_used_again(tmp_path):
 
     events = sum(r["events"] for r in read_all(open_table(spec.state_path)).to_pylist())
     assert events == 30
+
+
+# -- releasing only what was consumed (issue 31, section 4) ---------------------------------
+
+NEW_EVENT = '{"event_id": "new-1", "user_id": "late", "amount": 7.0, "ts": "2026-01-01T00:00:00Z"}\n'
+
+
+def _land(landing: Path, name: str, text: str) -> None:
+    """A writer landing a file as writers should: written under a temporary
+    name, then renamed into place (atomic; it replaces a file of that name)."""
+    staged = landing / f"_{name}.tmp"
+    staged.write_text(text)
+    os.rename(staged, landing / name)
+
+
+def _late_user_events(spec_path: Path) -> int | None:
+    from spark_jobs.core.delta_io import open_table, read_all
+
+    rows = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
+    return rows["late"]["events"] if "late" in rows else None
+
+
+@pytest.mark.parametrize("release", ["delete", "archive"])
+def test_a_file_landed_under_a_consumed_name_after_the_listing_is_not_released(tmp_path, monkeypatch, release):
+    """Reproduced: the release listed the folder, a writer renamed a new file
+    into place under a consumed name, and the release deleted it unread."""
+    from spark_jobs.core import faults
+    from spark_jobs.sources.files import LocalLister
+
+    extra = {"archive": "archive"} if release == "archive" else {}
+    spec_path = _spec(tmp_path, after_commit=release, **extra)
+    landing = tmp_path / "landing"
+    [consumed] = write_wave(landing, 0, files=1, records_per_file=20)
+    releasing = []
+    faults.set_hook(lambda point: releasing.append(True) if point == "after_ledger_commit" else None)
+    listing = LocalLister.list
+
+    def list_then_a_writer_lands(self, until):
+        found = listing(self, until)
+        if releasing and consumed.name in {f.name for f in found}:
+            _land(landing, consumed.name, NEW_EVENT)
+        return found
+
+    monkeypatch.setattr(LocalLister, "list", list_then_a_writer_lands)
+    try:
+        assert _run(spec_path) == "committed"
+    finally:
+        faults.set_hook(None)
+    assert (landing / consumed.name).read_text() == NEW_EVENT, "the writer's file stays"
+    monkeypatch.undo()
+    assert _run(spec_path) == "committed"
+    assert _late_user_events(spec_path) == 1
+    assert _files(landing) == []
+
+
+def test_a_writer_renaming_into_place_during_the_release_keeps_its_file(tmp_path, monkeypatch):
+    """The narrowest window: between the release's check of the file and its
+    removal. The release holds the file aside first and finds that what it
+    moved is not what it checked: it puts the writer's file back."""
+    from spark_jobs.sources import files
+
+    spec_path = _spec(tmp_path, after_commit="delete")
+    landing = tmp_path / "landing"
+    [consumed] = write_wave(landing, 0, files=1, records_per_file=20)
+    rename = os.rename
+
+    def writer_first(src, dst):
+        if os.path.basename(str(dst)).startswith(files.RELEASE_PREFIX) and not (landing / "_raced").exists():
+            (landing / "_raced").mkdir()
+            _land(landing, consumed.name, NEW_EVENT)
+        rename(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", writer_first)
+    assert _run(spec_path) == "committed"
+    assert (landing / "_raced").exists(), "the writer raced the release"
+    assert (landing / consumed.name).read_text() == NEW_EVENT
+    assert not [p for p in landing.iterdir() if p.name.startswith(files.RELEASE_PREFIX)]
+    monkeypatch.undo()
+    assert _run(spec_path) == "committed"
+    assert _late_user_events(spec_path) == 1
+
+
+def test_a_file_held_aside_by_a_release_that_died_is_put_back(tmp_path):
+    """A release that died between holding a file aside and releasing it: the
+    next release puts the file back and judges it again (here it is new data)."""
+    from spark_jobs.sources.files import RELEASE_PREFIX
+
+    spec_path = _spec(tmp_path, after_commit="delete")
+    landing = tmp_path / "landing"
+    write_wave(landing, 0, files=1, records_per_file=20)
+    assert _run(spec_path) == "committed"
+    (landing / f"{RELEASE_PREFIX}0123abcd-events.json").write_text(NEW_EVENT)
+    write_wave(landing, 1, files=1, records_per_file=20)
+    assert _run(spec_path) == "committed"  # its release puts events.json back
+    assert (landing / "events.json").read_text() == NEW_EVENT
+    assert _run(spec_path) == "committed"
+    assert _late_user_events(spec_path) == 1

@@ -274,3 +274,53 @@ def test_throttling_and_ambiguous_commits_on_s3_end_exact(tmp_path, bucket, faul
         f"{faults['log_puts']} log-entry PUTs ambiguous ({len(state_faults)} on the state table)"
     )
     assert len(state_faults) >= 3 and faults["unavailable"] >= 1, faults
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["unversioned", "versioned"])
+@pytest.mark.parametrize("release", ["delete", "archive"])
+def test_releasing_an_object_spares_an_upload_under_its_key(bucket, release, versioned):
+    """S3's release takes only the version that was consumed: an upload under
+    the key after the listing (seen by size and LastModified) or between the
+    check and the delete (S3's If-Match on the ETag fails with 412) is never
+    deleted or archived in its place."""
+    client = s3_client()
+    if versioned:
+        client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    lister = S3Lister(f"s3://{bucket}/landing")
+    archive = f"s3://{bucket}/archive"
+    client.put_object(Bucket=bucket, Key="landing/a.json", Body=b'{"n": 1}\n')
+    client.put_object(Bucket=bucket, Key="landing/b.json", Body=b'{"n": 2}\n')
+    listed = {f.name: f for f in lister.list(None)}
+
+    def release(f):
+        return lister.remove(f) if release == "delete" else lister.move(f, archive)
+
+    # After the listing: a new a.json (another size) replaced the consumed one.
+    client.put_object(Bucket=bucket, Key="landing/a.json", Body=b'{"n": 100}\n')
+    assert release(listed["a.json"]) is False
+    # Between the check and the delete: the HEAD sees the consumed b.json, then an upload lands.
+    head = lister.client.head_object
+
+    def head_then_upload(**kwargs):
+        answer = head(**kwargs)
+        client.put_object(Bucket=bucket, Key="landing/b.json", Body=b'{"n": 3}\n')
+        return answer
+
+    lister.client.head_object = head_then_upload
+    try:
+        assert release(listed["b.json"]) is False
+    finally:
+        lister.client.head_object = head
+    body = {k: client.get_object(Bucket=bucket, Key=f"landing/{k}")["Body"].read() for k in ("a.json", "b.json")}
+    assert body == {"a.json": b'{"n": 100}\n', "b.json": b'{"n": 3}\n'}, "both uploads are still there"
+    if release == "archive" and versioned:
+        # The copy took the checked version by its id. (Without versions S3
+        # refuses the copy on CopySourceIfMatch; moto's server does not check
+        # that condition, so here only the delete's is asserted.)
+        assert client.get_object(Bucket=bucket, Key="archive/b.json")["Body"].read() == b'{"n": 2}\n'
+    # The consumed version itself is released, and nothing older comes back.
+    now = {f.name: f for f in lister.list(None)}
+    assert release(now["a.json"]) is True
+    assert [f.name for f in lister.list(None)] == ["b.json"]
+    if release == "archive":
+        assert client.get_object(Bucket=bucket, Key="archive/a.json")["Body"].read() == b'{"n": 100}\n'

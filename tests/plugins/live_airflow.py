@@ -32,6 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _log_line(line: str) -> str:
+    """A task log record (JSON) as one readable line: time, level, logger, event, the rest."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict):
+        return line
+    head = [str(record.pop(k, "")) for k in ("timestamp", "level", "logger", "event")]
+    for noise in ("ti_id", "dag_id", "task_id", "run_id", "map_index", "try_number"):
+        record.pop(noise, None)
+    return " ".join(head) + (f" {json.dumps(record, default=str)}" if record else "")
+
+
 class LiveAirflow:
     def __init__(self, home: Path, pipelines_dir: Path, port: int | None = None) -> None:
         self.home = home
@@ -44,6 +58,10 @@ class LiveAirflow:
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "4",
+            # The suite's in-process Airflow logs at WARNING (tests/conftest.py);
+            # these processes must not inherit that: the task log files would
+            # hold warnings only, and a failed attempt could not say why.
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
             # The simple auth manager with two users, so that the console's
             # checks meet real tokens: requests go as `admin` unless a test
             # asks for `viewer` or for no token at all.
@@ -127,9 +145,21 @@ class LiveAirflow:
             except ProcessLookupError:
                 pass
 
-    def logs(self) -> str:
+    def logs(self, dag_id: str | None = None) -> str:
+        """The components' logs (their ends), then the whole log of every task
+        attempt (of `dag_id`, or of every DAG): what a failure message shows."""
+        parts = [f"--- {c} ---\n" + (self.home / f"{c}.log").read_text(errors="replace")[-4000:] for c in COMPONENTS]
+        return "\n".join(parts + [self.task_logs(dag_id)])
+
+    def task_logs(self, dag_id: str | None = None) -> str:
+        """Every task attempt's log file, whole, one line a record, oldest
+        attempt first (the files are JSON lines; see `_log_line`)."""
+        folder = self.home / "logs"
+        pattern = f"dag_id={dag_id}/**/attempt=*.log" if dag_id else "dag_id=*/**/attempt=*.log"
+        files = sorted(folder.glob(pattern), key=lambda f: f.stat().st_mtime)
         return "\n".join(
-            f"--- {c} ---\n" + (self.home / f"{c}.log").read_text(errors="replace")[-4000:] for c in COMPONENTS
+            f"--- {f.relative_to(folder)} ---\n" + "\n".join(_log_line(line) for line in f.read_text(errors="replace").splitlines())
+            for f in files
         )
 
     # -- REST API, as the UI calls it ------------------------------------------

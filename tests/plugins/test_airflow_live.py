@@ -86,6 +86,8 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     # output is logged at its own level, the notices dropped.
     records = live.task_log("clicks_per_user", run_id)
     assert any("attempt=1.log" in str(r.get("event")) for r in records), records  # the log was read
+    # The whole log, at INFO: the batch's one-line summary is in it.
+    assert any("clicks_per_user batch 1: 2 input(s)" in str(r.get("event")) for r in records), records
     errors = [r for r in records if str(r.get("level", "")).lower() in ("error", "critical")]
     assert errors == [], errors
     assert not any("log4j" in str(r.get("event")) or "NativeCodeLoader" in str(r.get("event")) for r in records)
@@ -203,10 +205,10 @@ def test_backfill_processes_each_interval_once(live):
     assert again.returncode == 0, again.stderr[-2000:]
     live.wait_for_backfills("yearly_clicks", timeout=600)  # reprocessing clears and re-runs the same runs
     runs = live.wait_for_runs("yearly_clicks", 4)
-    assert all(r["state"] == "success" for r in runs), live.logs()
+    assert all(r["state"] == "success" for r in runs), live.logs("yearly_clicks")
     for run in (r for r in runs if r["run_type"] == "backfill"):
         (ti,) = live.task_instances("yearly_clicks", run["dag_run_id"])
-        assert ti["try_number"] == 2, f"{run['dag_run_id']} was not re-run"
+        assert ti["try_number"] == 2, f"{run['dag_run_id']} ran {ti['try_number']} times\n{live.logs('yearly_clicks')}"
         outcome = live.xcom("yearly_clicks", run["dag_run_id"])
         assert outcome["status"] == "no_new_data" and "already covered" in outcome["message"]
     assert len(_committed(spec_file)) == 3

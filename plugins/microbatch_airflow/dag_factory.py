@@ -174,11 +174,15 @@ def pipelines_dir(default: Path) -> Path:
     return Path(os.environ.get(PIPELINES_DIR_ENV) or default)
 
 
+#: A maintenance DAG's id is its pipeline's name and this.
+MAINTENANCE_SUFFIX = "_maintenance"
+
+
 def build_maintenance_dag(spec: PipelineSpec, default_args: dict[str, Any] | None = None) -> DAG:
     """`microbatch maintain` on the spec's `airflow.maintenance_schedule`, apart from the batches."""
     settings = airflow_spec(spec)
     with DAG(
-        dag_id=f"{spec.name}_maintenance",
+        dag_id=f"{spec.name}{MAINTENANCE_SUFFIX}",
         description=f"Compaction, VACUUM and checkpoints for pipeline {spec.name}",
         doc_md=(
             f"Maintenance of pipeline `{spec.name}`: compacts and VACUUMs its state, offset ledger and "
@@ -216,6 +220,17 @@ def scan_specs(folder: Path) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
             errors[path] = f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique"
             continue
         specs[spec.name] = spec
+    # A pipeline's maintenance DAG is `<name>_maintenance`: a pipeline of that
+    # name would share its DAG id, and each would overwrite the other.
+    for name, spec in list(specs.items()):
+        owner = specs.get(name.removesuffix(MAINTENANCE_SUFFIX)) if name.endswith(MAINTENANCE_SUFFIX) else None
+        if owner is not None and airflow_spec(owner).maintenance_schedule:
+            del specs[name]
+            errors[Path(spec.spec_path)] = (
+                f"{spec.spec_path}: pipeline name {name!r} is the DAG id of pipeline {owner.name!r}'s maintenance "
+                f"DAG ({owner.spec_path} sets airflow.maintenance_schedule); rename this pipeline (a new name "
+                "is a new pipeline: give it its own checkpoint too), or rename the other"
+            )
     return specs, errors
 
 
@@ -231,7 +246,7 @@ def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None) -
         upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
         dags[spec.name] = build_dag(spec, upstream, default_args)
         if airflow_spec(spec).maintenance_schedule:
-            dags[f"{spec.name}_maintenance"] = build_maintenance_dag(spec, default_args)
+            dags[f"{spec.name}{MAINTENANCE_SUFFIX}"] = build_maintenance_dag(spec, default_args)
     return dags
 
 

@@ -52,7 +52,9 @@ HISTORY_SEARCH = 1000
 #: (RESTORE, DELETE, UPDATE, MERGE, WRITE, FSCK, REPLACE, ...) is taken as a
 #: change of the state behind the ledger's back: failing closed on an
 #: operation missing here costs a `microbatch rewind`, while missing a
-#: data-changing one would cost exactness.
+#: data-changing one would cost exactness. RENAME COLUMN and DROP COLUMNS
+#: are not here: every column of a state is a key, a merge column or the
+#: job's own, and the next batch would re-add a renamed one as null.
 MAINTENANCE_OPERATIONS = frozenset(
     {
         "OPTIMIZE",
@@ -67,7 +69,6 @@ MAINTENANCE_OPERATIONS = frozenset(
         "ADD COLUMNS",
         "ADD COLUMN",
         "CHANGE COLUMN",
-        "RENAME COLUMN",
         "UPDATE FIELD METADATA",
         "UPDATE TABLE METADATA",
         "UPGRADE PROTOCOL",

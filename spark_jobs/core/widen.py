@@ -97,6 +97,16 @@ def sql_type(column_type: pa.DataType) -> str:
     return _SQL_NAMES.get(column_type, str(column_type))
 
 
+#: The int64 range, to which delta-rs clamps the statistics of decimals beyond it.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _clampable(column_type: pa.DataType) -> bool:
+    """Whether a column's file statistics may be clamped: a decimal of more
+    than 18 digits can hold values beyond 64 bits."""
+    return pa.types.is_decimal(column_type) and column_type.precision > 18
+
+
 @dataclass(frozen=True)
 class SumCheck:
     """One sum column of a batch: its type in the merge, and which state values it would overflow.
@@ -135,13 +145,22 @@ class SumCheck:
         return (self.above is None or high <= self.above) and (self.below is None or low >= self.below)
 
     def candidates(self) -> list[str]:
-        """SQL conditions that hold for every state value this batch may overflow."""
+        """SQL conditions that hold for every state value this batch may overflow.
+
+        A decimal wider than 18 digits may hold values beyond 64 bits, whose
+        file statistics delta-rs writes clamped (`state_ranges`): a plain
+        comparison would let DataFusion skip the very files that hold them,
+        so its conditions are written in a form the pruning cannot read
+        (`(...) IS TRUE`; a test pins that it still finds them).
+        """
         column = _q(self.column)
         found = []
         if self.above is not None:
             found.append(f"{column} > {self._literal(self.above)}")
         if self.below is not None:
             found.append(f"{column} < {self._literal(self.below)}")
+        if _clampable(self.type):
+            found = [f"({condition}) IS TRUE" for condition in found]
         return found
 
     def overflows(self, state: pa.ChunkedArray, batch: pa.ChunkedArray) -> tuple[pa.ChunkedArray, pa.ChunkedArray]:
@@ -247,7 +266,10 @@ def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fract
             low, high = pc.min(lows).as_py(), pc.max(highs).as_py()
             # A float state may hold an inf or NaN from before overflows were refused.
             finite = not isinstance(low, float) or (math.isfinite(low) and math.isfinite(high))
-            ranges[column] = (Fraction(low), Fraction(high)) if finite else None
+            # delta-rs writes a decimal's statistics clamped to the int64 range:
+            # a bound there may stand for any value beyond it.
+            clamped = _clampable(lows.type) and (low <= _INT64_MIN or high >= _INT64_MAX)
+            ranges[column] = (Fraction(low), Fraction(high)) if finite and not clamped else None
     return ranges
 
 

@@ -171,9 +171,11 @@ class LiveAirflow:
             self._tokens[user] = answer["access_token"]
         return self._tokens[user]
 
-    def api(self, method: str, path: str, body: dict[str, Any] | None = None, *, user: str | None = "admin") -> Any:
-        """Call the api-server as `user` (None: with no credentials)."""
-        headers = {"Content-Type": "application/json"}
+    def api(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, user: str | None = "admin", host: str | None = None
+    ) -> Any:
+        """Call the api-server as `user` (None: with no credentials); `host`: a Host header of the caller's."""
+        headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
         if user is not None:
             headers["Authorization"] = f"Bearer {self.token(user)}"
         request = urllib.request.Request(

@@ -18,7 +18,7 @@ from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.spec import load_spec
 from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
-from tests.plugins.live_airflow import LiveAirflow
+from tests.plugins.live_airflow import LiveAirflow, free_port
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -319,8 +319,9 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     with pytest.raises(AssertionError, match="-> 409"):
         live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 7}, user="admin")
 
-    # The admin's rewind is a DAG run like any other, triggered through Airflow's API as the admin.
-    run = live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user="admin")
+    # The admin's rewind is a DAG run like any other, triggered through Airflow's API as the admin:
+    # the configured API server's, whatever Host the request names (here a closed port).
+    run = live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user="admin", host=f"127.0.0.1:{free_port()}")
     assert run["conf"] == {"rewind_to_batch": 1, "rewind_only": True} and run["triggering_user_name"] == "admin"
     runs = live.wait_for_runs("console_clicks", 3)
     assert [r["state"] for r in runs if r["dag_run_id"] == run["dag_run_id"]] == ["success"], live.logs()

@@ -46,7 +46,6 @@ from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessE
 from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from airflow.configuration import conf
 
-from microbatch_airflow.console import CONSOLE_PREFIX
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
@@ -137,10 +136,23 @@ def _token(request: Request, credentials: HTTPAuthorizationCredentials | None) -
     return request.cookies.get(COOKIE_NAME_JWT_TOKEN, "")
 
 
-def _airflow_root(request: Request) -> str:
-    """The API server's own root URL (this app is mounted under it)."""
-    root = str(request.base_url).rstrip("/")
-    return root[: -len(CONSOLE_PREFIX)] if root.endswith(CONSOLE_PREFIX) else root
+def airflow_root() -> str:
+    """Where the console calls Airflow's REST API: `[api] base_url` when it is
+    a URL, else the API server this app is mounted in, on this machine.
+
+    Never from the request (its Host header): the call carries the caller's
+    token, and a forged Host would send it, and the trigger, elsewhere.
+    """
+    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    if base.startswith(("http://", "https://")):
+        return base
+    host = conf.get("api", "host", fallback="") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):  # listening everywhere: loopback reaches it
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if conf.get("api", "ssl_cert", fallback="") else "http"
+    return f"{scheme}://{host}:{conf.getint('api', 'port', fallback=8080)}{base}"
 
 
 def create_app() -> FastAPI:
@@ -213,7 +225,7 @@ def create_app() -> FastAPI:
         # to trigger again, records who did it, and validates the params.
         async with httpx.AsyncClient(timeout=30) as client:
             answer = await client.post(
-                f"{_airflow_root(request)}/api/v2/dags/{spec.name}/dagRuns",
+                f"{airflow_root()}/api/v2/dags/{spec.name}/dagRuns",
                 json=payload,
                 headers={"Authorization": f"Bearer {_token(request, await bearer_scheme(request))}"},
             )

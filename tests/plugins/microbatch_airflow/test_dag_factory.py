@@ -120,6 +120,21 @@ def test_duplicate_pipeline_names_are_reported(tmp_path, monkeypatch):
     assert "names must be unique" in next(iter(bag.import_errors.values()))
 
 
+def test_a_pipeline_named_as_another_pipelines_maintenance_dag_is_refused(tmp_path, monkeypatch):
+    """Reproduced: pipeline `x_maintenance` and the maintenance DAG of pipeline
+    `x` shared a DAG id and overwrote each other."""
+    x = oracle_spec_dict(name="x", airflow={"maintenance_schedule": "@daily"})
+    write_spec(tmp_path, x, "x.yaml")
+    other = oracle_spec_dict(name="x_maintenance", checkpoint="lake/_checkpoints/other")
+    write_spec(tmp_path, other, "x_maintenance.yaml")
+    bag = _dagbag(monkeypatch, tmp_path)
+    assert {"x", "x_maintenance"} <= set(bag.dag_ids)
+    assert [t.task_id for t in bag.dags["x_maintenance"].tasks] == ["maintain"], "the maintenance DAG keeps its id"
+    (error,) = [e for f, e in bag.import_errors.items() if f.endswith("microbatch_spec_errors.py")]
+    assert "x_maintenance.yaml" in error and "is the DAG id of pipeline 'x''s maintenance DAG" in error
+    assert "rename this pipeline" in error
+
+
 def test_a_pipeline_reading_another_pipelines_state_is_scheduled_on_its_asset(monkeypatch):
     """The example chain: clicks_per_domain's Delta source is clicks_per_user's state."""
     monkeypatch.delenv("MICROBATCH_PIPELINES_DIR", raising=False)

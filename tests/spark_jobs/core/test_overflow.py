@@ -96,6 +96,22 @@ def test_decimal_sum_past_its_precision_is_refused_not_a_value_error(tmp_path):
     assert "999999.99" in str(error) and "1000000.00" in str(error) and "DECIMAL(8,2)" in str(error)
 
 
+@pytest.mark.parametrize("sign", [1, -1], ids=["up", "down"])
+def test_decimal_sum_beyond_64_bits_is_refused_though_its_statistics_are_clamped(tmp_path, sign):
+    """Reproduced: delta-rs writes the min/max statistics of a DECIMAL value
+    beyond 2^63 clamped to the int64 range. The check trusted that bound and
+    file pruning hid the row, so the MERGE failed with a raw ValueError (exit 1)."""
+    decimal = pa.decimal128(38, 0)
+    big = sign * (10**38 - 10**20)
+    state = _started(tmp_path, _batch({"n": pa.array([Decimal(big), Decimal(sign * 10**25)], decimal)}, ("a", "b")))
+    error = _refused(state, _batch({"n": pa.array([Decimal(sign * 10**21)], decimal)}))
+    assert str(big) in str(error) and "DECIMAL(38,0)" in str(error)
+    assert _values(state) == {"a": Decimal(big), "b": Decimal(sign * 10**25)}
+    # A batch that fits still commits.
+    commit_updates(state, state.open(), _batch({"n": pa.array([Decimal(sign * 10**19)], decimal)}), state.position(state.open()).next())
+    assert _values(state)["a"] == Decimal(big + sign * 10**19)
+
+
 @pytest.mark.parametrize(
     ("arrow_type", "start", "add", "total"),
     [

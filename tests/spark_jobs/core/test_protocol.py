@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.delta_io import open_table
@@ -289,6 +290,36 @@ def test_manual_restore_of_the_state_is_detected_and_rewind_repairs_it(spec_path
     rewind(spec, 3, run_id="test-rewind")  # back to what batch 3 committed, undoing the RESTORE
     assert run_batch(spec, RunOptions(run_id="test"), compute_factory=ArrowCompute).status == "committed"
     assert_exact(spec_path)
+
+
+def test_a_merge_column_renamed_outside_the_job_is_refused(spec_path):
+    """Reproduced: RENAME COLUMN counted as maintenance; the next batch re-added
+    the column as null and its sums restarted. A rename is a change outside the
+    job. (delta-rs cannot rename a column: the commit is written as delta-spark
+    writes one, its schema renamed.)"""
+    import json
+
+    import pytest
+
+    from spark_jobs.errors import StateChangedOutsideError
+    from tests.spark_jobs.arrow_compute import ArrowCompute
+
+    spec = load_spec(spec_path)
+    _arrow_batches(spec, 1)
+    log = Path(spec.state_path) / "_delta_log"
+    commits = sorted(log.glob("*.json"))
+    metadata = next(a["metaData"] for f in reversed(commits) for a in map(json.loads, f.read_text().splitlines()) if "metaData" in a)
+    schema = json.loads(metadata["schemaString"])
+    for field in schema["fields"]:
+        if field["name"] == "amount":
+            field["name"] = "amount_eur"
+    metadata["schemaString"] = json.dumps(schema)
+    version = int(commits[-1].stem) + 1
+    info = {"timestamp": 1, "operation": "RENAME COLUMN", "operationParameters": {"oldColumnPath": "amount", "newColumnPath": "amount_eur"}}
+    (log / f"{version:020d}.json").write_text(json.dumps({"commitInfo": info}) + "\n" + json.dumps({"metaData": metadata}) + "\n")
+    write_wave(spec.source_path, 9, files=1, records_per_file=40, users=10)
+    with pytest.raises(StateChangedOutsideError, match=rf"version {version} \(RENAME COLUMN\)"):
+        run_batch(spec, RunOptions(run_id="test"), compute_factory=ArrowCompute)
 
 
 def test_batch_that_cannot_fit_the_state_fails_before_quarantining(spec_path, monkeypatch):

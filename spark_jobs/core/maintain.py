@@ -23,9 +23,10 @@ concurrently, so dead files never exceed one compaction's worth.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltalake import DeltaTable
@@ -38,7 +39,9 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
-from spark_jobs.storage.s3 import delta_storage_options, exists
+from spark_jobs.sources.delta import version_actions
+from spark_jobs.storage.consumers import consumers, delete_file, write_json
+from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 
 __all__ = ["MaintenanceReport", "maintain", "oldest_rewindable", "restorable", "restorable_version"]
 
@@ -49,11 +52,13 @@ class MaintenanceReport:
     pipeline: str
     #: Batches whose state versions were kept restorable.
     kept_batches: list[int]
-    #: Files each table's VACUUM deleted, by table.
+    #: Files each table's VACUUM deleted, by table (and the state's change data files pruned).
     removed_files: dict[str, int]
+    #: Downstream pipelines reading the state, and the last version each consumed (kept after it).
+    readers: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files}
+        return {"pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files, "readers": self.readers}
 
 
 def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> MaintenanceReport:
@@ -67,7 +72,17 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         keep_versions.add(view.head.state_version)
     removed: dict[str, int] = {}
     state = p.state.open()
+    readers: dict[str, int] = {}
     if state is not None:
+        # The change data of versions every downstream has read, before the
+        # versions kept for rewinds, is read by no one again.
+        readers = _readers(p.state.path, state)
+        unread = min(readers.values()) + 1 if readers else state.version() + 1
+        prune_before = min([*keep_versions, unread])
+        # Versions a downstream has yet to read stay readable: their files
+        # and those of the version before each (a rewind's RESTORE reads as
+        # the rows it removed and the rows it brought back).
+        keep_versions |= set(range(max(unread - 1, 0), state.version() + 1)) if readers else set()
         # Compact first, so that the VACUUM removes what the compaction replaced.
         state.optimize.compact()
         if p.state.position(p.state.open()) == view.position:
@@ -80,6 +95,7 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
             # files this VACUUM would delete). The next maintenance does it.
             log.warning("state of %s moved during maintenance; VACUUM of the state skipped this time", spec.name)
         state.create_checkpoint()
+        removed["change data"] = _prune_change_data(p.state.path, state, prune_before)
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
     lineage = p.lineage(view)
@@ -101,7 +117,43 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         # 30 days) and behind the checkpoint go, so the log stays bounded too.
         table.cleanup_metadata()
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
-    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed)
+    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers)
+
+
+def _readers(path: str, state: DeltaTable) -> dict[str, int]:
+    """The downstream pipelines reading this state, by name, and the last
+    version each consumed (only positions in this very table: a position
+    recorded in a table since deleted and recreated at the path counts for
+    nothing)."""
+    table_id = state.metadata().id
+    found = {c.pipeline: c.version for c in consumers(path) if c.table_id in (None, table_id)}
+    for name, version in sorted(found.items()):
+        log.info("downstream %s has read this state up to version %d: later versions are kept", name, version)
+    return found
+
+
+def _prune_change_data(path: str, state: DeltaTable, before: int) -> int:
+    """Delete the change data files (`_change_data/`, which VACUUM leaves
+    alone) of the versions before `before`: every downstream has read them
+    and no kept version needs them. Returns how many files went.
+
+    Each version's files are named in its log entry; the versions already
+    pruned are remembered beside the consumers, so each is read once."""
+    marker = f"{path.rstrip('/')}/_microbatch/change_data_pruned.json"
+    try:
+        start = int(json.loads(read_bytes(marker))["before"])
+    except FileNotFoundError:
+        start = 0
+    root = state.table_uri.rstrip("/")
+    deleted = 0
+    for version in range(start, before):
+        for action in version_actions(state.table_uri, version) or []:
+            if "cdc" in action:
+                delete_file(f"{root}/{action['cdc']['path']}")
+                deleted += 1
+    if before > start:
+        write_json(marker, {"before": before})
+    return deleted
 
 
 def restorable(path: str, version: int) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
@@ -19,7 +20,7 @@ from spark_jobs.core.spec import CHANGE_COLUMNS
 from spark_jobs.sources.delta import DeltaManifest, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
-__all__ = ["batch_schema", "read_versions"]
+__all__ = ["batch_schema", "net_changes", "read_versions"]
 
 
 def _table(uri: str, version: int | None = None) -> DeltaTable:
@@ -46,8 +47,58 @@ def read_versions(manifest: DeltaManifest) -> pa.Table:
         reader = _table(manifest.uri).load_cdf(starting_version=manifest.first, ending_version=manifest.last)
         rows = pa.table(reader.read_all())
         # As `batch_schema` says: plain strings and UTC microseconds, whatever delta-rs hands over.
-        return rows.cast(pa.schema([_plain(f) for f in rows.schema]))
+        return net_changes(rows.cast(pa.schema([_plain(f) for f in rows.schema])))
     return _appended(manifest)
+
+
+_ADDED = ("insert", "update_postimage")
+_REMOVED = ("delete", "update_preimage")
+
+
+def net_changes(rows: pa.Table) -> pa.Table:
+    """The feed without the rows a version removed and added again unchanged.
+
+    A version with no change data files of its own (a rewind's RESTORE, a
+    rewrite widening a column) reads as a delete of every row in the files
+    it removed and an insert of every row in the files it added, most of
+    them the same rows. Only a transform that subtracts deletes exactly
+    nets those out; one with `min`, `max`, `last` or a count of changes
+    would not. So within each version, a removal and an addition of an
+    identical row cancel, leaving the version's true changes: a RESTORE
+    becomes the exact reversal of what it undid, and a rewrite that kept
+    every value, nothing. (A MERGE's update that changed nothing cancels
+    too.) Rows keep their order and change types.
+    """
+    if rows.num_rows == 0:
+        return rows
+    kinds = rows.column(CHANGE_COLUMNS[0]).cast(pa.string())
+    values = [c for c in rows.column_names if c not in (CHANGE_COLUMNS[0], CHANGE_COLUMNS[2])]
+    added, removed = pc.is_in(kinds, pa.array(_ADDED)), pc.is_in(kinds, pa.array(_REMOVED))
+    # Rows whose (values, version) have both an addition and a removal: usually few.
+    keyed = rows.select(values).append_column("__added", added).append_column("__removed", removed)
+    groups = keyed.group_by(values, use_threads=False).aggregate([("__added", "any"), ("__removed", "any")])
+    both = groups.filter(pc.and_(groups.column("__added_any"), groups.column("__removed_any"))).select(values)
+    if both.num_rows == 0:
+        return rows
+    candidates = rows.select(values).append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
+    candidates = candidates.join(both, keys=values, join_type="inner", use_threads=False)
+    pending: dict[tuple, list[int]] = {}
+    dropped: set[int] = set()
+    kind_of = kinds.to_pylist()
+    for row in sorted(candidates.to_pylist(), key=lambda r: r["__row"]):
+        key = tuple(_hashable(row[c]) for c in values)
+        sign = 1 if kind_of[row["__row"]] in _ADDED else -1
+        queue = pending.setdefault(key, [])
+        if queue and (1 if kind_of[queue[0]] in _ADDED else -1) != sign:
+            dropped.update((queue.pop(0), row["__row"]))
+        else:
+            queue.append(row["__row"])
+    keep = pa.array([i not in dropped for i in range(rows.num_rows)])
+    return rows.filter(keep)
+
+
+def _hashable(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _plain(field: pa.Field) -> pa.Field:

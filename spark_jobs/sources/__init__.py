@@ -29,7 +29,12 @@ def make_source(spec: PipelineSpec) -> Source:
     path = spec.source_path
     if spec.source.type == "delta":
         return DeltaSource(
-            path, read=spec.source.read, on_data_loss=spec.source.on_data_loss, max_versions=spec.batch.max_versions
+            path,
+            read=spec.source.read,
+            on_data_loss=spec.source.on_data_loss,
+            max_versions=spec.batch.max_versions,
+            pipeline=spec.name,
+            checkpoint=spec.checkpoint_path,
         )
     lister = S3Lister(path) if is_s3(path) else LocalLister(path)
     return FilesSource(

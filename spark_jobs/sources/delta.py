@@ -43,6 +43,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
+from spark_jobs.storage.consumers import Consumer, register
 from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 
 __all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
@@ -97,11 +98,16 @@ class DeltaSource:
 
     unit = "versions"
 
-    def __init__(self, uri: str, *, read: str, on_data_loss: str, max_versions: int | None) -> None:
+    def __init__(
+        self, uri: str, *, read: str, on_data_loss: str, max_versions: int | None, pipeline: str = "", checkpoint: str = ""
+    ) -> None:
         self.uri = uri
         self.read = read
         self.on_data_loss = on_data_loss
         self.max_versions = max_versions
+        #: Who reads: the position is recorded in the upstream as this pipeline's (`storage.consumers`).
+        self.pipeline = pipeline
+        self.checkpoint = checkpoint
         #: Log entries read (a version's entry never changes; one that is gone stays gone).
         self._log: dict[int, list[dict[str, Any]] | None] = {}
 
@@ -161,6 +167,9 @@ class DeltaSource:
         table = self.table()
         latest = table.version()
         after = self._after(lineage, table, latest)
+        # Before anything is read: from now on the upstream's maintenance
+        # keeps the versions after `after` (a first run, or one after a rewind).
+        self._register(after, table.metadata().id)
         if latest <= after:
             return None
         end = latest if until is None else self._bound(self._commit_times(table, after), after, latest, until)
@@ -203,7 +212,14 @@ class DeltaSource:
             )
 
     def after_commit(self, lineage: Lineage) -> int:
-        return 0  # versions are the upstream table's: nothing to release
+        """Nothing to release (versions are the upstream's); the upstream's
+        maintenance may now let go of the versions consumed."""
+        self._register(int(lineage.end.get("version", -1)), lineage.end.get("table"))
+        return 0
+
+    def _register(self, version: int, table_id: str | None) -> None:
+        if self.pipeline:
+            register(self.uri, Consumer(self.pipeline, self.checkpoint, table_id, version))
 
     # -- checks -------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceRefusedError, exit_code
 from spark_jobs.sources.base import Caps
 from spark_jobs.sources.delta import DeltaSource
-from tests.conftest import BatchesLineage, assert_exact, crash_at, oracle_spec_dict, write_spec
+from tests.conftest import BatchesLineage, assert_chain_exact, assert_exact, chain_specs, crash_at, oracle_spec_dict, write_spec
 
 SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int64())])
 
@@ -134,50 +134,8 @@ def test_a_planned_range_vacuumed_before_its_replay_is_refused(tmp_path):
 
 # -- chained pipelines, with Spark ---------------------------------------------------
 
-DOWNSTREAM_TRANSFORM = """
-SELECT substr(user_id, -1, 1) AS bucket,
-       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN events
-                WHEN _change_type IN ('delete', 'update_preimage') THEN -events ELSE 0 END) AS events,
-       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN amount
-                WHEN _change_type IN ('delete', 'update_preimage') THEN -amount ELSE 0 END) AS amount
-FROM batch GROUP BY substr(user_id, -1, 1)
-"""
-
-
-def _chain(tmp_path: Path) -> tuple[Path, Path]:
-    base = oracle_spec_dict()
-    upstream = write_spec(tmp_path, oracle_spec_dict(state={**base["state"], "change_feed": True}), "upstream.yaml")
-    downstream = write_spec(
-        tmp_path,
-        {
-            "name": "buckets",
-            "source": {"type": "delta", "path": "lake/state", "read": "changes"},
-            "transform": DOWNSTREAM_TRANSFORM,
-            "state": {"path": "lake/buckets", "keys": ["bucket"], "merge": {"events": "sum", "amount": "sum"}},
-            "checkpoint": "lake/_checkpoints/buckets",
-            "batch": {"max_versions": 2},
-        },
-        "downstream.yaml",
-    )
-    return upstream, downstream
-
-
-def _assert_chain_exact(upstream: Path, downstream: Path) -> None:
-    assert_exact(upstream)
-    users = read_all(DeltaTable(load_spec(upstream).state_path)).to_pylist()
-    expected: dict[str, tuple[int, float]] = {}
-    for row in users:
-        events, amount = expected.get(row["user_id"][-1], (0, 0.0))
-        expected[row["user_id"][-1]] = (events + row["events"], amount + row["amount"])
-    got = {r["bucket"]: (r["events"], r["amount"]) for r in read_all(DeltaTable(load_spec(downstream).state_path)).to_pylist()}
-    assert set(got) == set(expected)
-    for bucket, (events, amount) in expected.items():
-        assert got[bucket][0] == events, f"bucket {bucket}: {got[bucket]} != {expected[bucket]}"
-        assert got[bucket][1] == pytest.approx(amount), f"bucket {bucket}"
-
-
 def test_a_chained_pipeline_follows_its_upstream_state_exactly_through_crashes(tmp_path, compute):
-    upstream, downstream = _chain(tmp_path)
+    upstream, downstream = chain_specs(tmp_path)
 
     def run(spec_path: Path) -> str:
         return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
@@ -197,7 +155,7 @@ def test_a_chained_pipeline_follows_its_upstream_state_exactly_through_crashes(t
     assert run(upstream) == "committed"
     while run(downstream) == "committed":
         pass
-    _assert_chain_exact(upstream, downstream)
+    assert_chain_exact(upstream, downstream)
     spec = load_spec(downstream)
     from spark_jobs.core.ledger import OffsetLedger
 
@@ -247,3 +205,107 @@ def test_a_table_recreated_past_the_consumed_version_is_refused(tmp_path):
         _append(uri, {f"n{i}": i})
     with pytest.raises(SourceChangedError, match="recreated"):
         _source(uri).plan(BatchesLineage(consumed))
+
+
+# -- chains under upstream rewinds and maintenance (issue 31, section 2) -------------------
+
+
+def test_an_upstream_rewind_and_maintain_reach_the_downstream_as_their_exact_reversal(tmp_path, compute):
+    """Reproduced: `down` consumed batch 2 of `up`; `up` was rewound to batch 1
+    and maintained. `maintain up` vacuumed the files that the RESTORE's
+    changes are read from, and `down` stopped ("can no longer give
+    versions"); with `skip` it never subtracted batch 2 and counted it twice
+    when `up` replayed it. Now `down`'s position is recorded in `up`, which
+    keeps those files, and the RESTORE reads as exactly what it undid."""
+    from spark_jobs.core.maintain import maintain
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.storage.consumers import consumers
+
+    upstream, downstream = chain_specs(tmp_path)
+
+    def run(spec_path: Path) -> str:
+        return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
+
+    landing = tmp_path / "landing"
+    for wave in range(2):
+        write_wave(landing, wave, files=1, records_per_file=60, users=20)
+        assert run(upstream) == "committed"
+    while run(downstream) == "committed":
+        pass
+    assert_chain_exact(upstream, downstream)
+    state = load_spec(upstream).state_path
+    [registered] = consumers(state)
+    assert (registered.pipeline, registered.version) == ("buckets", DeltaTable(state).version())
+
+    rewind(load_spec(upstream), 1, run_id="test-rewind")
+    report = maintain(load_spec(upstream), keep_batches=1)
+    assert report.readers == {"buckets": registered.version}
+    assert run(downstream) == "committed"  # the rewind's RESTORE, read and subtracted
+    got = {r["bucket"]: r["events"] for r in read_all(DeltaTable(load_spec(downstream).state_path)).to_pylist()}
+    assert sum(got.values()) == 60, "batch 2's events were taken back, batch 1's kept"
+    # `up` replays batch 2's file in its new epoch; `down` adds it once.
+    assert run(upstream) == "committed"
+    while run(downstream) == "committed":
+        pass
+    assert_chain_exact(upstream, downstream)
+    # Once `down` has read everything, `maintain up` lets the old versions go.
+    [registered] = consumers(state)
+    assert registered.version == DeltaTable(state).version()
+    report = maintain(load_spec(upstream), keep_batches=1)
+    assert report.readers == {"buckets": registered.version}
+    assert report.removed_files["state"] > 0
+
+
+def test_the_change_data_every_reader_consumed_is_pruned(tmp_path, compute):
+    """`_change_data` files are left alone by VACUUM: a change-feed state
+    grew without bound on disk. `maintain` deletes those of versions every
+    downstream has read and no kept version needs."""
+    from spark_jobs.core.maintain import maintain
+
+    upstream, downstream = chain_specs(tmp_path)
+
+    def run(spec_path: Path) -> str:
+        return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
+
+    landing = tmp_path / "landing"
+    for wave in range(4):
+        write_wave(landing, wave, files=1, records_per_file=40, users=10)  # every batch updates users: change data
+        assert run(upstream) == "committed"
+    change_data = Path(load_spec(upstream).state_path) / "_change_data"
+    before = len(list(change_data.iterdir()))
+    assert before >= 3
+    assert run(downstream) == "committed"  # versions 0..1 (max_versions: 2), and registered there
+    report = maintain(load_spec(upstream), keep_batches=1)
+    assert report.readers == {"buckets": 1}
+    after_first = len(list(change_data.iterdir()))
+    while run(downstream) == "committed":  # the rest still reads
+        pass
+    assert_chain_exact(upstream, downstream)
+    report = maintain(load_spec(upstream), keep_batches=1)
+    assert report.removed_files["change data"] > 0
+    assert len(list(change_data.iterdir())) < after_first
+    # What is left still reads: a fifth batch flows down exactly.
+    write_wave(landing, 4, files=1, records_per_file=40, users=10)
+    assert run(upstream) == "committed"
+    while run(downstream) == "committed":
+        pass
+    assert_chain_exact(upstream, downstream)
+
+
+def test_a_restore_reads_as_the_changes_it_made_and_nothing_else(tmp_path):
+    """Within a version, a row removed and added again unchanged is no change:
+    a RESTORE (or a rewrite that kept every value) nets to what it changed."""
+    from spark_jobs.engine.delta_read import read_versions
+    from spark_jobs.sources.delta import DeltaManifest
+
+    uri = _table(tmp_path / "t")
+    _append(uri, {"a": 1, "b": 2})  # v1
+    DeltaTable(uri).merge(
+        pa.table({"k": ["a", "c"], "v": [10, 30]}, schema=SCHEMA), "t.k = s.k", source_alias="s", target_alias="t"
+    ).when_matched_update_all().when_not_matched_insert_all().execute()  # v2
+    DeltaTable(uri).restore(1)  # v3: back to a=1, b=2
+    rows = read_versions(DeltaManifest(uri, "changes", 3, 3))
+    got = sorted(zip(rows.column("k").to_pylist(), rows.column("v").to_pylist(), rows.column("_change_type").to_pylist()))
+    assert got == [("a", 1, "insert"), ("a", 10, "delete"), ("c", 30, "delete")]  # b untouched
+    rows = read_versions(DeltaManifest(uri, "changes", 2, 2))
+    assert sorted(rows.column("_change_type").to_pylist()) == ["insert", "update_postimage", "update_preimage"]

@@ -28,8 +28,15 @@ $(STAMP): requirements.lock pyproject.toml | java
 demo: setup
 	$(BIN)/python -m spark_jobs.demo
 
-test: setup tools
+test: setup tools jars
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+
+# Pinned JARs fetched once with Maven into ~/.cache/microbatch/jars (nothing
+# downloads at run time): a real Kafka broker for the tests (jars/kafka/pom.xml).
+.PHONY: jars
+jars: setup
+	@command -v mvn >/dev/null 2>&1 || { echo "Maven is required to fetch the pinned JARs: apt-get install maven"; exit 1; }
+	@$(BIN)/python jars/fetch.py kafka >/dev/null
 
 # tests/docker needs docker-compose (`config` only, no engine), the storage
 # fault tests need strace and the console's browser test needs chromium; CI
@@ -45,7 +52,7 @@ tools:
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \
 	  fi
 
-soak: setup
+soak: setup jars
 	$(BIN)/python -m pytest -q -m slow
 
 # The Flink anchor's own virtualenv: PyFlink pins pandas<2.3, pyarrow<21 and

@@ -98,6 +98,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
     lag: Lag | None
     try:
         lag = p.source.lag(p.lineage(view), dated=True)
+        problems += lag.warnings
     except MicrobatchError as exc:
         lag = None
         problems.append(str(exc))

@@ -99,6 +99,10 @@ class Lag:
     #: record's or commit's timestamp); None when nothing waits, when `lag`
     #: was not asked for it, or when the source cannot tell cheaply.
     oldest: datetime | None = None
+    #: What a person should know about the waiting data, each naming where
+    #: it is (a Kafka record dated in the future: its partition, offset and
+    #: timestamp). `status` and the console list them as problems.
+    warnings: tuple[str, ...] = ()
 
     def describe(self) -> str:
         text = f"{self.count:,} {self.unit}"

@@ -94,6 +94,18 @@ CALLBACK_SETTINGS = frozenset({"error_cb", "throttle_cb", "stats_cb", "log_cb", 
 _REFUSALS = ("TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED", "CLUSTER_AUTHORIZATION_FAILED", "SASL_AUTHENTICATION_FAILED", "_AUTHENTICATION")
 #: Where offsets name the cluster they count in (topic names cannot hold "@").
 CLUSTER_KEY = "@cluster"
+#: Where offsets name the topic's id (KIP-516): a topic deleted and created
+#: again under its name has another.
+TOPIC_ID_KEY = "@topic_id"
+#: How long a cluster may take to say a topic's id. One that cannot (brokers
+#: before Kafka 2.8, librdkafka's mock cluster) is asked once per process.
+TOPIC_ID_TIMEOUT_S = 2.0
+#: A record timestamped more than this ahead of this machine's clock is "in the future".
+FUTURE_SKEW_S = 60.0
+#: Settings only consumers take: left out of the admin client that asks for ids.
+_CONSUMER_ONLY = frozenset({"group.id", "enable.auto.commit", "enable.auto.offset.store", "isolation.level", "enable.partition.eof", "auto.offset.reset"})
+#: Servers whose cluster did not say topic ids, in this process.
+_NO_TOPIC_IDS: set[str] = set()
 
 #: A connection's settings for the runs inside `connection_settings` (set by the Airflow glue).
 _CONNECTION: ContextVar[Mapping[str, Any] | None] = ContextVar("microbatch_kafka_connection", default=None)
@@ -186,15 +198,18 @@ class PartitionOffsets:
     next: Mapping[int, int]
     #: The id of the Kafka cluster they count in: offsets of another cluster's topic of the same name mean nothing.
     cluster: str | None = None
+    #: The topic's id, where the cluster tells it: offsets of a topic since recreated under the name mean nothing.
+    topic_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         if not self.next:
             return {}
-        return {self.topic: {str(p): n for p, n in sorted(self.next.items())}, **({CLUSTER_KEY: self.cluster} if self.cluster else {})}
+        ids = {CLUSTER_KEY: self.cluster, TOPIC_ID_KEY: self.topic_id}
+        return {self.topic: {str(p): n for p, n in sorted(self.next.items())}, **{k: v for k, v in ids.items() if v}}
 
     @classmethod
     def from_dict(cls, topic: str, data: Mapping[str, Any]) -> PartitionOffsets:
-        return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()}, data.get(CLUSTER_KEY))
+        return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()}, data.get(CLUSTER_KEY), data.get(TOPIC_ID_KEY))
 
 
 @dataclass(frozen=True)
@@ -208,9 +223,12 @@ class KafkaManifest:
     skipped: tuple[tuple[int, int, int], ...] = ()
     #: How to reach the topic (set by the source; never stored).
     client: KafkaClient | None = field(default=None, compare=False, repr=False)
+    #: The id of the topic the ranges are in, where the cluster tells it.
+    topic_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"topic": self.topic, "ranges": [list(r) for r in self.ranges], "skipped": [list(r) for r in self.skipped]}
+        ranges = {"topic": self.topic, "ranges": [list(r) for r in self.ranges], "skipped": [list(r) for r in self.skipped]}
+        return {**ranges, **({"topic_id": self.topic_id} if self.topic_id else {})}
 
     def inputs(self) -> list[str]:
         return [f"kafka://{self.topic}/{p} [{s}, {e})" for p, s, e in self.ranges]
@@ -235,10 +253,11 @@ class _Partition:
 
 @dataclass(frozen=True)
 class _Topic:
-    """The topic's partitions now, and the id of the cluster that has it."""
+    """The topic's partitions now, the id of the cluster that has it, and its own id."""
 
     partitions: dict[int, _Partition]
     cluster: str | None
+    topic_id: str | None = None
 
 
 class KafkaSource:
@@ -265,6 +284,7 @@ class KafkaSource:
                 tuple((int(p), int(s), int(e)) for p, s, e in manifest.get("ranges", [])),
                 tuple((int(p), int(s), int(e)) for p, s, e in manifest.get("skipped", [])),
                 self.client,
+                manifest.get("topic_id"),
             ),
         )
 
@@ -278,6 +298,12 @@ class KafkaSource:
                 return None
             starts, skipped = self._starts(known, topic.partitions)
             ends = self._ends(consumer, topic.partitions, until)
+            if until is not None:
+                # A bound that stops at a record dated in the future holds its
+                # partition there for every interval until that date: say so.
+                stopped = {p: (ends[p], part.high) for p, part in topic.partitions.items() if starts[p] <= ends[p] < part.high}
+                for warning in self._future(consumer, stopped, bounded=True):
+                    log.warning("%s", warning)
         waiting = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
         cap = caps.max_records if caps.max_records is not None else self.max_records
         shares = fair_shares(waiting, cap) if cap is not None else waiting
@@ -287,8 +313,8 @@ class KafkaSource:
             return None
         return BatchRange(
             PartitionOffsets.from_dict(self.topic, lineage.end),
-            PartitionOffsets(self.topic, end, topic.cluster),
-            KafkaManifest(self.topic, ranges, tuple(skipped), self.client),
+            PartitionOffsets(self.topic, end, topic.cluster, topic.topic_id),
+            KafkaManifest(self.topic, ranges, tuple(skipped), self.client, topic.topic_id),
             waiting_after=sum(waiting.values()) - sum(e - s for _, s, e in ranges),
         )
 
@@ -306,9 +332,62 @@ class KafkaSource:
             ends = self._ends(consumer, topic.partitions, until)
             behind = {p: max(ends[p] - starts[p], 0) for p in topic.partitions}
             oldest = self._oldest(consumer, {p: starts[p] for p, n in behind.items() if n}) if dated else None
+            warnings = self._future(consumer, {p: (starts[p], topic.partitions[p].high) for p, n in behind.items() if n}) if dated else []
         return Lag(
-            sum(behind.values()), self.unit, detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n), oldest=oldest
+            sum(behind.values()),
+            self.unit,
+            detail=tuple((f"{self.topic}/{p}", n) for p, n in sorted(behind.items()) if n),
+            oldest=oldest,
+            warnings=tuple(warnings),
         )
+
+    def _future(self, consumer: Consumer, ranges: dict[int, tuple[int, int]], *, bounded: bool = False) -> list[str]:
+        """A warning for each partition whose records in ``[start, end)`` hold
+        one timestamped in the future (its first such record), naming the
+        partition, the offset and the timestamp.
+
+        A run bounded by a data interval takes a partition's records up to
+        the first one timestamped at or after the interval's end
+        (`offsets_for_times`), so such a record stops its partition there for
+        every scheduled interval until its date. Found by asking for the
+        first offset at or after now (+ `FUTURE_SKEW_S`), then reading that
+        one record's timestamp.
+        """
+        from confluent_kafka import KafkaException, TopicPartition
+
+        if not ranges:
+            return []
+        limit_ms = int((time.time() + FUTURE_SKEW_S) * 1000)
+        try:
+            found = consumer.offsets_for_times([TopicPartition(self.topic, p, limit_ms) for p in ranges], timeout=REQUEST_TIMEOUT_S)
+        except KafkaException as exc:
+            raise self._broker_error(exc) from exc
+        at = {tp.partition: tp.offset for tp in found if tp.error is None and ranges[tp.partition][0] <= tp.offset < ranges[tp.partition][1]}
+        warnings = []
+        for p, offset in sorted(at.items()):
+            stamp = self._timestamp(consumer, p, offset)
+            when = datetime.fromtimestamp(stamp / 1000, timezone.utc).isoformat(timespec="seconds") if stamp is not None else "a future time"
+            held = "holds" if bounded else "will hold"
+            warnings.append(
+                f"topic {self.topic} partition {p} offset {offset} is timestamped {when}, in the future: a run bounded "
+                f"by a data interval (scheduled, backfill) {held} partition {p} at offset {offset} until an interval "
+                "ends after that time. Check the producer's clock; a manual run (no data interval) takes the records now."
+            )
+        return warnings
+
+    def _timestamp(self, consumer: Consumer, partition: int, offset: int) -> int | None:
+        """The timestamp (ms) of the record at `offset`, None if none arrives within `OLDEST_WAIT_S`."""
+        from confluent_kafka import TopicPartition
+
+        consumer.assign([TopicPartition(self.topic, partition, offset)])
+        deadline = time.monotonic() + OLDEST_WAIT_S
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None or message.error() is not None:
+                continue
+            kind, stamp = message.timestamp()
+            return stamp if kind and stamp >= 0 else None
+        return None
 
     def _oldest(self, consumer: Consumer, starts: dict[int, int]) -> datetime | None:
         """The earliest timestamp of the first waiting record of each partition
@@ -334,8 +413,9 @@ class KafkaSource:
         """The planned ranges must still be there: retention may have deleted
         their start since the plan, or the topic been recreated."""
         manifest: KafkaManifest = batch.manifest  # type: ignore[assignment]
+        planned: PartitionOffsets = batch.end  # type: ignore[assignment]
         with self._connected() as consumer:
-            topic = self._topic(consumer, batch.start)  # type: ignore[arg-type]
+            topic = self._topic(consumer, PartitionOffsets(self.topic, batch.start.next, planned.cluster, planned.topic_id))  # type: ignore[attr-defined]
             partitions = topic.partitions if topic is not None else {}
             gone = []
             for p, start, end in manifest.ranges:
@@ -358,7 +438,7 @@ class KafkaSource:
 
     def _known(self, lineage: Lineage) -> PartitionOffsets:
         end = lineage.end
-        others = [name for name in end if name not in (self.topic, CLUSTER_KEY)]
+        others = [name for name in end if name not in (self.topic, CLUSTER_KEY, TOPIC_ID_KEY)]
         if others:
             raise SourceChangedError(
                 f"the ledger's offsets are for topic(s) {others}, not {self.topic}: this checkpoint belongs to "
@@ -459,7 +539,42 @@ class KafkaSource:
                 "pipeline a new checkpoint and state to start over on it.",
                 path=f"kafka://{self.topic}",
             )
-        return _Topic(partitions, metadata.cluster_id or known.cluster)
+        topic_id = self._topic_id(metadata.cluster_id)
+        if known.topic_id and topic_id and topic_id != known.topic_id:
+            raise SourceChangedError(
+                f"topic {self.topic} is not the topic this pipeline read: its id is {topic_id}, and the offsets in "
+                f"the ledger were counted in topic id {known.topic_id}. It was deleted and created again; its "
+                "offsets start over, and reading on from the old ones would skip the new topic's first records. "
+                "Nothing was read. To read the new topic from its start, give the pipeline a new checkpoint and "
+                "state (or rewind to batch 0 if the state should hold the new topic only: `microbatch rewind "
+                "SPEC --to-batch 0`); if the topic was recreated by mistake, restore the old one's data under a "
+                "new topic name and point source.topic at it.",
+                path=f"kafka://{self.topic}",
+            )
+        return _Topic(partitions, metadata.cluster_id or known.cluster, topic_id or known.topic_id)
+
+    def _topic_id(self, cluster: str | None) -> str | None:
+        """The topic's id (KIP-516), or None where the cluster does not tell it
+        (asked once per process of such a cluster: a timeout each run would cost)."""
+        from confluent_kafka import KafkaException, TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        where = cluster or self.client.servers
+        if where in _NO_TOPIC_IDS:
+            return None
+        settings = {k: v for k, v in self.client.settings.items() if k not in _CONSUMER_ONLY}
+        admin = AdminClient({**settings, "logger": _quiet})  # kept until the answer: its end cancels the request
+        try:
+            futures = admin.describe_topics(TopicCollection([self.topic]), request_timeout=TOPIC_ID_TIMEOUT_S)
+            described = futures[self.topic].result(timeout=TOPIC_ID_TIMEOUT_S * 2)
+        except (KafkaException, TimeoutError) as exc:
+            error = exc.args[0] if exc.args and hasattr(exc.args[0], "name") else None
+            if error is None or error.name() in ("_TIMED_OUT", "UNSUPPORTED_VERSION", "_UNSUPPORTED_FEATURE"):
+                _NO_TOPIC_IDS.add(where)
+            log.debug("Kafka at %s did not say topic ids (%s): recreated topics are found by their offsets only", where, first_line(exc))
+            return None
+        topic_id = str(getattr(described, "topic_id", "") or "")
+        return topic_id if topic_id.strip("A=") else None  # all zero: no id
 
     def _starts(self, known: PartitionOffsets, partitions: Mapping[int, _Partition]) -> tuple[dict[int, int], list[tuple[int, int, int]]]:
         """Where each partition's next range starts, and the ranges lost before it.

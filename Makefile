@@ -39,14 +39,16 @@ jars: setup
 	@$(BIN)/python jars/fetch.py kafka >/dev/null
 
 # tests/docker needs docker-compose (`config` only, no engine), the storage
-# fault tests need strace and the console's browser test needs chromium; CI
-# runs as root on Debian, so install what is missing.
+# fault tests need strace, the console's browser test needs chromium and the
+# Kafka broker's JARs are fetched with maven; CI runs as root on Debian, so
+# install what is missing.
 .PHONY: tools
 tools:
 	@missing=""; \
 	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	  command -v strace >/dev/null || missing="$$missing strace"; \
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
+	  command -v mvn >/dev/null || missing="$$missing maven"; \
 	  if [ -n "$$missing" ]; then \
 	    { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $$missing; } \
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \

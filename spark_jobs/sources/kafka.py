@@ -539,7 +539,7 @@ class KafkaSource:
                 "pipeline a new checkpoint and state to start over on it.",
                 path=f"kafka://{self.topic}",
             )
-        topic_id = self._topic_id(metadata.cluster_id)
+        topic_id = self._topic_id(metadata.cluster_id, required=bool(known.topic_id))
         if known.topic_id and topic_id and topic_id != known.topic_id:
             raise SourceChangedError(
                 f"topic {self.topic} is not the topic this pipeline read: its id is {topic_id}, and the offsets in "
@@ -553,14 +553,18 @@ class KafkaSource:
             )
         return _Topic(partitions, metadata.cluster_id or known.cluster, topic_id or known.topic_id)
 
-    def _topic_id(self, cluster: str | None) -> str | None:
+    def _topic_id(self, cluster: str | None, *, required: bool) -> str | None:
         """The topic's id (KIP-516), or None where the cluster does not tell it
-        (asked once per process of such a cluster: a timeout each run would cost)."""
+        (asked once per process of such a cluster: a timeout each run would cost).
+
+        `required`: the ledger holds an id, so this cluster told one before;
+        not getting it now is a failure to retry (exit 1), never a pass.
+        """
         from confluent_kafka import KafkaException, TopicCollection
         from confluent_kafka.admin import AdminClient
 
         where = cluster or self.client.servers
-        if where in _NO_TOPIC_IDS:
+        if where in _NO_TOPIC_IDS and not required:
             return None
         settings = {k: v for k, v in self.client.settings.items() if k not in _CONSUMER_ONLY}
         admin = AdminClient({**settings, "logger": _quiet})  # kept until the answer: its end cancels the request
@@ -568,6 +572,13 @@ class KafkaSource:
             futures = admin.describe_topics(TopicCollection([self.topic]), request_timeout=TOPIC_ID_TIMEOUT_S)
             described = futures[self.topic].result(timeout=TOPIC_ID_TIMEOUT_S * 2)
         except (KafkaException, TimeoutError) as exc:
+            if required:
+                raise SourceError(
+                    f"Kafka at {self.client.servers} did not say the id of topic {self.topic} ({first_line(exc)}), "
+                    "which this pipeline's offsets were counted in: whether the topic is still the same one cannot "
+                    "be checked. Nothing was read or written; the run can be retried.",
+                    path=f"kafka://{self.topic}",
+                ) from exc
             error = exc.args[0] if exc.args and hasattr(exc.args[0], "name") else None
             if error is None or error.name() in ("_TIMED_OUT", "UNSUPPORTED_VERSION", "_UNSUPPORTED_FEATURE"):
                 _NO_TOPIC_IDS.add(where)

@@ -74,10 +74,12 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
     state = p.state.open()
     readers: dict[str, int] = {}
     if state is not None:
-        # The change data of versions every downstream has read, before the
-        # versions kept for rewinds, is read by no one again.
+        # The change data of versions every recorded downstream has read,
+        # before the versions kept for rewinds, is read by no one again. With
+        # no downstream recorded, none is pruned: one that has not run since
+        # positions were recorded may still need it.
         readers = _readers(p.state.path, state)
-        unread = min(readers.values()) + 1 if readers else state.version() + 1
+        unread = min(readers.values()) + 1 if readers else 0
         prune_before = min([*keep_versions, unread])
         # Versions a downstream has yet to read stay readable: their files
         # and those of the version before each (a rewind's RESTORE reads as
@@ -121,12 +123,14 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
 
 
 def _readers(path: str, state: DeltaTable) -> dict[str, int]:
-    """The downstream pipelines reading this state, by name, and the last
-    version each consumed (only positions in this very table: a position
-    recorded in a table since deleted and recreated at the path counts for
-    nothing)."""
+    """The downstream pipelines reading this state (by name, and checkpoint
+    where two share a name) and the last version each consumed. Only
+    positions in this very table count: one recorded in a table since
+    deleted and recreated at the path counts for nothing."""
     table_id = state.metadata().id
-    found = {c.pipeline: c.version for c in consumers(path) if c.table_id in (None, table_id)}
+    recorded = [c for c in consumers(path) if c.table_id in (None, table_id)]
+    names = [c.pipeline for c in recorded]
+    found = {c.pipeline if names.count(c.pipeline) == 1 else f"{c.pipeline} ({c.checkpoint})": c.version for c in recorded}
     for name, version in sorted(found.items()):
         log.info("downstream %s has read this state up to version %d: later versions are kept", name, version)
     return found

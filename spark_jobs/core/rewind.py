@@ -92,6 +92,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
             pipeline=spec.name,
             position=current,
         )
+    p.source.rewinding(end_offsets)
     metadata = CommitMetadata(
         kind=CommitKind.REWIND,
         pipeline=spec.name,
@@ -147,7 +148,15 @@ def rewind_target(
     if target.spec is not None:
         # Batches after K would be recomputed under this spec on top of a
         # state folded under another meaning.
-        refused, _ = changes(SpecIdentity.from_dict(target.spec), identity)
+        made_under = SpecIdentity.from_dict(target.spec)
+        head_spec = view.head.spec if view.head is not None else None
+        if head_spec is not None:
+            # A batch recorded before a field had a rule (identity format 1)
+            # holds no value for it: take the one the head recorded, which no
+            # run since could change without a refusal. Else a rewind there
+            # would pass what `check_spec` refuses.
+            made_under = SpecIdentity({**SpecIdentity.from_dict(head_spec).values, **made_under.values})
+        refused, _ = changes(made_under, identity)
         if refused:
             raise refuse(
                 f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
@@ -179,6 +188,7 @@ def _rewind_ledger_only(
     """A rewind to 0 before any state commit: only a plan was made, so the
     ledger alone records the new epoch (the missing state is its empty state)."""
     origin = p.source.origin.to_dict()
+    p.source.rewinding(origin)
     row = LedgerRow(
         epoch=new.epoch,
         batch_id=0,

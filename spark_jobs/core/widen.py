@@ -101,10 +101,16 @@ def sql_type(column_type: pa.DataType) -> str:
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _clampable(column_type: pa.DataType) -> bool:
-    """Whether a column's file statistics may be clamped: a decimal of more
-    than 18 digits can hold values beyond 64 bits."""
-    return pa.types.is_decimal(column_type) and column_type.precision > 18
+#: How far delta-rs's statistics of a decimal may be from its values, relative
+#: to their size: they are written through a 64-bit float (a DECIMAL(18,2)
+#: 9999999999999998.99 is stored as 9999999999999998.00).
+_DECIMAL_STATS_SLACK = Fraction(1, 10**14)
+
+
+def _approximate_statistics(column_type: pa.DataType) -> bool:
+    """Whether a column's file statistics only approximate its values: a
+    decimal's go through a float (rounded), and beyond 64 bits are clamped."""
+    return pa.types.is_decimal(column_type)
 
 
 @dataclass(frozen=True)
@@ -147,11 +153,12 @@ class SumCheck:
     def candidates(self) -> list[str]:
         """SQL conditions that hold for every state value this batch may overflow.
 
-        A decimal wider than 18 digits may hold values beyond 64 bits, whose
-        file statistics delta-rs writes clamped (`state_ranges`): a plain
-        comparison would let DataFusion skip the very files that hold them,
-        so its conditions are written in a form the pruning cannot read
-        (`(...) IS TRUE`; a test pins that it still finds them).
+        A decimal's file statistics only approximate it (`state_ranges`): a
+        plain comparison would let DataFusion skip the very files that hold
+        the values, so its conditions are written in a form the pruning
+        cannot read (`(...) IS TRUE`; a test pins that it still finds them).
+        This query runs only when the statistics could not prove the batch
+        safe.
         """
         column = _q(self.column)
         found = []
@@ -159,7 +166,7 @@ class SumCheck:
             found.append(f"{column} > {self._literal(self.above)}")
         if self.below is not None:
             found.append(f"{column} < {self._literal(self.below)}")
-        if _clampable(self.type):
+        if _approximate_statistics(self.type):
             found = [f"({condition}) IS TRUE" for condition in found]
         return found
 
@@ -266,10 +273,17 @@ def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fract
             low, high = pc.min(lows).as_py(), pc.max(highs).as_py()
             # A float state may hold an inf or NaN from before overflows were refused.
             finite = not isinstance(low, float) or (math.isfinite(low) and math.isfinite(high))
-            # delta-rs writes a decimal's statistics clamped to the int64 range:
-            # a bound there may stand for any value beyond it.
-            clamped = _clampable(lows.type) and (low <= _INT64_MIN or high >= _INT64_MAX)
-            ranges[column] = (Fraction(low), Fraction(high)) if finite and not clamped else None
+            if finite and _approximate_statistics(lows.type):
+                # delta-rs writes a decimal's statistics through a float, and
+                # clamped to the int64 range: a bound there may stand for any
+                # value beyond it; elsewhere, widen by the float's rounding.
+                if low <= _INT64_MIN or high >= _INT64_MAX:
+                    ranges[column] = None
+                    continue
+                unit = Fraction(1, 10**lows.type.scale)
+                low = Fraction(low) - abs(Fraction(low)) * _DECIMAL_STATS_SLACK - unit
+                high = Fraction(high) + abs(Fraction(high)) * _DECIMAL_STATS_SLACK + unit
+            ranges[column] = (Fraction(low), Fraction(high)) if finite else None
     return ranges
 
 

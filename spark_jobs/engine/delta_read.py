@@ -64,41 +64,49 @@ def net_changes(rows: pa.Table) -> pa.Table:
     them the same rows. Only a transform that subtracts deletes exactly
     nets those out; one with `min`, `max`, `last` or a count of changes
     would not. So within each version, a removal and an addition of an
-    identical row cancel, leaving the version's true changes: a RESTORE
-    becomes the exact reversal of what it undid, and a rewrite that kept
-    every value, nothing. (A MERGE's update that changed nothing cancels
-    too.) Rows keep their order and change types.
+    identical row (nulls equal nulls) cancel, leaving the version's true
+    changes: a RESTORE becomes the exact reversal of what it undid, and a
+    rewrite that kept every value, nothing. (A MERGE's update that changed
+    nothing cancels too.) Rows keep their order and change types. A table
+    with nested or binary columns is passed as it is.
     """
     if rows.num_rows == 0:
         return rows
-    kinds = rows.column(CHANGE_COLUMNS[0]).cast(pa.string())
     values = [c for c in rows.column_names if c not in (CHANGE_COLUMNS[0], CHANGE_COLUMNS[2])]
-    added, removed = pc.is_in(kinds, pa.array(_ADDED)), pc.is_in(kinds, pa.array(_REMOVED))
-    # Rows whose (values, version) have both an addition and a removal: usually few.
-    keyed = rows.select(values).append_column("__added", added).append_column("__removed", removed)
-    groups = keyed.group_by(values, use_threads=False).aggregate([("__added", "any"), ("__removed", "any")])
-    both = groups.filter(pc.and_(groups.column("__added_any"), groups.column("__removed_any"))).select(values)
-    if both.num_rows == 0:
+    if not all(_comparable(rows.schema.field(c).type) for c in values):
         return rows
-    candidates = rows.select(values).append_column("__row", pa.array(range(rows.num_rows), pa.int64()))
-    candidates = candidates.join(both, keys=values, join_type="inner", use_threads=False)
-    pending: dict[tuple, list[int]] = {}
+    kinds = rows.column(CHANGE_COLUMNS[0]).cast(pa.string())
+    added, removed = pc.is_in(kinds, pa.array(_ADDED)), pc.is_in(kinds, pa.array(_REMOVED))
+    # One text key per row: each value as its length, ':' and its text (so no
+    # text can run into the next), a null as 'N'.
+    parts = []
+    for c in values:
+        text = pc.cast(rows.column(c), pa.string())
+        parts.append(pc.fill_null(pc.binary_join_element_wise(pc.cast(pc.utf8_length(text), pa.string()), text, ":"), "N"))
+    key = pc.binary_join_element_wise(*parts, "|")
+    marked = pa.table({"key": key, "added": added, "removed": removed})
+    groups = marked.group_by("key", use_threads=False).aggregate([("added", "any"), ("removed", "any")])
+    both = groups.filter(pc.and_(groups.column("added_any"), groups.column("removed_any"))).column("key")
+    if len(both) == 0:
+        return rows
+    candidates = pc.indices_nonzero(pc.is_in(key, both)).to_pylist()
+    keys, adds = key.take(candidates).to_pylist(), added.take(candidates).to_pylist()
+    pending: dict[str, list[tuple[int, bool]]] = {}
     dropped: set[int] = set()
-    kind_of = kinds.to_pylist()
-    for row in sorted(candidates.to_pylist(), key=lambda r: r["__row"]):
-        key = tuple(_hashable(row[c]) for c in values)
-        sign = 1 if kind_of[row["__row"]] in _ADDED else -1
-        queue = pending.setdefault(key, [])
-        if queue and (1 if kind_of[queue[0]] in _ADDED else -1) != sign:
-            dropped.update((queue.pop(0), row["__row"]))
+    for i, k, is_add in zip(candidates, keys, adds):
+        queue = pending.setdefault(k, [])
+        if queue and queue[0][1] != is_add:
+            dropped.update((queue.pop(0)[0], i))
         else:
-            queue.append(row["__row"])
+            queue.append((i, is_add))
     keep = pa.array([i not in dropped for i in range(rows.num_rows)])
     return rows.filter(keep)
 
 
-def _hashable(value: object) -> object:
-    return tuple(value) if isinstance(value, list) else value
+def _comparable(kind: pa.DataType) -> bool:
+    """Types whose text tells equal values from unequal ones."""
+    return not (pa.types.is_nested(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind))
+
 
 
 def _plain(field: pa.Field) -> pa.Field:

@@ -154,6 +154,12 @@ class Source(Protocol):
         says (for files: keep, delete or archive them). Idempotent: whatever a
         crash left behind is released by the next call. Returns how many."""
 
+    def rewinding(self, end: dict[str, Any]) -> None:
+        """The pipeline is about to rewind to `end` (its offsets after the
+        target batch); called before anything is restored. A source whose
+        upstream keeps data for its readers says so there (a Delta source
+        records its position in the upstream table); others do nothing."""
+
     def verify(self, batch: BatchRange) -> None:
         """Raise `SourceChangedError` if `batch` (planned earlier) can no longer
         be read as planned: a replay must read exactly what was planned."""

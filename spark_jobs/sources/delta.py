@@ -217,6 +217,12 @@ class DeltaSource:
         self._register(int(lineage.end.get("version", -1)), lineage.end.get("table"))
         return 0
 
+    def rewinding(self, end: dict[str, Any]) -> None:
+        """Move the recorded position back before the rewind restores: the
+        replay needs the versions after it, and the upstream's `maintain`
+        must keep them from now on."""
+        self._register(int(end.get("version", -1)), end.get("table"))
+
     def _register(self, version: int, table_id: str | None) -> None:
         if self.pipeline:
             register(self.uri, Consumer(self.pipeline, self.checkpoint, table_id, version))

@@ -148,8 +148,10 @@ class Lister(Protocol):
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         """Raise `SourceError` naming `f` if the batch could not read it."""
 
-    def recover(self) -> int:
-        """Finish what an interrupted release left half done; how many files it put back."""
+    def recover(self, consumed: Callable[[SourceFile], bool], archive: str | None) -> int:
+        """Finish what an interrupted release left half done: a file it held
+        aside that `consumed` says was consumed is released (deleted, or moved
+        under `archive`), any other is put back. Returns how many it handled."""
 
     def remove(self, f: SourceFile) -> bool:
         """Delete the file if it is still the version `f` lists (its size and
@@ -207,11 +209,7 @@ class LocalLister:
         return self._release(f, os.unlink)
 
     def move(self, f: SourceFile, archive: str) -> bool:
-        target = Path(archive, f.name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # A rename where it can be (atomic on one file system), else copy and
-        # delete; either keeps the mtime.
-        return self._release(f, lambda held: shutil.move(held, target))
+        return self._release(f, lambda held: _archive(held, archive, f.name))
 
     def _release(self, f: SourceFile, release: Callable[[str], object]) -> bool:
         """Release exactly the consumed file, never one a writer put under its name.
@@ -236,24 +234,43 @@ class LocalLister:
         except FileNotFoundError:
             return False
         moved = os.stat(held)
-        if (moved.st_dev, moved.st_ino) != (checked.st_dev, checked.st_ino):
+        # Another file (a writer's rename), or this one written over in place
+        # since the check: not the consumed file.
+        if (moved.st_dev, moved.st_ino, moved.st_size, moved.st_mtime_ns) != (checked.st_dev, checked.st_ino, checked.st_size, checked.st_mtime_ns):
             _restore(held, path)
             return False
         release(held)
         return True
 
-    def recover(self) -> int:
-        """Put back files a release held aside and did not finish with (the
-        process died between two steps); the release then judges them afresh.
-        Returns how many were put back."""
-        found = 0
+    def recover(self, consumed: Callable[[SourceFile], bool], archive: str | None) -> int:
+        """Files held aside by a release that did not finish (its process died
+        between two steps): one that was consumed is released as the release
+        would have, any other (a writer's) goes back under its name. A file
+        held for less than `HELD_GRACE_S` may be another run's release in
+        progress: it is left to that run."""
+        handled = 0
+        now = time.time()
         for folder, _, names in os.walk(self.root):
             for name in names:
-                if name.startswith(RELEASE_PREFIX):
-                    original = name[len(RELEASE_PREFIX) :].split("-", 1)[1]
-                    _restore(os.path.join(folder, name), os.path.join(folder, original))
-                    found += 1
-        return found
+                if not name.startswith(RELEASE_PREFIX):
+                    continue
+                held = os.path.join(folder, name)
+                try:
+                    st = os.stat(held)
+                except FileNotFoundError:  # its release finished meanwhile
+                    continue
+                if now - st.st_ctime < HELD_GRACE_S:  # a rename sets the change time
+                    continue
+                original = os.path.relpath(os.path.join(folder, name[len(RELEASE_PREFIX) :].split("-", 1)[1]), self.root)
+                f = SourceFile(original.replace(os.sep, "/"), Path(self.root, original).as_uri(), st.st_size, st.st_mtime_ns // 1_000_000)
+                if not consumed(f):
+                    _restore(held, os.path.join(self.root, original))
+                elif archive is None:
+                    os.unlink(held)
+                else:
+                    _archive(held, archive, f.name)
+                handled += 1
+        return handled
 
     def check_readable(self, f: SourceFile, fmt: str) -> None:
         path = os.path.join(self.root, f.name)
@@ -283,6 +300,17 @@ class LocalLister:
 #: A file a release holds aside is renamed to this prefix, a uuid, '-' and its
 #: own name: hidden (listings skip it) and still telling where it came from.
 RELEASE_PREFIX = ".microbatch-release-"
+#: How long a held file may be another run's release in progress.
+HELD_GRACE_S = 60.0
+
+
+def _archive(held: str, archive: str, name: str) -> None:
+    """Move a held file to `name` under `archive`, replacing what is there:
+    a rename where it can be (atomic on one file system), else copy and
+    delete; either keeps the mtime."""
+    target = Path(archive, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(held, target)
 
 
 def _restore(held: str, path: str) -> None:
@@ -385,7 +413,7 @@ class FilesSource:
         """
         if self.release == "keep":
             return 0
-        self.lister.recover()
+        self._recover(lineage)
         listed = self.lister.list(None)
         done = [f for f, consumed in zip(listed, self.consumed(lineage, listed)) if consumed]
         released = 0
@@ -402,6 +430,13 @@ class FilesSource:
                 len(done) - released,
             )
         return released
+
+    def rewinding(self, end: dict[str, Any]) -> None:
+        pass  # nothing upstream keeps data for this pipeline
+
+    def _recover(self, lineage: Lineage) -> None:
+        archive = cast(str, self.archive) if self.release == "archive" else None
+        self.lister.recover(lambda f: self.consumed(lineage, [f])[0], archive)
 
     def verify(self, batch: BatchRange) -> None:
         """Each planned file must still be there with the size and mtime it was planned with."""
@@ -430,6 +465,8 @@ class FilesSource:
         `max_records` is a cap in whole files: files are taken while the total
         stays within it, and always at least one (a file is never split).
         """
+        if self.release != "keep":
+            self._recover(lineage)  # a writer's file an interrupted release held aside waits no longer
         pending = self.pending(lineage)
         waiting = len(pending)
         if until is not None:

@@ -364,8 +364,8 @@ class KafkaSource:
             raise self._broker_error(exc) from exc
         at = {tp.partition: tp.offset for tp in found if tp.error is None and ranges[tp.partition][0] <= tp.offset < ranges[tp.partition][1]}
         warnings = []
-        for p, offset in sorted(at.items()):
-            stamp = self._timestamp(consumer, p, offset)
+        for p, wanted in sorted(at.items()):
+            offset, stamp = self._timestamp(consumer, p, wanted)
             when = datetime.fromtimestamp(stamp / 1000, timezone.utc).isoformat(timespec="seconds") if stamp is not None else "a future time"
             held = "holds" if bounded else "will hold"
             warnings.append(
@@ -375,19 +375,21 @@ class KafkaSource:
             )
         return warnings
 
-    def _timestamp(self, consumer: Consumer, partition: int, offset: int) -> int | None:
-        """The timestamp (ms) of the record at `offset`, None if none arrives within `OLDEST_WAIT_S`."""
+    def _timestamp(self, consumer: Consumer, partition: int, offset: int) -> tuple[int, int | None]:
+        """The first record at or after `offset` in `partition` (an aborted or
+        compacted record takes an offset but is never delivered): its offset
+        and timestamp (ms); `offset` and None if none arrives within `OLDEST_WAIT_S`."""
         from confluent_kafka import TopicPartition
 
         consumer.assign([TopicPartition(self.topic, partition, offset)])
         deadline = time.monotonic() + OLDEST_WAIT_S
         while time.monotonic() < deadline:
             message = consumer.poll(0.2)
-            if message is None or message.error() is not None:
+            if message is None or message.error() is not None or message.partition() != partition or message.offset() < offset:
                 continue
             kind, stamp = message.timestamp()
-            return stamp if kind and stamp >= 0 else None
-        return None
+            return message.offset(), (stamp if kind and stamp >= 0 else None)
+        return offset, None
 
     def _oldest(self, consumer: Consumer, starts: dict[int, int]) -> datetime | None:
         """The earliest timestamp of the first waiting record of each partition
@@ -430,6 +432,9 @@ class KafkaSource:
                 "SPEC --to-batch K`): the next run plans afresh and `source.on_data_loss` decides about the loss.",
                 path=f"kafka://{self.topic}",
             )
+
+    def rewinding(self, end: dict[str, Any]) -> None:
+        pass  # nothing upstream keeps data for this pipeline
 
     def after_commit(self, lineage: Lineage) -> int:
         return 0  # the topic's retention is the broker's business
@@ -568,9 +573,10 @@ class KafkaSource:
             return None
         settings = {k: v for k, v in self.client.settings.items() if k not in _CONSUMER_ONLY}
         admin = AdminClient({**settings, "logger": _quiet})  # kept until the answer: its end cancels the request
+        wait = REQUEST_TIMEOUT_S if required else TOPIC_ID_TIMEOUT_S
         try:
-            futures = admin.describe_topics(TopicCollection([self.topic]), request_timeout=TOPIC_ID_TIMEOUT_S)
-            described = futures[self.topic].result(timeout=TOPIC_ID_TIMEOUT_S * 2)
+            futures = admin.describe_topics(TopicCollection([self.topic]), request_timeout=wait)
+            described = futures[self.topic].result(timeout=wait * 2)
         except (KafkaException, TimeoutError) as exc:
             if required:
                 raise SourceError(

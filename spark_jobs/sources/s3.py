@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any
@@ -138,7 +139,7 @@ class S3Lister:
             raise
         return self._delete(f, version)
 
-    def recover(self) -> int:
+    def recover(self, consumed: Callable[[SourceFile], bool], archive: str | None) -> int:
         return 0  # a conditional delete holds nothing aside
 
     def _still(self, f: SourceFile) -> _Version | None:

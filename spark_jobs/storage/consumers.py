@@ -7,11 +7,12 @@ where the downstream lives). So, as Kafka keeps its consumer groups'
 offsets with the topic, each downstream records its position in the
 upstream table's folder, one small JSON file a downstream:
 
-    <table>/_microbatch/consumers/<pipeline>.json
+    <table>/_microbatch/consumers/<pipeline>-<12 hex digits of its checkpoint>.json
         {"pipeline": ..., "checkpoint": ..., "table_id": ..., "version": 41, "updated_at": ...}
 
 `version` is the last version the downstream consumed: versions after it are
-still to be read. Delta readers and delta-rs's VACUUM ignore folders whose
+still to be read. A downstream is its name and its checkpoint (names are not
+identities: a staging and a production pipeline of one name keep two files). Delta readers and delta-rs's VACUUM ignore folders whose
 name starts with ``_``. A downstream that is gone for good leaves its file
 behind, and maintenance then keeps every version after its position: delete
 the file to release them (`microbatch maintain` lists the positions it kept).
@@ -19,6 +20,7 @@ the file to release them (`microbatch maintain` lists the positions it kept).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -55,7 +57,8 @@ def _root(table: str) -> str:
 def register(table: str, consumer: Consumer) -> None:
     """Record (or move) `consumer`'s position in `table`."""
     stamped = Consumer(**{**asdict(consumer), "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-    write_json(f"{_root(table)}/{CONSUMERS_FOLDER}/{consumer.pipeline}.json", asdict(stamped))
+    which = hashlib.sha256(consumer.checkpoint.encode()).hexdigest()[:12]
+    write_json(f"{_root(table)}/{CONSUMERS_FOLDER}/{consumer.pipeline}-{which}.json", asdict(stamped))
 
 
 def consumers(table: str) -> list[Consumer]:
@@ -68,7 +71,7 @@ def consumers(table: str) -> list[Consumer]:
                 found.append(Consumer(**json.loads(read_bytes(uri))))
             except FileNotFoundError:  # deleted while listing
                 continue
-    return sorted(found, key=lambda c: c.pipeline)
+    return sorted(found, key=lambda c: (c.pipeline, c.checkpoint))
 
 
 def write_json(uri: str, data: dict) -> None:

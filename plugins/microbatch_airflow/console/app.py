@@ -141,7 +141,9 @@ def airflow_root() -> str:
     a URL, else the API server this app is mounted in, on this machine.
 
     Never from the request (its Host header): the call carries the caller's
-    token, and a forged Host would send it, and the trigger, elsewhere.
+    token, and a forged Host would send it, and the trigger, elsewhere. With
+    TLS, set `[api] base_url` to the name the certificate holds: the
+    certificate of `https://127.0.0.1` rarely does.
     """
     base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
     if base.startswith(("http://", "https://")):

@@ -113,6 +113,24 @@ def test_decimal_sum_beyond_64_bits_is_refused_though_its_statistics_are_clamped
 
 
 @pytest.mark.parametrize(
+    ("decimal", "start", "add"),
+    [
+        (pa.decimal128(18, 2), Decimal("9999999999999998.99"), Decimal("1.01")),
+        (pa.decimal128(38, 6), Decimal("99999999999999999999999999999999.499999"), Decimal("0.500001")),
+    ],
+    ids=["18,2", "38,6"],
+)
+def test_decimal_sum_just_past_its_precision_is_refused_though_its_statistics_are_rounded(tmp_path, decimal, start, add):
+    """delta-rs writes a scaled decimal's statistics through a float, rounded
+    below the value (9999999999999998.99 as 9999999999999998.00): a bound
+    that proved the sum safe let the MERGE fail with a raw ValueError."""
+    state = _started(tmp_path, _batch({"n": pa.array([start], decimal)}))
+    error = _refused(state, _batch({"n": pa.array([add], decimal)}))
+    assert str(start) in str(error)
+    assert _values(state) == {"a": start}
+
+
+@pytest.mark.parametrize(
     ("arrow_type", "start", "add", "total"),
     [
         (pa.int16(), 30000, 2767, 32767),

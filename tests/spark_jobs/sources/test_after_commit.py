@@ -166,18 +166,52 @@ def test_a_writer_renaming_into_place_during_the_release_keeps_its_file(tmp_path
     assert _late_user_events(spec_path) == 1
 
 
-def test_a_file_held_aside_by_a_release_that_died_is_put_back(tmp_path):
+def test_a_file_held_aside_by_a_release_that_died_is_put_back(tmp_path, monkeypatch):
     """A release that died between holding a file aside and releasing it: the
-    next release puts the file back and judges it again (here it is new data)."""
-    from spark_jobs.sources.files import RELEASE_PREFIX
+    next run puts a writer's file back (here before it plans, so the file is
+    read at once) and releases a consumed one; one held for less than
+    `HELD_GRACE_S` may be another run's release in progress and is left alone."""
+    from spark_jobs.sources import files
 
     spec_path = _spec(tmp_path, after_commit="delete")
     landing = tmp_path / "landing"
     write_wave(landing, 0, files=1, records_per_file=20)
     assert _run(spec_path) == "committed"
-    (landing / f"{RELEASE_PREFIX}0123abcd-events.json").write_text(NEW_EVENT)
-    write_wave(landing, 1, files=1, records_per_file=20)
-    assert _run(spec_path) == "committed"  # its release puts events.json back
-    assert (landing / "events.json").read_text() == NEW_EVENT
+    held = landing / f"{files.RELEASE_PREFIX}0123abcd-events.json"
+    held.write_text(NEW_EVENT)
+    assert _run(spec_path) == "no_new_data", "held a moment ago: another run's release, left to it"
+    assert held.exists()
+    monkeypatch.setattr(files, "HELD_GRACE_S", 0.0)
+    assert _run(spec_path) == "committed"  # put back before planning, and read
+    assert not held.exists() and _late_user_events(spec_path) == 1
+
+
+def test_a_consumed_file_held_aside_is_released_not_read_again(tmp_path, monkeypatch):
+    """The crash left the consumed events.json held aside, and a writer has
+    landed a new events.json since: the held file is released, never put back
+    under another name to be read twice."""
+    from spark_jobs.sources import files
+
+    monkeypatch.setattr(files, "HELD_GRACE_S", 0.0)
+    spec_path = _spec(tmp_path, after_commit="delete")
+    landing = tmp_path / "landing"
+    [consumed] = write_wave(landing, 0, files=1, records_per_file=20)
+    before = consumed.stat()
+
+    def die_after_holding(held: str) -> None:
+        raise SystemExit("the release died after holding the file aside")
+
+    monkeypatch.setattr(files.LocalLister, "remove", lambda self, f: self._release(f, die_after_holding))
+    with pytest.raises(SystemExit):
+        _run(spec_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(files, "HELD_GRACE_S", 0.0)
+    [held] = [p for p in landing.iterdir() if p.name.startswith(files.RELEASE_PREFIX)]
+    assert held.stat().st_mtime_ns == before.st_mtime_ns
+    _land(landing, consumed.name, NEW_EVENT)
     assert _run(spec_path) == "committed"
-    assert _late_user_events(spec_path) == 1
+    assert sorted(p.name for p in landing.iterdir()) == [], "the held file released, the writer's read and released"
+    spec = load_spec(spec_path)
+    from spark_jobs.core.delta_io import open_table, read_all
+
+    assert sum(r["events"] for r in read_all(open_table(spec.state_path)).to_pylist()) == 21, "20 + the writer's 1, none twice"

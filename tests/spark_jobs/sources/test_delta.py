@@ -274,7 +274,9 @@ def test_the_change_data_every_reader_consumed_is_pruned(tmp_path, compute):
     change_data = Path(load_spec(upstream).state_path) / "_change_data"
     before = len(list(change_data.iterdir()))
     assert before >= 3
-    assert run(downstream) == "committed"  # versions 0..1 (max_versions: 2), and registered there
+    report = maintain(load_spec(upstream), keep_batches=1)
+    assert report.removed_files["change data"] == 0, "no downstream recorded yet: one may still need all of it"
+    assert run(downstream) == "committed"  # versions 0..1 (max_versions: 2), and recorded there
     report = maintain(load_spec(upstream), keep_batches=1)
     assert report.readers == {"buckets": 1}
     after_first = len(list(change_data.iterdir()))
@@ -309,3 +311,60 @@ def test_a_restore_reads_as_the_changes_it_made_and_nothing_else(tmp_path):
     assert got == [("a", 1, "insert"), ("a", 10, "delete"), ("c", 30, "delete")]  # b untouched
     rows = read_versions(DeltaManifest(uri, "changes", 2, 2))
     assert sorted(rows.column("_change_type").to_pylist()) == ["insert", "update_postimage", "update_preimage"]
+
+
+def test_netting_pairs_equal_rows_only_nulls_included_and_passes_nested_tables():
+    """Within a version: a removal and an addition of the same row cancel,
+    nulls and NaN included; texts that would run together do not; rows of
+    other versions, or another change type twice, stay; a table with a
+    nested column is passed as it is."""
+    from spark_jobs.engine.delta_read import net_changes
+
+    stamp = pa.array([0] * 8, pa.timestamp("us", tz="UTC"))
+    rows = pa.table({
+        "k": ["a", "a", "b", "b", "c", "c", "x|1:y", "x"],
+        "v": [None, None, float("nan"), float("nan"), 1.0, 1.0, 2.0, 2.0],
+        "_change_type": ["delete", "insert", "update_preimage", "update_postimage", "delete", "delete", "delete", "insert"],
+        "_commit_version": [3, 3, 3, 3, 3, 3, 3, 3],
+        "_commit_timestamp": stamp,
+    })
+    netted = net_changes(rows)
+    assert list(zip(netted["k"].to_pylist(), netted["_change_type"].to_pylist())) == [
+        ("c", "delete"), ("c", "delete"), ("x|1:y", "delete"), ("x", "insert"),
+    ]
+    across = rows.set_column(3, "_commit_version", pa.array([3, 4, 3, 4, 3, 3, 3, 3]))
+    assert net_changes(across).num_rows == 8, "another version's row is not the same change"
+    nested = pa.table({"k": ["a", "a"], "l": [[1], [1]], "_change_type": ["delete", "insert"], "_commit_version": [1, 1],
+                       "_commit_timestamp": stamp.slice(0, 2)})
+    assert net_changes(nested).num_rows == 2
+
+
+def test_a_downstream_rewind_moves_its_recorded_position_back_before_restoring(tmp_path, compute):
+    """The replay after a downstream rewind needs the upstream versions after
+    the target batch: the position recorded in the upstream moves back before
+    the state is restored, so the upstream's `maintain` keeps them."""
+    from spark_jobs.core.maintain import maintain
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.storage.consumers import consumers
+
+    upstream, downstream = chain_specs(tmp_path)
+
+    def run(spec_path: Path) -> str:
+        return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
+
+    for wave in range(3):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=40, users=10)
+        assert run(upstream) == "committed"
+    while run(downstream) == "committed":
+        pass
+    spec = load_spec(downstream)
+    from spark_jobs.core.ledger import OffsetLedger
+
+    first = OffsetLedger(spec.ledger_path, spec.name).load().lineage()[0]
+    rewind(spec, 1, run_id="test-rewind")
+    [recorded] = consumers(load_spec(upstream).state_path)
+    assert recorded.version == first.end_offsets["version"]
+    maintain(load_spec(upstream), keep_batches=1)
+    while run(downstream) == "committed":
+        pass
+    assert_chain_exact(upstream, downstream)

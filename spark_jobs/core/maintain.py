@@ -40,7 +40,7 @@ from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
 from spark_jobs.sources.delta import version_actions
-from spark_jobs.storage.consumers import consumers, delete_file, write_json
+from spark_jobs.storage.consumers import JOB_FOLDER, consumers, delete_file, write_json
 from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 
 __all__ = ["MaintenanceReport", "maintain", "oldest_rewindable", "restorable", "restorable_version"]
@@ -143,7 +143,7 @@ def _prune_change_data(path: str, state: DeltaTable, before: int) -> int:
 
     Each version's files are named in its log entry; the versions already
     pruned are remembered beside the consumers, so each is read once."""
-    marker = f"{path.rstrip('/')}/_microbatch/change_data_pruned.json"
+    marker = f"{path.rstrip('/')}/{JOB_FOLDER}/change_data_pruned.json"
     try:
         start = int(json.loads(read_bytes(marker))["before"])
     except FileNotFoundError:

@@ -30,10 +30,12 @@ from urllib.parse import unquote
 
 from spark_jobs.storage.s3 import S3Location, is_s3, read_bytes, s3_client
 
-__all__ = ["CONSUMERS_FOLDER", "Consumer", "consumers", "delete_file", "register", "write_json"]
+__all__ = ["CONSUMERS_FOLDER", "JOB_FOLDER", "Consumer", "consumers", "delete_file", "register", "write_json"]
 
+#: The job's own files beside a table's data (Delta and VACUUM ignore `_` folders).
+JOB_FOLDER = "_microbatch"
 #: Where a table's consumers are recorded, relative to the table's root.
-CONSUMERS_FOLDER = "_microbatch/consumers"
+CONSUMERS_FOLDER = f"{JOB_FOLDER}/consumers"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ jars: setup
 
 # tests/docker needs docker-compose (`config` only, no engine), the storage
 # fault tests need strace, the console's browser test needs chromium and the
-# Kafka broker's JARs are fetched with maven; CI runs as root on Debian, so
+# Kafka broker's JARs are fetched with maven, the live Airflow keeps its
+# metadata in PostgreSQL; CI runs as root on Debian, so
 # install what is missing.
 .PHONY: tools
 tools:
@@ -49,6 +50,7 @@ tools:
 	  command -v strace >/dev/null || missing="$$missing strace"; \
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  command -v mvn >/dev/null || missing="$$missing maven"; \
+	  ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || missing="$$missing postgresql"; \
 	  if [ -n "$$missing" ]; then \
 	    { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $$missing; } \
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \

@@ -1,5 +1,6 @@
 """A real Airflow on loopback for end-to-end tests: api-server, scheduler,
-dag-processor and triggerer as separate processes, SQLite, LocalExecutor.
+dag-processor and triggerer as separate processes, LocalExecutor, and the
+metadata DB on a PostgreSQL server of its own (tests/postgres_server.py).
 
 Each process runs in its own session so teardown can kill the whole group:
 Airflow's processes rename themselves and fork workers, which a pattern
@@ -22,6 +23,8 @@ from typing import Any
 from urllib.parse import quote
 
 ROOT = Path(__file__).resolve().parents[2]
+from tests.postgres_server import PostgresServer
+
 BIN = Path(sys.executable).parent
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
@@ -76,8 +79,6 @@ class LiveAirflow:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "microbatch_test_db.CONNECT_ARGS",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(home), os.environ.get("PYTHONPATH")) if p),
             "MICROBATCH_PIPELINES_DIR": str(pipelines_dir),
             "MICROBATCH_SPARK_LOG_LEVEL": "ERROR",
             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
@@ -85,33 +86,20 @@ class LiveAirflow:
         self.env.pop("AIRFLOW__CORE__DAGS_FOLDER_OVERRIDE", None)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.passwords = {"admin": "admin-password", "viewer": "viewer-password"}
+        self.database: PostgresServer | None = None
         self._tokens: dict[str, str] = {}
 
     def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(BIN / "airflow"), *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def airflow_writing(self, *args: str, attempts: int = 5) -> subprocess.CompletedProcess[str]:
-        """An `airflow` CLI command that writes to the metadata DB, retried on
-        SQLite's "database is locked".
-
-        SQLite allows one writer, and a transaction that read before it writes
-        gets SQLITE_BUSY at once (no busy wait) when the scheduler holds the
-        write lock: seen twice in six suite runs under load. Not a concern with
-        Postgres; retrying is what a user would do.
-        """
-        for _ in range(attempts - 1):
-            result = self.airflow(*args)
-            if result.returncode == 0 or "database is locked" not in result.stderr:
-                return result
-            time.sleep(3)
-        return self.airflow(*args)
-
     def start(self) -> LiveAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps(self.passwords))
-        # A 60 s busy timeout instead of sqlite3's 5 s: the scheduler's
-        # transactions get slow while Spark jobs share the two cores.
-        (self.home / "microbatch_test_db.py").write_text("CONNECT_ARGS = {'timeout': 60}\n")
+        # The metadata DB on PostgreSQL, as in production: on SQLite a
+        # command racing the scheduler fails half-written (tests/postgres_server.py).
+        self.database = PostgresServer.start()
+        self.database.create_database("airflow")
+        self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database.url("airflow", driver="postgresql+psycopg2")
         migrated = self.airflow("db", "migrate")
         assert migrated.returncode == 0, migrated.stderr[-3000:]
         for component in COMPONENTS:
@@ -145,6 +133,8 @@ class LiveAirflow:
             except ProcessLookupError:
                 pass
 
+        if self.database is not None:
+            self.database.stop()
     def logs(self, dag_id: str | None = None) -> str:
         """The components' logs (their ends), then the whole log of every task
         attempt (of `dag_id`, or of every DAG): what a failure message shows."""
@@ -163,6 +153,21 @@ class LiveAirflow:
         )
 
     # -- REST API, as the UI calls it ------------------------------------------
+    def run_story(self, dag_id: str, run_id: str, calls: list[subprocess.CompletedProcess[str]] = ()) -> str:
+        """What happened to one DAG run, for a failure message short enough
+        to be read whole: the CLI calls made, the DAG's backfills, the
+        scheduler's lines about the run, and every attempt's task log."""
+        parts = [f"--- airflow CLI call {i}: exit {c.returncode} ---\n{c.stdout[-800:]}{c.stderr[-1500:]}" for i, c in enumerate(calls, 1)]
+        parts.append(f"--- backfills ---\n{json.dumps(self.api('GET', f'/api/v2/backfills?dag_id={dag_id}')['backfills'], indent=1)}")
+        scheduler = (self.home / "scheduler.log").read_text(errors="replace").splitlines()
+        mine = [line for line in scheduler if run_id in line or "ackfill" in line]
+        parts.append("--- scheduler, lines about the run or backfills ---\n" + "\n".join(mine)[-6000:])
+        folder = self.home / "logs"
+        for f in sorted(folder.glob(f"dag_id={dag_id}/run_id={run_id}/**/attempt=*.log")):
+            records = [_log_line(line) for line in f.read_text(errors="replace").splitlines()]
+            parts.append(f"--- {f.relative_to(folder)} ---\n" + "\n".join(records)[-3000:])
+        return "\n".join(parts)
+
 
     def token(self, user: str) -> str:
         """A JWT for `user`, as the UI's login form gets one."""

@@ -241,7 +241,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             shown = st.to_dict()
             _table(
                 f"pipeline {st.pipeline}",
-                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting", "rewindable"],
+                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting", "quarantined", "rewindable"],
                 [
                     [
                         shown["epoch"],
@@ -250,6 +250,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                         shown["state_version"],
                         _time(shown["committed_at"]),
                         st.lag.describe() if st.lag else "?",
+                        st.quarantined,
                         "" if st.oldest_rewindable is None else f"0, {st.oldest_rewindable}..{shown['last_batch']}",
                     ]
                 ],

@@ -29,6 +29,7 @@ from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 __all__ = [
     "COMPACTION_WRITER",
     "arrow",
+    "count_rows",
     "int64s",
     "rows_of",
     "strings",
@@ -179,6 +180,12 @@ def read_all(table: DeltaTable, *, where: str | None = None, columns: tuple[str,
     selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
     sql = f"SELECT {selected} FROM t" + (f" WHERE {where}" if where else "")
     return _plain(arrow(QueryBuilder().register("t", table).execute(sql).read_all()))
+
+
+def count_rows(table: DeltaTable, *, where: str) -> int:
+    """How many rows match `where` (built as for `read_all`), counted by the engine."""
+    data = QueryBuilder().register("t", table).execute(f"SELECT count(*) AS n FROM t WHERE {where}").read_all()
+    return int(arrow(data).column("n")[0].as_py())
 
 
 #: A column's (min, max) in a file or row group, (None, None) when unknown.

@@ -8,13 +8,14 @@ so it can be run at any time, next to running batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow.compute as pc
 
-from spark_jobs.core.delta_io import open_table, read_all, rows_of
+from spark_jobs.core.delta_io import count_rows, open_table, read_all, rows_of
 from spark_jobs.core.fencing import ORIGIN, Position
-from spark_jobs.core.ledger import LedgerRow, RowStatus, utcnow
+from spark_jobs.core.ledger import LedgerRow, LedgerView, LiveLineage, RowStatus, utcnow
 from spark_jobs.core.maintain import oldest_rewindable
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import check_spec, lagging_commit
@@ -23,7 +24,7 @@ from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
 
-__all__ = ["PipelineStatus", "Quarantined", "history", "lag", "quarantined", "recent", "status"]
+__all__ = ["BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "quarantined", "recent", "status"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PipelineStatus:
     note: str | None
     #: The oldest batch a rewind can restore besides 0 (None: no state yet).
     oldest_rewindable: int | None = None
+    #: Records the live lineage's batches quarantined (rewound batches' are not counted).
+    quarantined: int = 0
 
     @property
     def position(self) -> Position:
@@ -55,6 +58,7 @@ class PipelineStatus:
             "lag": _lag_dict(self.lag) if self.lag else None,
             "note": self.note,
             "oldest_rewindable": self.oldest_rewindable,
+            "quarantined": self.quarantined,
         }
 
 
@@ -110,7 +114,15 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         lag=lag,
         note=note,
         oldest_rewindable=oldest_rewindable(p, view, table),
+        quarantined=_quarantine_count(spec, view.live()),
     )
+
+
+def _quarantine_count(spec: PipelineSpec, live: LiveLineage) -> int:
+    table = open_table(spec.quarantine_path)
+    if table is None:
+        return 0
+    return count_rows(table, where=f"pipeline = {pipeline_literal(spec.name)} AND {live.where()}")
 
 
 def lag(spec: PipelineSpec) -> Lag:
@@ -128,7 +140,10 @@ def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:
     cut short (fewer rows in the head's epoch than asked for) is read whole.
     """
     p = Pipeline(spec)
-    view = p.ledger.load()
+    return _recent(p, p.ledger.load(), limit)
+
+
+def _recent(p: Pipeline, view: LedgerView, limit: int) -> list[LedgerRow]:
     head = view.head
     rows: list[LedgerRow] = []
     if head is not None:
@@ -137,6 +152,81 @@ def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:
     if head is None or (len(rows) < limit and (head.epoch > 0 or head.batch_id >= limit)):
         rows = view.rows
     return _ordered(rows)[-limit:]
+
+
+#: At most this many input names per batch in `BatchView.to_dict` (the count is always there).
+INPUTS_SHOWN = 100
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """One batch as a person reads it: the ledger row that tells what became
+    of it (its commit, else its plan; a rewind is a row of its own), and where
+    it stands in the state's lineage."""
+
+    row: LedgerRow
+    #: committed; rewind; pending (planned after the head and not committed:
+    #: running now, or left by a crash, and the next run replays exactly it);
+    #: abandoned (planned, and a rewind went back before it first).
+    phase: str
+    #: Part of the current state: a committed batch no rewind went back before.
+    live: bool
+    #: The epoch whose rewind took this batch out of the lineage, if one did.
+    rewound_in_epoch: int | None
+    #: What the batch read (file names, Kafka partition ranges, Delta versions).
+    inputs: list[str]
+    #: When its oldest input arrived, where the source knows (files: modification time).
+    oldest_arrival: datetime | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ledger row's fields, and the view's own."""
+        committed = self.row.committed_at if self.row.status is RowStatus.COMMITTED else None
+        latency = (committed - self.oldest_arrival).total_seconds() if committed and self.oldest_arrival else None
+        return {
+            **self.row.to_dict(),
+            "phase": self.phase,
+            "live": self.live,
+            "rewound_in_epoch": self.rewound_in_epoch,
+            "inputs": self.inputs[:INPUTS_SHOWN],
+            "input_count": len(self.inputs),
+            "oldest_arrival": self.oldest_arrival.isoformat() if self.oldest_arrival else None,
+            "arrival_to_commit_s": round(latency, 3) if latency is not None else None,
+        }
+
+
+def batches(spec: PipelineSpec, limit: int) -> list[BatchView]:
+    """The newest `limit` batches, oldest first, one entry each (a batch's
+    `planned` and `committed` rows are one batch), each marked live or not."""
+    p = Pipeline(spec)
+    view = p.ledger.load()
+    live = view.live()
+    rows = _recent(p, view, 2 * limit + 1)  # at most a plan and a commit per batch, and a rewind
+    chosen: dict[tuple[int, int], LedgerRow] = {}
+    for row in rows:
+        key = (row.epoch, row.batch_id)
+        if key not in chosen or row.status is not RowStatus.PLANNED:
+            chosen[key] = row
+    out: list[BatchView] = []
+    for row in chosen.values():
+        cut = live.cut_by(row.epoch, row.batch_id)
+        if row.status is RowStatus.COMMITTED:
+            phase = "committed"
+        elif row.status is RowStatus.REWOUND:
+            phase, cut = "rewind", None
+        else:
+            phase = "pending" if row.position == view.position.next() else "abandoned"
+        try:
+            inputs = p.batch(row).manifest.inputs() if row.status is not RowStatus.REWOUND else []
+        except MicrobatchError:
+            inputs = []
+        out.append(BatchView(row, phase, row.status is RowStatus.COMMITTED and live.holds(row.epoch, row.batch_id), cut, inputs, _oldest_arrival(row)))
+    return out[-limit:]
+
+
+def _oldest_arrival(row: LedgerRow) -> datetime | None:
+    """The oldest input's arrival, for sources whose manifest dates inputs (files)."""
+    stamps = [f.get("mtime_ms") for f in row.manifest.get("files", []) if isinstance(f, dict) and f.get("mtime_ms")]
+    return datetime.fromtimestamp(min(stamps) / 1000, timezone.utc) if stamps else None
 
 
 def history(spec: PipelineSpec) -> list[LedgerRow]:
@@ -157,18 +247,40 @@ class Quarantined:
     #: Every matching record's reason, counted (not only the rows returned).
     by_reason: dict[str, int]
     total: int
+    #: "live": the batches of the current state only; "all": rewound ones too.
+    lineage: str = "live"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"total": self.total, "by_reason": self.by_reason, "rows": self.rows}
+        return {"total": self.total, "by_reason": self.by_reason, "rows": self.rows, "lineage": self.lineage}
 
 
-def quarantined(spec: PipelineSpec, *, batch_id: int | None = None, epoch: int | None = None, limit: int = 100) -> Quarantined:
+def quarantined(
+    spec: PipelineSpec,
+    *,
+    batch_id: int | None = None,
+    epoch: int | None = None,
+    reason: str | None = None,
+    lineage: str = "live",
+    limit: int | None = 100,
+) -> Quarantined:
     """The quarantine's rows for `batch_id` (of `epoch`, or of the newest
-    epoch that has any), or for every batch; at most `limit`, newest first."""
+    epoch that has any), or for every batch; at most `limit` (None: all),
+    newest first, of `reason` if given.
+
+    By default only the live lineage's records count: a rewound and
+    replayed batch quarantines its bad records again, in its new epoch, and
+    the old epoch's rows stay for audit (`lineage="all"` shows them).
+    `by_reason` counts every reason whatever `reason` asks for, so a filter
+    shows its share.
+    """
+    if lineage not in ("live", "all"):
+        raise ValueError(f"lineage must be 'live' or 'all', not {lineage!r}")
     table = open_table(spec.quarantine_path)
     if table is None:
-        return Quarantined([], {}, 0)
+        return Quarantined([], {}, 0, lineage)
     where = f"pipeline = {pipeline_literal(spec.name)}"
+    if lineage == "live":
+        where += f" AND {Pipeline(spec).ledger.load().live().where()}"
     if batch_id is not None:
         where += f" AND batch_id = {int(batch_id)}" + (f" AND epoch = {int(epoch)}" if epoch is not None else "")
     data = read_all(table, where=where)
@@ -176,6 +288,10 @@ def quarantined(spec: PipelineSpec, *, batch_id: int | None = None, epoch: int |
         data = data.filter(pc.equal(data["epoch"], pc.max(data["epoch"])))
     counts = pc.value_counts(data["reason"])
     by_reason = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
-    newest = data.sort_by([("epoch", "descending"), ("batch_id", "descending"), ("line", "ascending")]).slice(0, limit)
+    if reason is not None:
+        data = data.filter(pc.equal(data["reason"], reason))
+    newest = data.sort_by([("epoch", "descending"), ("batch_id", "descending"), ("line", "ascending")])
+    if limit is not None:
+        newest = newest.slice(0, limit)
     rows = [{**r, "quarantined_at": r["quarantined_at"].isoformat() if r["quarantined_at"] else None} for r in rows_of(newest)]
-    return Quarantined(rows, dict(sorted(by_reason.items(), key=lambda kv: -kv[1])), data.num_rows)
+    return Quarantined(rows, dict(sorted(by_reason.items(), key=lambda kv: -kv[1])), data.num_rows, lineage)

@@ -39,7 +39,7 @@ from spark_jobs.core.delta_io import (
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.errors import ConcurrentRunError, NewerFormatError
 
-__all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
+__all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow", "LedgerView", "LiveLineage", "OffsetLedger", "RowStatus", "scoped", "utcnow"]
 
 log = logging.getLogger("microbatch")
 
@@ -95,6 +95,50 @@ SCHEMA = pa.schema(
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class LiveLineage:
+    """The positions whose committed batches make up the current state.
+
+    Epoch e's part of the lineage is its batches after its rewind point K_e
+    (0 for epoch 0), up to where the next epoch rewound to (the head, for
+    the head's epoch); a rewind to before an earlier rewind point cuts older
+    epochs at the lower of the two. So a committed (e, b) left the lineage
+    exactly when a later epoch rewound to before b: what the console greys
+    out, and what the quarantine counts leave out (docs/spec.md has the SQL).
+    """
+
+    #: Per epoch, the batch ids (after, upto] of it that are live.
+    ranges: dict[int, tuple[int, int]]
+    #: Per epoch after the first, the batch it rewound to.
+    rewinds: dict[int, int]
+
+    @classmethod
+    def of(cls, head: Position, rewinds: dict[int, int]) -> LiveLineage:
+        ranges: dict[int, tuple[int, int]] = {}
+        limit = head.batch_id
+        for epoch in range(head.epoch, -1, -1):
+            floor = rewinds.get(epoch, 0)
+            if floor < limit:
+                ranges[epoch] = (floor, limit)
+            limit = min(limit, floor)
+        return cls(ranges, dict(rewinds))
+
+    def holds(self, epoch: int, batch_id: int) -> bool:
+        after, upto = self.ranges.get(epoch, (0, -1))
+        return after < batch_id <= upto
+
+    def cut_by(self, epoch: int, batch_id: int) -> int | None:
+        """The epoch whose rewind took batch `batch_id` of `epoch` out of the
+        lineage (the first that went back before it), None if none did."""
+        return min((e for e, to in self.rewinds.items() if e > epoch and to < batch_id), default=None)
+
+    def where(self) -> str:
+        """The SQL predicate over `epoch`/`batch_id` columns that keeps live
+        positions (integers only enter it)."""
+        terms = [f"(epoch = {int(e)} AND batch_id > {int(a)} AND batch_id <= {int(u)})" for e, (a, u) in sorted(self.ranges.items())]
+        return "(" + " OR ".join(terms) + ")" if terms else "FALSE"
 
 
 @dataclass(frozen=True)
@@ -270,28 +314,18 @@ class LedgerView:
         return self._planned[position]
 
     def lineage(self) -> list[LedgerRow]:
-        """The committed batches that make up the current state, in order (a full read).
+        """The committed batches that make up the current state, in order (a full read)."""
+        live = self.live()
+        return sorted((r for r in self.rows if r.status is RowStatus.COMMITTED and live.holds(r.epoch, r.batch_id)), key=lambda r: r.batch_id)
 
-        Epoch e's history is its own committed rows after its rewind point
-        K_e, preceded by epoch e-1's lineage up to K_e (and so on back).
-        """
-        rewinds = {r.epoch: r.batch_id for r in self.rows if r.status is RowStatus.REWOUND}
-        committed: dict[int, dict[int, LedgerRow]] = {}
-        for row in self.rows:
-            if row.status is RowStatus.COMMITTED:
-                committed.setdefault(row.epoch, {})[row.batch_id] = row
-        out: list[LedgerRow] = []
-        limit = self.position.batch_id
-        for epoch in range(self.position.epoch, -1, -1):
-            floor = rewinds.get(epoch, 0)
-            for batch_id, row in committed.get(epoch, {}).items():
-                if floor < batch_id <= limit:
-                    out.append(row)
-            # A rewind to before an earlier rewind point cuts older epochs
-            # at the lower of the two.
-            limit = min(limit, floor)
-        out.sort(key=lambda r: r.batch_id)
-        return out
+    def live(self) -> LiveLineage:
+        """Which (epoch, batch) positions the current state is made of, from
+        the head and the rewinds alone (no full read unless one was made)."""
+        if self._rows is not None:
+            rows = self._rows
+        else:  # epoch 0 has had no rewind: nothing to read
+            rows = self.ledger.rewinds(self.table) if self.position.epoch > 0 else []
+        return LiveLineage.of(self.position, {r.epoch: r.batch_id for r in rows if r.status is RowStatus.REWOUND})
 
     def committed_row(self, batch_id: int) -> LedgerRow | None:
         for row in self.lineage():
@@ -360,6 +394,12 @@ class OffsetLedger:
         """The `committed` rows of `epoch` with `after` < batch id <= `upto`, in order."""
         rows = [r for r in self.between(table, epoch, after + 1, upto) if r.status is RowStatus.COMMITTED]
         return sorted(rows, key=lambda r: r.batch_id)
+
+    def rewinds(self, table: DeltaTable | None) -> list[LedgerRow]:
+        """The `rewound` rows: one per epoch after the first."""
+        if table is None:
+            return []
+        return self._rows(read_all(table, where="status = 'rewound'"))
 
     def between(self, table: DeltaTable | None, epoch: int, first: int, last: int) -> list[LedgerRow]:
         """This pipeline's rows of `epoch` with `first` <= batch id <= `last`

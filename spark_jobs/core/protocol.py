@@ -243,7 +243,8 @@ def _commit_and_project(
         committed = commit_state(p, plan_, processed, options, started)
     if isinstance(committed, Done):
         return _outcome(spec, options, started, committed, steps=steps)
-    log.info("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
+    # DEBUG: the run's outcome (the CLI's table, the task's one summary line) says it.
+    log.debug("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
     with steps("project"):
         project(p)
     done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
@@ -253,8 +254,12 @@ def _commit_and_project(
 # -- 1. Reconcile ----------------------------------------------------------------------
 
 
-def reconcile(p: Pipeline) -> LedgerView:
-    """Step 1 (and 5): make the ledger's head agree with the state fence."""
+def reconcile(p: Pipeline, *, own_commit: bool = False) -> LedgerView:
+    """Step 1 (and 5): make the ledger's head agree with the state fence.
+
+    `own_commit`: step 5, recording the commit this run just made, which its
+    outcome reports; a row recorded at any other time completes what an
+    earlier run left, and is logged."""
     for _ in range(3):
         view = p.ledger.load()
         table = p.state.open()
@@ -279,7 +284,7 @@ def reconcile(p: Pipeline) -> LedgerView:
         ):
             appended = p.ledger.append(view, row, COMMIT_FENCE)
         if appended:
-            log.info("ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
+            log.log(logging.DEBUG if own_commit else logging.INFO, "ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
     view = p.ledger.load()
     if not view.agrees(p.state.position(p.state.open())):
         raise ConcurrentRunError(
@@ -393,7 +398,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
     else:
         planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=_caps(spec, options))
         if planned is None:
-            return Done(Outcome.NO_NEW_DATA, _nothing_new(options, head), head)
+            return Done(Outcome.NO_NEW_DATA, _nothing_new(options, view.head), head)
         batch = planned
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
@@ -604,7 +609,7 @@ def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exc
 def project(p: Pipeline) -> None:
     """Step 5: step 1 again, which records the `committed` row from the state
     commit just made; then the source may release what is committed."""
-    view = reconcile(p)
+    view = reconcile(p, own_commit=True)
     # A fault point but no SIGTERM stop: the batch is committed, and a run
     # that committed must say so.
     fault_point("after_ledger_commit")
@@ -923,13 +928,21 @@ def _moved_past(n: Position, current: Position) -> str:
     return f"another run already committed {n} (the pipeline is at {current}); nothing to do"
 
 
-def _nothing_new(options: RunOptions, head: Position) -> str:
-    if options.interval_end is not None:
+def _nothing_new(options: RunOptions, head: LedgerRow | None) -> str:
+    """Why a run found nothing: for an interval, whether a batch already read
+    past its end (it is covered) or nothing arrived in it at all."""
+    at = head.position if head is not None else ORIGIN
+    end = options.interval_end
+    if end is None:
+        return f"no new data (pipeline at {at})"
+    read_to = max((t for t in (head.interval_end, head.planned_at) if t is not None), default=None) if head else None
+    if read_to is not None and read_to >= end:
         return (
-            f"no new data arrived before {options.interval_end.isoformat()}: this interval is "
-            f"already covered (pipeline at {head})"
+            f"this interval is already covered: batch {head.batch_id} (epoch {head.epoch}) read what had arrived "
+            f"by {read_to.isoformat()}, after the interval's end {end.isoformat()} (pipeline at {at})"
         )
-    return f"no new data (pipeline at {head})"
+    start = f"{options.interval_start.isoformat()} to " if options.interval_start else "before "
+    return f"nothing new arrived in the interval {start}{end.isoformat()} (pipeline at {at})"
 
 
 def _outcome(

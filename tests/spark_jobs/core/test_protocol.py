@@ -128,7 +128,20 @@ def test_no_new_data_starts_no_jvm(spec_path, compute):
     assert result.returncode == 0, result.stderr
     assert "no_new_data: no new data (pipeline at batch 1 (epoch 0))" in result.stdout
     result = run_cli("run", str(spec_path), "--until", "2000-01-01T00:00:00Z", env=env)
-    assert "this interval is already covered" in result.stdout
+    assert "this interval is already covered: batch 1 (epoch 0) read what had arrived by" in result.stdout
+
+
+def test_an_interval_nothing_arrived_in_says_so(spec_path, compute):
+    from datetime import datetime, timezone
+
+    spec = load_spec(spec_path)
+    (path,) = write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=10)
+    later = datetime(2030, 1, 1, tzinfo=timezone.utc).timestamp()
+    os.utime(path, (later, later))  # it arrives after the interval
+    start, end = datetime(2029, 1, 1, tzinfo=timezone.utc), datetime(2029, 1, 2, tzinfo=timezone.utc)
+    outcome = run_batch(spec, RunOptions(run_id="test", interval_start=start, interval_end=end), compute_factory=compute)
+    assert outcome.status == "no_new_data"
+    assert outcome.message == "nothing new arrived in the interval 2029-01-01T00:00:00+00:00 to 2029-01-02T00:00:00+00:00 (pipeline at batch 0 (epoch 0))"
 
 
 def test_batch_with_every_record_quarantined_still_commits(spec_path, compute):

@@ -17,6 +17,7 @@ is a broken spec in the UI (`scan_specs`) before any run.
       kafka_conn_id: kafka_clicks
       aws_conn_id: aws_default
       maintenance_schedule: "@daily"
+      lag_alert: {count: 100, age_seconds: 3600}   # the console's status turns red
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from spark_jobs.core.spec import PipelineSpec, check_cron, field_problems
 from spark_jobs.errors import SpecError
 
-__all__ = ["DEFAULT_RETRIES", "AirflowSpec", "WaitForData", "airflow_spec"]
+__all__ = ["DEFAULT_RETRIES", "AirflowSpec", "LagAlert", "WaitForData", "airflow_spec"]
 
 #: Retries when neither the spec nor the DAG's default_args say: every retry
 #: re-enters the commit protocol, so retrying is always safe.
@@ -52,6 +53,14 @@ class WaitForData(_Model):
     deferrable: bool | None = None
 
 
+class LagAlert(_Model):
+    """When the console shows the pipeline red ("lagging"): this much waits in
+    the source, or its oldest data has waited this long; either, or both."""
+
+    count: int | None = Field(default=None, ge=1)
+    age_seconds: float | None = Field(default=None, gt=0)
+
+
 class AirflowSpec(_Model):
     schedule: str | None = None
     catchup: bool = False
@@ -69,6 +78,8 @@ class AirflowSpec(_Model):
     aws_conn_id: str | None = Field(default=None, pattern=_CONN_ID)
     #: Run `microbatch maintain` on this cron schedule, in a DAG of its own.
     maintenance_schedule: str | None = None
+    #: The console's red status (see `LagAlert`).
+    lag_alert: LagAlert | None = None
 
     @field_validator("schedule", "maintenance_schedule")
     @classmethod

@@ -48,7 +48,12 @@ def _optional_int(title: str, description: str, minimum: int) -> Param:
 
 
 def trigger_params() -> dict[str, Param]:
-    """The trigger form: validated by JSON schema before a run is created."""
+    """The trigger form: validated by JSON schema before a run is created.
+
+    Booleans allow null too: Airflow's form marks every field whose type
+    excludes null as required (a red asterisk), which an off switch is not;
+    they still render as switches, and null reads as off.
+    """
     return {
         "max_files": _optional_int(
             "Max files", "Cap the files this batch reads (overrides the spec's batch.max_files).", 1
@@ -64,13 +69,13 @@ def trigger_params() -> dict[str, Param]:
         ),
         "rewind_only": Param(
             False,
-            type="boolean",
+            type=["boolean", "null"],
             title="Rewind only",
             description="With Rewind to batch: rewind and stop, processing nothing (then backfill to recompute).",
         ),
         "dry_run": Param(
             False,
-            type="boolean",
+            type=["boolean", "null"],
             title="Dry run",
             description="Plan the batch and show its range in the log; commit nothing.",
         ),

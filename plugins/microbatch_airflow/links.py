@@ -13,7 +13,24 @@ if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
     from airflow.sdk import BaseOperator
 
-__all__ = ["ConsoleLink"]
+__all__ = ["ConsoleLink", "console_url"]
+
+
+def console_url(dag_id: str, run_id: str) -> str:
+    """The console page of a run's batch, absolute (for task logs, which
+    link only full URLs): under `[api] base_url`, as Airflow's own log URLs."""
+    from airflow.configuration import conf
+
+    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    if not base.startswith(("http://", "https://")):  # unset, or a path: the API server's own address
+        host = conf.get("api", "host", fallback="") or "localhost"
+        host = "localhost" if host in ("0.0.0.0", "::") else host
+        base = f"http://{host}:{conf.getint('api', 'port', fallback=8080)}{base}"
+    return f"{base}{_path(dag_id, run_id)}"
+
+
+def _path(dag_id: str, run_id: str) -> str:
+    return f"{CONSOLE_PREFIX}/?dag_id={quote(dag_id)}&run_id={quote(run_id)}"
 
 
 class ConsoleLink(BaseOperatorLink):
@@ -23,4 +40,4 @@ class ConsoleLink(BaseOperatorLink):
     name = "Micro-batch console"
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
-        return f"{CONSOLE_PREFIX}/?dag_id={quote(ti_key.dag_id)}&run_id={quote(ti_key.run_id)}"
+        return _path(ti_key.dag_id, ti_key.run_id)

@@ -18,13 +18,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-ROOT = Path(__file__).resolve().parents[2]
 from tests.postgres_server import PostgresServer
 
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
@@ -85,8 +86,8 @@ class LiveAirflow:
         }
         self.env.pop("AIRFLOW__CORE__DAGS_FOLDER_OVERRIDE", None)
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.passwords = {"admin": "admin-password", "viewer": "viewer-password"}
         self.database: PostgresServer | None = None
+        self.passwords = {"admin": "admin-password", "viewer": "viewer-password"}
         self._tokens: dict[str, str] = {}
 
     def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -132,9 +133,9 @@ class LiveAirflow:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
         if self.database is not None:
             self.database.stop()
+
     def logs(self, dag_id: str | None = None) -> str:
         """The components' logs (their ends), then the whole log of every task
         attempt (of `dag_id`, or of every DAG): what a failure message shows."""
@@ -152,7 +153,6 @@ class LiveAirflow:
             for f in files
         )
 
-    # -- REST API, as the UI calls it ------------------------------------------
     def run_story(self, dag_id: str, run_id: str, calls: list[subprocess.CompletedProcess[str]] = ()) -> str:
         """What happened to one DAG run, for a failure message short enough
         to be read whole: the CLI calls made, the DAG's backfills, the
@@ -168,6 +168,7 @@ class LiveAirflow:
             parts.append(f"--- {f.relative_to(folder)} ---\n" + "\n".join(records)[-3000:])
         return "\n".join(parts)
 
+    # -- REST API, as the UI calls it ------------------------------------------
 
     def token(self, user: str) -> str:
         """A JWT for `user`, as the UI's login form gets one."""
@@ -194,6 +195,31 @@ class LiveAirflow:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{method} {path} -> {exc.code}: {exc.read()[:2000]!r}") from None
+
+    def pipelines(self, user: str = "viewer", timeout: float = 60) -> dict[str, dict[str, Any]]:
+        """The console's pipelines by name, once every probe has answered
+        since `pipelines` was called (a first request shows slow ones as
+        "probing": the console never waits long for a source)."""
+        asked = time.time()
+        found: dict[str, dict[str, Any]] = {}
+
+        def answered() -> bool:
+            found.clear()
+            found.update({p["name"]: p for p in self.api("GET", "/microbatch/api/pipelines", user=user)})
+            return all(
+                p.get("probed_at") and datetime.fromisoformat(p["probed_at"]).timestamp() >= asked
+                for p in found.values()
+                if p["status"] != "broken"
+            )
+
+        self.wait(answered, timeout, "every console probe to answer")
+        return found
+
+    def api_text(self, path: str, *, user: str = "admin") -> str:
+        """GET a non-JSON answer (a CSV download) as `user`."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers={"Authorization": f"Bearer {self.token(user)}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read().decode()
 
     def _get_or_none(self, path: str, user: str | None = "admin") -> Any:
         try:

@@ -48,6 +48,13 @@ def live(tmp_path_factory):
     stopped["state"]["path"] = "lake/stopped"
     stopped["checkpoint"] = "lake/_checkpoints/stopped"
     write_spec(pipelines, stopped, "stopped_clicks.yaml")
+    # Never run: a file waits, over its lag alert's threshold (the console shows it red).
+    alerting = oracle_spec_dict(name="alerting_clicks", airflow={"lag_alert": {"count": 1}})
+    alerting["source"]["path"] = "landing_alerting"
+    alerting["state"]["path"] = "lake/alerting"
+    alerting["checkpoint"] = "lake/_checkpoints/alerting"
+    write_spec(pipelines, alerting, "alerting_clicks.yaml")
+    write_wave(pipelines / "landing_alerting", 0, files=1, records_per_file=5)
     airflow = LiveAirflow(root / "home", pipelines)
     airflow.env["MICROBATCH_FAULT_POINT"] = "after_state_commit"
     airflow.env["MICROBATCH_FAULT_ARM_FILE"] = str(root / "arm-fault")
@@ -85,8 +92,10 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     # output is logged at its own level, the notices dropped.
     records = live.task_log("clicks_per_user", run_id)
     assert any("attempt=1.log" in str(r.get("event")) for r in records), records  # the log was read
-    # The whole log, at INFO: the batch's one-line summary is in it.
-    assert any("clicks_per_user batch 1: 2 input(s)" in str(r.get("event")) for r in records), records
+    # The whole log, at INFO: the batch's summary is in it once, with the console's URL.
+    said = [str(r.get("event")) for r in records if "records read" in str(r.get("event")) or "committed batch" in str(r.get("event"))]
+    assert len(said) == 1 and said[0].startswith("clicks_per_user batch 1 (epoch 0) committed: 2 input(s), 200 records read"), said
+    assert f"Console: http://127.0.0.1:{live.port}/microbatch/?dag_id=clicks_per_user&run_id=" in said[0]
     errors = [r for r in records if str(r.get("level", "")).lower() in ("error", "critical")]
     assert errors == [], errors
     assert not any("log4j" in str(r.get("event")) or "NativeCodeLoader" in str(r.get("event")) for r in records)
@@ -97,11 +106,24 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     (event,) = [e for e in live.asset_events() if e["source_dag_id"] == "clicks_per_user"]
     assert event["extra"]["batch_id"] == 1 and event["extra"]["end_offsets"] == {"files": 2}
     assert event["extra"]["state_version"] == summary["state_version"]
+    # The console links the batch to the run its event triggered.
+    (batch,) = live.api("GET", "/microbatch/api/pipelines/clicks_per_user/batches?group=batch", user="viewer")
+    assert batch["downstream_runs"] == [{"dag_id": "clicks_per_user_downstream", "run_id": downstream[0]["dag_run_id"], "state": "success"}]
 
 
 def test_bad_param_is_refused_at_trigger_time(live):
     with pytest.raises(AssertionError, match="-> 400"):
         live.trigger("clicks_per_user", {"max_files": 0})
+
+
+def test_no_trigger_form_field_is_marked_required(live):
+    # The UI marks a param required (red asterisk) when its schema's type
+    # excludes null; every field of the form is optional.
+    params = live.api("GET", "/api/v2/dags/clicks_per_user/details")["params"]
+    assert set(params) == {"max_files", "max_records", "rewind_to_batch", "rewind_only", "dry_run"}
+    required = [name for name, p in params.items() if "null" not in (p["schema"]["type"] if isinstance(p["schema"]["type"], list) else [p["schema"]["type"]])]
+    assert required == []
+    assert params["dry_run"]["value"] is False and "boolean" in params["dry_run"]["schema"]["type"]
 
 
 def test_task_killed_after_state_commit_is_retried_and_exact(live):
@@ -144,9 +166,14 @@ def test_a_task_marked_failed_stops_at_the_next_boundary(live):
             return any("hold after_plan" in str(r) for r in records)
 
         live.wait(held, 300, "the run to hold after planning")
+        # The console tells a plan being run from one left behind by asking Airflow for its run.
+        (planned,) = live.api("GET", "/microbatch/api/pipelines/stopped_clicks/batches?group=batch", user="viewer")
+        assert (planned["batch_id"], planned["phase"], planned["run_state"], planned["in_flight"]) == (1, "pending", "running", True)
         path = f"/api/v2/dags/stopped_clicks/dagRuns/{quote(run_id)}/taskInstances/run_batch"
         live.api("PATCH", path, {"new_state": "failed"})
         live.wait(lambda: live.runs("stopped_clicks")[-1]["state"] == "failed", 120, "the run to fail")
+        (left,) = live.api("GET", "/microbatch/api/pipelines/stopped_clicks/batches?group=batch", user="viewer")
+        assert (left["phase"], left["run_state"], left["in_flight"]) == ("pending", "failed", False)
 
         def stopped() -> list[str]:
             return [str(r) for r in live.task_log("stopped_clicks", run_id)]
@@ -200,6 +227,7 @@ def test_backfill_processes_each_interval_once(live):
     live.wait_for_backfills("yearly_clicks", timeout=600)  # reprocessing clears and re-runs the same runs
     runs = live.wait_for_runs("yearly_clicks", 4)
     assert all(r["state"] == "success" for r in runs), live.logs("yearly_clicks")
+    assert len(live.api("GET", "/api/v2/backfills?dag_id=yearly_clicks")["backfills"]) == 2
     for run in (r for r in runs if r["run_type"] == "backfill"):
         (ti,) = live.task_instances("yearly_clicks", run["dag_run_id"])
         assert ti["try_number"] == 2, f"{run['dag_run_id']} ran {ti['try_number']} times\n{live.run_story('yearly_clicks', run['dag_run_id'], [again])}"
@@ -224,7 +252,6 @@ def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
     assert run["state"] == "success", live.logs()
     assert live.xcom("waiting_clicks", run_id)["status"] == "committed"
     assert_exact(spec_file)
-    assert len(live.api("GET", "/api/v2/backfills?dag_id=yearly_clicks")["backfills"]) == 2
     # Nothing new: the sensor times out (45 s) and soft-fails, so the batch is skipped.
     second = live.trigger("waiting_clicks", {})
     live.wait_for_runs("waiting_clicks", 2, timeout=400)
@@ -268,7 +295,7 @@ def _console_batches(live) -> list[dict]:
     landing = spec_file.parent / "landing_console"
     if not _committed(spec_file):
         write_wave(landing, 0, files=2, records_per_file=50, bad_every=10)  # 10 quarantined
-        write_wave(landing, 1, files=1, records_per_file=50)
+        write_wave(landing, 1, files=1, records_per_file=50, bad_every=10)  # 5 quarantined
         live.unpause("console_clicks")
         live.trigger("console_clicks", {})
         live.wait_for_runs("console_clicks", 1)
@@ -283,7 +310,7 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     assert [r.batch_id for r in committed] == [1, 2]
     with pytest.raises(AssertionError, match="-> 401"):
         live.api("GET", "/microbatch/api/pipelines", user=None)
-    pipelines = {p["name"]: p for p in live.api("GET", "/microbatch/api/pipelines", user="viewer")}
+    pipelines = live.pipelines()
     mine = pipelines["console_clicks"]
     assert mine["dag_id"] == "console_clicks" and mine["epoch"] == 0 and mine["batch_id"] == 2
     assert mine["status"] == "up to date" and mine["problems"] == []
@@ -294,7 +321,8 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     # Batches: the fields of `microbatch history --json`, newest last, read by position.
     rows = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?limit=10", user="viewer")
     assert [(r["batch_id"], r["status"]) for r in rows] == [(1, "planned"), (1, "committed"), (2, "planned"), (2, "committed")]
-    assert set(rows[1]) == set(committed[0].to_dict())
+    assert set(rows[1]) == set(committed[0].to_dict()) | {"live", "rewound_in_epoch"}
+    assert [r["live"] for r in rows] == [False, True, False, True]
     assert rows[1]["records_in"] == 100 and rows[1]["records_quarantined"] == 10 and rows[1]["waiting_after"] == 1
     assert rows[3]["waiting_after"] == 0
     (last,) = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?limit=1", user="viewer")
@@ -304,7 +332,18 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     q = live.api("GET", "/microbatch/api/pipelines/console_clicks/quarantine?batch_id=1", user="viewer")
     assert q["total"] == 10 and sum(q["by_reason"].values()) == 10 and len(q["rows"]) == 10
     assert all(r["file"].endswith(".json") and r["line"] % 10 == 0 and r["raw"] for r in q["rows"])
-    assert live.api("GET", "/microbatch/api/pipelines/console_clicks/quarantine?batch_id=2", user="viewer")["total"] == 0
+    assert live.api("GET", "/microbatch/api/pipelines/console_clicks/quarantine?batch_id=2", user="viewer")["total"] == 5
+    # One entry per batch: its commit (with the plan's time), what it read, its links.
+    grouped = live.api("GET", "/microbatch/api/pipelines/console_clicks/batches?group=batch", user="viewer")
+    assert [(b["batch_id"], b["phase"], b["live"]) for b in grouped] == [(1, "committed", True), (2, "committed", True)]
+    assert grouped[0]["input_count"] == 2 and all(name.endswith(".json") for name in grouped[0]["inputs"])
+    assert grouped[0]["planned_at"] and grouped[0]["arrival_to_commit_s"] >= 0
+    # CSV export of every record of the filter (here: one batch).
+    header, *lines = live.api_text("/microbatch/api/pipelines/console_clicks/quarantine?batch_id=1&format=csv", user="viewer").splitlines()
+    assert header == "epoch,batch_id,file,line,reason,raw,quarantined_at" and len(lines) == 10
+    # A lag alert turns the status red, with the reason as the problem.
+    alerting = pipelines["alerting_clicks"]
+    assert alerting["status"] == "lagging" and "at or over the alert threshold of 1" in alerting["problems"][0]
 
     # Rewind: the viewer may look but not trigger; a stranger is not let in at all.
     with pytest.raises(AssertionError, match="-> 403"):
@@ -328,38 +367,92 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     assert links["extra_links"]["Micro-batch console"] == f"/microbatch/?dag_id=console_clicks&run_id={quote(runs[0]['dag_run_id'])}"
 
 
+def _console_replayed(live) -> list:
+    """console_clicks after "Rewind here" on batch 1 and a replay: epoch 0's
+    batch 2 is no longer in the state, epoch 1's batch 2 read its file again."""
+    spec_file = live.root / "pipelines" / "console_clicks.yaml"
+    _console_batches(live)
+    spec = load_spec(spec_file)
+    if not any(r.status == RowStatus.REWOUND for r in OffsetLedger(spec.ledger_path, spec.name).load().rows):
+        live.api("POST", "/microbatch/api/pipelines/console_clicks/rewind", {"batch_id": 1}, user="admin")
+        live.wait_for_runs("console_clicks", 3)
+    if not any(r.epoch == 1 for r in _committed(spec_file)):
+        live.trigger("console_clicks", {})
+        runs = live.wait_for_runs("console_clicks", 4)
+        assert all(r["state"] == "success" for r in runs), live.logs("console_clicks")
+    return _committed(spec_file)
+
+
 def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("needs the Debian package chromium (apt-get install chromium); `make test` installs it as root")
+    from zoneinfo import ZoneInfo
+
     from playwright.sync_api import sync_playwright
 
-    _console_batches(live)
+    committed = _console_replayed(live)
     shots = ROOT / "docs" if os.environ.get("MICROBATCH_UPDATE_SCREENSHOTS") else tmp_path
     base = f"http://127.0.0.1:{live.port}"
+    first_run = live.runs("console_clicks")[0]["dag_run_id"]
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+
+        def viewer_page(width: int, height: int, *, zone: str = "Asia/Kolkata", theme: str = "light"):
+            """The viewer, logged in as the UI logs in (its JWT in the session
+            cookie), with Airflow's display settings where the UI keeps them."""
+            context = browser.new_context(viewport={"width": width, "height": height})
+            context.add_cookies([{"name": "_token", "value": live.token("viewer"), "url": base}])
+            context.add_init_script(f"localStorage.setItem('timezone', JSON.stringify({zone!r})); localStorage.setItem('theme', {theme!r});")
+            page = context.new_page()
+            page.goto(f"{base}/microbatch/?dag_id=console_clicks&run_id={quote(first_run)}")
+            page.wait_for_selector("#pipelines tr[data-name=console_clicks] .badge.up-to-date", timeout=60_000)
+            page.wait_for_selector("#quarantine tbody tr")
+            return page
+
         try:
             # Anonymous: the page asks to log in, and shows no data.
             page = browser.new_page()
             response = page.goto(f"{base}/microbatch/")
             assert response.status == 401 and "Log in" in page.content()
-            # The viewer, logged in as the UI logs in (its JWT in the session cookie).
-            context = browser.new_context(viewport={"width": 1400, "height": 1100})
-            context.add_cookies([{"name": "_token", "value": live.token("viewer"), "url": base}])
-            page = context.new_page()
-            page.goto(f"{base}/microbatch/?dag_id=console_clicks&run_id={quote(live.runs('console_clicks')[0]['dag_run_id'])}")
-            page.wait_for_selector("#batches tbody tr[data-batch]")
-            assert page.locator("#pipelines tbody tr[data-name=console_clicks] .badge").inner_text() in ("up to date", "behind")
-            batch_rows = page.locator("#batches tbody tr[data-batch]")
-            assert batch_rows.count() >= 5  # two batches planned and committed, and the rewind
+
+            page = viewer_page(1400, 1100)
+            # One row per batch, newest first; the batch the rewind cut is greyed and says so.
+            rows = page.locator("#batches tbody tr[data-batch]").evaluate_all("rows => rows.map(r => r.dataset.batch)")
+            assert rows == ["1.2", "1.1", "0.2", "0.1"]
+            dead = page.locator('#batches tr[data-batch="0.2"]')
+            assert "dead" in dead.get_attribute("class") and dead.locator(".badge").inner_text() == "rewound in epoch 1"
+            assert page.locator('#batches tr[data-batch="1.2"] .badge').inner_text() == "committed"
+            assert page.locator('#batches tr[data-batch="1.1"] .badge').inner_text() == "rewind to 1"
             assert page.locator("#batches tr.highlight").get_attribute("data-batch") == "0.1"  # the linked run's batch
+            # Charts: the live lineage only, each batch labelled; the rewound one on request, greyed.
             assert page.locator("#chart-records rect.bar").count() == 2
+            assert page.locator("#chart-records text.tick").all_text_contents() == ["1", "2/e1"]
             assert page.locator("#chart-duration circle.dot").count() == 2
-            page.wait_for_selector("#quarantine tbody tr")
-            assert page.locator("#quarantine tbody tr").count() == 10
-            assert ".json:" in page.locator("#quarantine tbody tr").first.inner_text()
-            assert page.locator("#reasons button").count() >= 1
+            page.locator("#show-rewound").check()
+            assert page.locator("#chart-records rect.bar").count() == 3 and page.locator("#chart-records rect.bar.dead").count() == 1
+            page.locator("#show-rewound").uncheck()
+            # Quarantine: the live batches' records (10 + 5), the rewound batch's 5 on request.
+            assert page.locator("#quarantine-scope").inner_text().startswith("15 record(s) in the live batches")
+            assert page.locator("#quarantine tbody tr").count() == 15
+            assert set(page.locator("#quarantine tbody tr td:nth-child(2)").all_inner_texts()) == {"0", "1"}  # the epoch column
+            page.locator("#quarantine-all").check()
+            page.wait_for_function("document.querySelector('#quarantine-scope').textContent.startsWith('20 record(s)')")
+            page.locator("#quarantine-search").fill("line 999999")
+            assert page.locator("#quarantine tbody tr").count() == 0
+            page.locator("#quarantine-search").fill("")
+            page.locator("#quarantine-all").uncheck()
+            page.wait_for_function("document.querySelector('#quarantine-scope').textContent.startsWith('15 record(s)')")
+            assert "format=csv" in page.locator("#quarantine-csv").get_attribute("href")
+            # A batch's row opens what it read, its times in Airflow's time zone on a 24-hour clock, and its links.
+            page.locator('#batches tr[data-batch="1.2"]').click()
+            details = page.locator('#batches tr[data-details="1.2"]')
+            replay = next(r for r in committed if r.epoch == 1)
+            shown = replay.committed_at.astimezone(ZoneInfo("Asia/Kolkata")).strftime("%Y-%m-%d %H:%M:%S")
+            assert f"committed {shown}" in details.inner_text()
+            assert details.locator("ul.inputs li").count() == 1 and ".json" in details.locator("ul.inputs li").inner_text()
+            log = details.locator("a", has_text="task log").get_attribute("href")
+            assert log == f"{base}/dags/console_clicks/runs/{quote(replay.run_id)}/tasks/run_batch?try_number=1"
             page.screenshot(path=str(shots / "console.png"), full_page=True)
             # The confirmation comes first; cancelling it triggers nothing.
             before = len(live.runs("console_clicks"))
@@ -367,6 +460,23 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             assert page.locator("#rewind-dialog").is_visible()
             page.locator("#rewind-cancel").click()
             assert len(live.runs("console_clicks")) == before
+
+            # A phone: nothing cut off (tables scroll inside the page), problems shown under their pipeline.
+            page = viewer_page(390, 844)
+            assert page.evaluate("document.documentElement.scrollWidth") <= 390
+            problem = page.locator("#pipelines tr.problems[data-name=alerting_clicks]")
+            assert problem.is_visible() and "alert threshold" in problem.inner_text()
+            box = problem.bounding_box()
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+            assert page.locator("#pipelines tr[data-name=alerting_clicks] .badge").inner_text() == "lagging"
+            page.screenshot(path=str(shots / "console-narrow.png"), full_page=True)
+
+            # Airflow's dark mode.
+            page = viewer_page(1400, 900, theme="dark")
+            assert page.evaluate("document.documentElement.classList.contains('dark')")
+            assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(26, 32, 44)"
+            page.screenshot(path=str(shots / "console-dark.png"))
+
             # Inside Airflow's own UI: the nav entry's page embeds the console.
             page.goto(f"{base}/plugin/microbatch")
             page.frame_locator("iframe").locator("#pipelines tbody tr").first.wait_for()

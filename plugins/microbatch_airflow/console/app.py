@@ -4,11 +4,17 @@ Routes (under the API server's ``/microbatch`` prefix):
 
 * ``GET /api/pipelines``: each pipeline's position, status, state version,
   lag (in the source's unit, with the age of the oldest data waiting) and
-  problems, as ``microbatch status`` reports them.
+  problems, as ``microbatch status`` reports them; probed in the background
+  (`console.probes`), so a source that does not answer shows its last known
+  value with its age, or "probing", and slows no other.
 * ``GET /api/pipelines/{name}/batches?limit=N``: the newest ledger rows,
-  with the fields of ``microbatch history --json``.
-* ``GET /api/pipelines/{name}/quarantine?batch_id=K&limit=N``: quarantined
-  records, with counts by reason.
+  with the fields of ``microbatch history --json``, each marked live or
+  not; ``&group=batch``: one entry per batch instead (its commit, else its
+  plan), with what it read, whether a pending plan's run is still going,
+  and the downstream runs its asset event triggered.
+* ``GET /api/pipelines/{name}/quarantine?batch_id=K&reason=R&lineage=live|all&limit=N``:
+  quarantined records of the live lineage (``all``: rewound batches' too),
+  with counts by reason; ``&format=csv`` downloads every matching record.
 * ``POST /api/pipelines/{name}/rewind``: triggers a run of the pipeline's DAG
   with ``rewind_to_batch`` through Airflow's own REST API, as the caller, so
   the rewind is a DAG run like any other: audited, visible in the grid.
@@ -27,14 +33,17 @@ page costs what it shows, not what the ledger holds.
 
 from __future__ import annotations
 
+import csv
 import html
+import io
+import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -46,6 +55,8 @@ from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessE
 from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from airflow.configuration import conf
 
+from microbatch_airflow.airflow_spec import airflow_spec
+from microbatch_airflow.console.probes import Probes
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
@@ -62,6 +73,32 @@ User = Annotated[BaseUser, Depends(get_user)]
 def _specs_dir() -> Path:
     """The folder the DAG factory reads: ``MICROBATCH_PIPELINES_DIR``, else ``<dags_folder>/pipelines``."""
     return pipelines_dir(Path(conf.get("core", "dags_folder")) / "pipelines")
+
+
+class _SpecFolder:
+    """The pipelines folder's specs, parsed again only when one of its files
+    changed: a request costs a listing and a stat per file, not a parse of
+    every spec (0.3 s for 30 specs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[Any, ...] | None = None
+        self._found: tuple[dict[str, PipelineSpec], dict[Path, str]] = ({}, {})
+
+    def scan(self) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
+        folder = _specs_dir()
+        files = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+        try:
+            key = (str(folder), tuple((f.name, st.st_mtime_ns, st.st_size) for f in files for st in [f.stat()]))
+        except OSError:  # a file went away while listed: parse what is there, cache nothing
+            return scan_specs(folder)
+        with self._lock:
+            if key != self._key:
+                self._found, self._key = scan_specs(folder), key
+            return self._found
+
+
+_SPECS = _SpecFolder()
 
 
 def _allowed(user: BaseUser, method: str, dag_id: str | None, entity: DagAccessEntity | None = None) -> bool:
@@ -92,8 +129,11 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         }
     d = st.to_dict()
     problems = st.note.splitlines() if st.note else []
+    alert = _lag_alert(spec, d["lag"])
     if problems:
         state = "problem"
+    elif alert:
+        state, problems = "lagging", [alert]
     elif st.head is None:
         state = "new"
     else:
@@ -109,7 +149,25 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         "problems": problems,
         "oldest_rewindable": d["oldest_rewindable"],
         "end_offsets": d["end_offsets"],
+        "quarantined": d["quarantined"],
     }
+
+
+def _lag_alert(spec: PipelineSpec, lag: dict[str, Any] | None) -> str | None:
+    """What crosses the spec's `airflow.lag_alert`, if anything (the status turns red)."""
+    try:
+        alert = airflow_spec(spec).lag_alert
+    except Exception:  # noqa: BLE001 - a broken airflow block is the DAG factory's to report
+        return None
+    if alert is None or not lag:
+        return None
+    if alert.count is not None and lag["count"] >= alert.count:
+        unit = lag["unit"].removesuffix("s") if lag["count"] == 1 else lag["unit"]
+        return f"{lag['count']:,} {unit} waiting, at or over the alert threshold of {alert.count:,} (airflow.lag_alert.count)"
+    age = lag.get("oldest_age_s")
+    if alert.age_seconds is not None and age is not None and age >= alert.age_seconds:
+        return f"the oldest data has waited {age:,.0f} s, at or over the alert threshold of {alert.age_seconds:,.0f} s (airflow.lag_alert.age_seconds)"
+    return None
 
 
 async def _spec(name: str, user: BaseUser, method: str = "GET", entity: DagAccessEntity | None = None) -> PipelineSpec:
@@ -118,7 +176,7 @@ async def _spec(name: str, user: BaseUser, method: str = "GET", entity: DagAcces
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may not read DAG {name!r}")
     if (method, entity) != ("GET", None) and not _allowed(user, method, name, entity):
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may view pipeline {name!r} but not trigger its DAG")
-    specs, _ = await anyio.to_thread.run_sync(scan_specs, _specs_dir())
+    specs, _ = await anyio.to_thread.run_sync(_SPECS.scan)
     spec = specs.get(name)
     if spec is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no pipeline named {name!r} in {_specs_dir()}")
@@ -157,6 +215,70 @@ def airflow_root() -> str:
     return f"{scheme}://{host}:{conf.getint('api', 'port', fallback=8080)}{base}"
 
 
+def _ledger_rows(spec: PipelineSpec, limit: int) -> list[dict[str, Any]]:
+    """The newest ledger rows as `history --json` has them, each marked live
+    (a committed row of the current lineage) with the rewind that cut it."""
+    from spark_jobs.core.ledger import OffsetLedger, RowStatus
+
+    live = OffsetLedger(spec.ledger_path, spec.name).load().live()
+    return [
+        {
+            **r.to_dict(),
+            "live": r.status is RowStatus.COMMITTED and live.holds(r.epoch, r.batch_id),
+            "rewound_in_epoch": None if r.status is RowStatus.REWOUND else live.cut_by(r.epoch, r.batch_id),
+        }
+        for r in inspect.recent(spec, limit)
+    ]
+
+
+async def _resolve_pending(client: httpx.AsyncClient, spec: PipelineSpec, views: list[dict[str, Any]]) -> None:
+    """A planned, uncommitted batch is being run now or was left by a crash:
+    its run's state in Airflow tells which (`run_state`, `in_flight`)."""
+    for view in views:
+        if view["phase"] != "pending":
+            continue
+        view["run_state"], view["in_flight"] = None, None
+        if not view.get("run_id"):
+            continue
+        try:
+            answer = await client.get(f"/api/v2/dags/{spec.name}/dagRuns/{view['run_id']}")
+        except httpx.HTTPError:
+            continue
+        if answer.status_code == 200:
+            view["run_state"] = answer.json().get("state")
+            view["in_flight"] = view["run_state"] in ("queued", "running")
+        elif answer.status_code == 404:
+            view["run_state"] = "not an Airflow run"  # the CLI's: no orchestrator to ask
+
+
+async def _link_downstream(client: httpx.AsyncClient, spec: PipelineSpec, views: list[dict[str, Any]]) -> None:
+    """The DAG runs each committed batch's asset event triggered
+    (`downstream_runs`), from the DAG's 200 newest events; None where
+    Airflow could not say or the event is older."""
+    runs = {v["run_id"] for v in views if v["phase"] == "committed" and v.get("run_id")}
+    for view in views:
+        view["downstream_runs"] = None
+    if not runs:
+        return
+    try:
+        answer = await client.get("/api/v2/assets/events", params={"source_dag_id": spec.name, "order_by": "-timestamp", "limit": 200})
+    except httpx.HTTPError:
+        return
+    if answer.status_code != 200:
+        return
+    made: dict[tuple[str | None, int | None, int | None], list[dict[str, Any]]] = {}
+    for event in answer.json().get("asset_events", []):
+        extra = event.get("extra") or {}
+        key = (event.get("source_run_id"), extra.get("epoch"), extra.get("batch_id"))
+        made.setdefault(key, []).extend(
+            {"dag_id": r["dag_id"], "run_id": r["run_id"], "state": r.get("state")} for r in event.get("created_dagruns", [])
+        )
+    for view in views:
+        if view["phase"] == "committed":
+            # None, not []: an event older than the 200 newest is not looked for.
+            view["downstream_runs"] = made.get((view.get("run_id"), view["epoch"], view["batch_id"]))
+
+
 def create_app() -> FastAPI:
     app = FastAPI(title="Micro-batch console", docs_url=None, redoc_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -173,18 +295,14 @@ def create_app() -> FastAPI:
             )
         return HTMLResponse((STATIC / "index.html").read_text())
 
+    probes = Probes(_summary)
+    app.state.probes = probes
+
     @app.get("/api/pipelines")
     async def pipelines(user: User) -> list[dict[str, Any]]:
-        specs, errors = await anyio.to_thread.run_sync(scan_specs, _specs_dir())
+        specs, errors = await anyio.to_thread.run_sync(_SPECS.scan)
         visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
-        results: list[dict[str, Any]] = [{}] * len(visible)
-
-        async def one(i: int, spec: PipelineSpec) -> None:
-            results[i] = await anyio.to_thread.run_sync(_summary, spec)
-
-        async with anyio.create_task_group() as group:
-            for i, spec in enumerate(visible):
-                group.start_soon(one, i, spec)
+        results = await probes.summaries(visible)
         if errors and _allowed(user, "GET", None):
             # A spec that does not load has no DAG: shown to those who may read every DAG.
             for path, message in errors.items():
@@ -192,22 +310,49 @@ def create_app() -> FastAPI:
         return results
 
     @app.get("/api/pipelines/{name}/batches")
-    async def batches(name: str, user: User, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict[str, Any]]:
+    async def batches(
+        name: str,
+        request: Request,
+        user: User,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+        group: Literal["row", "batch"] = "row",
+    ) -> list[dict[str, Any]]:
         spec = await _spec(name, user)
-        rows = await anyio.to_thread.run_sync(inspect.recent, spec, limit)
-        return [r.to_dict() for r in rows]
+        if group == "row":
+            return await anyio.to_thread.run_sync(_ledger_rows, spec, limit)
+        views = [v.to_dict() for v in await anyio.to_thread.run_sync(inspect.batches, spec, limit)]
+        token = _token(request, await bearer_scheme(request))
+        async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
+            await _resolve_pending(client, spec, views)
+            await _link_downstream(client, spec, views)
+        return views
 
-    @app.get("/api/pipelines/{name}/quarantine")
+    @app.get("/api/pipelines/{name}/quarantine", response_model=None)
     async def quarantine(
         name: str,
         user: User,
         batch_id: Annotated[int | None, Query(ge=0)] = None,
         epoch: Annotated[int | None, Query(ge=0)] = None,
+        reason: str | None = None,
+        lineage: Literal["live", "all"] = "live",
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    ) -> dict[str, Any]:
+        format: Literal["json", "csv"] = "json",  # noqa: A002 - the query parameter's name
+    ) -> dict[str, Any] | Response:
         spec = await _spec(name, user)
-        found = await anyio.to_thread.run_sync(lambda: inspect.quarantined(spec, batch_id=batch_id, epoch=epoch, limit=limit))
-        return found.to_dict()
+        found = await anyio.to_thread.run_sync(
+            lambda: inspect.quarantined(
+                spec, batch_id=batch_id, epoch=epoch, reason=reason, lineage=lineage, limit=None if format == "csv" else limit
+            )
+        )
+        if format == "json":
+            return found.to_dict()
+        out = io.StringIO()
+        columns = ["epoch", "batch_id", "file", "line", "reason", "raw", "quarantined_at"]
+        writer = csv.DictWriter(out, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(found.rows)
+        filename = f"{spec.name}-quarantine" + (f"-batch-{batch_id}" if batch_id is not None else "") + ".csv"
+        return Response(out.getvalue(), media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
     @app.post("/api/pipelines/{name}/rewind")
     async def rewind(name: str, body: RewindRequest, request: Request, user: User) -> JSONResponse:

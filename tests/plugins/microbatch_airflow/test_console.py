@@ -26,3 +26,53 @@ def test_the_rewind_calls_airflow_where_the_configuration_says(monkeypatch, sett
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
     assert airflow_root() == root
+
+
+def test_a_probe_that_hangs_shows_as_probing_and_holds_up_no_other():
+    """The console's status probes: in parallel, answered from cache, and a
+    source that does not answer is shown as "probing" until it does."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from microbatch_airflow.console.probes import Probes
+
+    release = threading.Event()
+    calls: list[str] = []
+
+    def probe(spec):
+        calls.append(spec.name)
+        if spec.name == "unreachable" and not release.is_set():
+            release.wait(30)
+        return {"name": spec.name, "status": "up to date", "answer": len(calls)}
+
+    specs = [SimpleNamespace(name=n, spec_path=f"/specs/{n}.yaml") for n in ("a", "unreachable", "b")]
+    probes = Probes(probe, workers=4, fresh_s=3600, wait_s=0.5)
+    try:
+        first = asyncio.run(probes.summaries(specs))
+        assert [(s["name"], s["status"], s["probing"]) for s in first] == [
+            ("a", "up to date", False), ("unreachable", "probing", True), ("b", "up to date", False),
+        ]
+        assert first[1]["probed_at"] is None and first[0]["probed_at"] is not None
+        # Fresh values are not probed again; the hung probe is not started twice.
+        again = asyncio.run(probes.summaries(specs))
+        assert sorted(calls) == ["a", "b", "unreachable"] and again[1]["status"] == "probing"
+        release.set()
+        for _ in range(100):
+            if not asyncio.run(probes.summaries(specs))[1]["probing"]:
+                break
+            threading.Event().wait(0.05)
+        last = asyncio.run(probes.summaries(specs))
+        assert last[1]["status"] == "up to date" and last[1]["probe_age_s"] is not None
+        # A stale value is shown at once, with its age, while it is probed again.
+        probes.fresh_s = probes.mean_probe_s = 0
+        (stale,) = asyncio.run(probes.summaries(specs[:1]))
+        assert stale["name"] == "a" and stale["probed_at"] == last[0]["probed_at"] and stale["probe_age_s"] is not None
+        for _ in range(100):
+            if calls.count("a") == 2:
+                break
+            threading.Event().wait(0.05)
+        assert calls.count("a") == 2
+    finally:
+        release.set()
+        probes.close()

@@ -5,7 +5,10 @@
 const BASE = document.currentScript.src.replace(/\/static\/console\.js.*$/, "");
 const AIRFLOW = BASE.replace(/\/microbatch$/, "");
 const params = new URLSearchParams(location.search);
-const state = { pipelines: [], selected: params.get("dag_id"), batches: [], quarantine: null, reason: null, scope: null };
+const state = {
+  pipelines: [], selected: params.get("dag_id"), batches: [], quarantine: null,
+  reason: null, scope: null, scopeRow: null, open: new Set(), showRewound: false, quarantineAll: false, search: "",
+};
 
 const $ = (sel) => document.querySelector(sel);
 const fmt = (n) => (n === null || n === undefined ? "" : Number(n).toLocaleString("en-US"));
@@ -34,13 +37,49 @@ function showError(err) {
   box.textContent = err ? String(err.message || err) : "";
 }
 
+// -- Airflow's display settings -------------------------------------------------
+// The UI keeps them in this origin's localStorage: the time zone under
+// "timezone" (JSON, e.g. "\"Europe/Paris\""; none: the browser's), the colour
+// mode under "theme" ("light", "dark" or "system"). Times show as Airflow
+// shows them: YYYY-MM-DD HH:mm:ss, 24-hour.
+
+function airflowTimeZone() {
+  try {
+    const zone = JSON.parse(localStorage.getItem("timezone"));
+    if (zone) {
+      new Intl.DateTimeFormat("en-US", { timeZone: zone });  // throws on an unknown zone
+      return zone;
+    }
+  } catch (err) { /* unset or unreadable: the browser's */ }
+  return Intl.DateTimeFormat().resolvedOptions().timeZone;
+}
+
+const TZ = airflowTimeZone();
+const clock = new Intl.DateTimeFormat("en-CA", {
+  timeZone: TZ, year: "numeric", month: "2-digit", day: "2-digit",
+  hour: "2-digit", minute: "2-digit", second: "2-digit", hourCycle: "h23",
+});
+
+function when(iso) {
+  if (!iso) return "";
+  const parts = Object.fromEntries(clock.formatToParts(new Date(iso)).map((p) => [p.type, p.value]));
+  return `${parts.year}-${parts.month}-${parts.day} ${parts.hour}:${parts.minute}:${parts.second}`;
+}
+
+function applyTheme() {
+  let mode = localStorage.getItem("theme") || "system";
+  try {
+    // Inside Airflow's frame, its page's class is the truth (it follows the OS in "system").
+    const parent = window.parent !== window && window.parent.document.documentElement.classList;
+    if (parent && (parent.contains("dark") || parent.contains("light"))) mode = parent.contains("dark") ? "dark" : "light";
+  } catch (err) { /* another origin: localStorage it is */ }
+  const dark = mode === "dark" || (mode === "system" && matchMedia("(prefers-color-scheme: dark)").matches);
+  document.documentElement.classList.toggle("dark", dark);
+}
+
 function ago(iso) {
   if (!iso) return "";
-  const s = (Date.now() - Date.parse(iso)) / 1000;
-  if (s < 90) return `${Math.round(s)} s ago`;
-  if (s < 5400) return `${Math.round(s / 60)} min ago`;
-  if (s < 172800) return `${Math.round(s / 3600)} h ago`;
-  return `${Math.round(s / 86400)} days ago`;
+  return age((Date.now() - Date.parse(iso)) / 1000) + " ago";
 }
 
 function age(seconds) {
@@ -63,6 +102,9 @@ function offsets(o) {
   return parts.join(", ") || JSON.stringify(o);
 }
 
+const batchName = (r) => `${r.batch_id}` + (r.epoch ? ` (epoch ${r.epoch})` : "");
+const runUrl = (dagId, runId) => `${AIRFLOW}/dags/${encodeURIComponent(dagId)}/runs/${encodeURIComponent(runId)}`;
+
 // -- pipelines ---------------------------------------------------------------
 
 function renderPipelines() {
@@ -70,19 +112,27 @@ function renderPipelines() {
   body.replaceChildren();
   for (const p of state.pipelines) {
     const lag = p.lag;
-    const row = el(
+    const statusText = p.status === "probing" ? "probing…" : p.status;
+    const checked = p.probing && p.probed_at ? `checking again; last answer ${age(p.probe_age_s)} old`
+      : p.probing ? `probing for ${age(p.probing_for_s)}` : p.probed_at ? `checked ${age(p.probe_age_s)} ago` : "";
+    body.append(el(
       "tr",
-      { class: p.name === state.selected ? "selected" : "", "data-name": p.name || "", onclick: () => p.dag_id && select(p.name) },
-      el("td", {}, p.name || ""),
-      el("td", {}, el("span", { class: `badge ${String(p.status).replace(/ /g, "-")}` }, p.status)),
-      el("td", { class: "mono" }, p.batch_id === null || p.batch_id === undefined ? "" : `epoch ${p.epoch}, batch ${p.batch_id}`),
-      el("td", { class: "num" }, fmt(p.state_version)),
-      el("td", {}, lag ? `${fmt(lag.count)} ${lag.count === 1 ? lag.unit.replace(/s$/, "") : lag.unit}` : ""),
-      el("td", {}, lag ? age(lag.oldest_age_s) : ""),
-      el("td", { title: p.last_committed_at || "" }, ago(p.last_committed_at)),
-      el("td", { class: "error" }, (p.problems || []).join("\n")),
-    );
-    body.append(row);
+      { class: `pipeline${p.name === state.selected ? " selected" : ""}`, "data-name": p.name || "", onclick: () => p.dag_id && select(p.name) },
+      // data-label: a phone shows each pipeline as a card of "label: value" lines.
+      el("td", { class: "name" }, p.name || ""),
+      el("td", { class: "status" }, el("span", { class: `badge ${String(p.status).replace(/ /g, "-")}`, title: checked }, statusText),
+        p.probing && p.probed_at ? el("span", { class: "muted small stale" }, ` ${age(p.probe_age_s)} old`) : ""),
+      el("td", { class: "mono", "data-label": "position" }, p.batch_id === null || p.batch_id === undefined ? "" : `epoch ${p.epoch}, batch ${p.batch_id}`),
+      el("td", { class: "num optional", "data-label": "state version" }, fmt(p.state_version)),
+      el("td", { "data-label": "waiting" }, lag ? `${fmt(lag.count)} ${lag.count === 1 ? lag.unit.replace(/s$/, "") : lag.unit}` : ""),
+      el("td", { class: "optional", "data-label": "oldest waiting" }, lag ? age(lag.oldest_age_s) : ""),
+      el("td", { class: "num optional", "data-label": "quarantined" }, fmt(p.quarantined)),
+      el("td", { title: when(p.last_committed_at), "data-label": "last commit" }, ago(p.last_committed_at)),
+    ));
+    if ((p.problems || []).length) {
+      // A row of its own, under the pipeline: readable at any width.
+      body.append(el("tr", { class: "problems", "data-name": p.name || "" }, el("td", { colspan: "8", class: "error" }, p.problems.join("\n"))));
+    }
   }
 }
 
@@ -94,14 +144,46 @@ async function loadPipelines() {
     state.selected = first.name || null;
   }
   renderPipelines();
-  $("#updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  $("#updated").textContent = `updated ${when(new Date().toISOString())} (${TZ})`;
+  // Probes still running: ask again soon, not in 30 s.
+  clearTimeout(state.probeTimer);
+  if (state.pipelines.some((p) => p.probing)) state.probeTimer = setTimeout(() => loadPipelines().catch(showError), 3000);
 }
 
 // -- one pipeline --------------------------------------------------------------
 
-function abandoned(row, rows) {
-  // A batch a later rewind went back before is no longer in the state's lineage.
-  return rows.some((r) => r.status === "rewound" && r.epoch > row.epoch && r.batch_id < row.batch_id);
+function phaseBadge(r) {
+  if (r.phase === "committed" && r.live) return el("span", { class: "badge committed" }, "committed");
+  if (r.phase === "committed") return el("span", { class: "badge dead" }, `rewound in epoch ${r.rewound_in_epoch}`);
+  if (r.phase === "rewind") return el("span", { class: "badge rewound" }, `rewind to ${r.batch_id}`);
+  if (r.phase === "abandoned") return el("span", { class: "badge dead" }, `abandoned (rewound in epoch ${r.rewound_in_epoch})`);
+  // pending: planned after the head and not committed
+  if (r.in_flight === true) return el("span", { class: "badge planned" }, "in flight");
+  if (r.in_flight === false) return el("span", { class: "badge problem", title: "its run ended without committing; the next run replays exactly this range" }, "left by a crash");
+  return el("span", { class: "badge planned", title: "in flight, or left by a crash: the next run replays exactly this range" }, "planned");
+}
+
+function details(pipeline, r) {
+  const links = [];
+  if (r.run_id) {
+    links.push(el("a", { href: runUrl(pipeline.dag_id, r.run_id), target: "_top" }, "run"));
+    if (r.attempt) links.push(el("a", { href: `${runUrl(pipeline.dag_id, r.run_id)}/tasks/run_batch?try_number=${r.attempt}`, target: "_top" }, `task log (try ${r.attempt})`));
+  }
+  for (const d of r.downstream_runs || []) {
+    links.push(el("a", { href: runUrl(d.dag_id, d.run_id), target: "_top" }, `downstream: ${d.dag_id} ${d.run_id}` + (d.state ? ` (${d.state})` : "")));
+  }
+  const inputs = r.inputs || [];
+  const more = (r.input_count || 0) - inputs.length;
+  return el("tr", { class: "details", "data-details": `${r.epoch}.${r.batch_id}` },
+    el("td", { colspan: "10" },
+      el("div", { class: "links" }, ...links.flatMap((a) => [a, " "])),
+      el("div", {}, `offsets ${offsets(r.start_offsets)} → ${offsets(r.end_offsets)}`,
+        r.interval_end ? `; interval ${when(r.interval_start)} – ${when(r.interval_end)}` : "",
+        r.planned_at ? `; planned ${when(r.planned_at)}` : "", r.committed_at ? `; committed ${when(r.committed_at)}` : "",
+        r.oldest_arrival ? `; oldest input arrived ${when(r.oldest_arrival)}` : ""),
+      el("div", { class: "muted" }, `read ${fmt(r.input_count)} input(s)` + (inputs.length ? ":" : "")),
+      el("ul", { class: "inputs mono" }, ...inputs.map((name) => el("li", {}, name)), more > 0 ? el("li", { class: "muted" }, `… and ${fmt(more)} more`) : ""),
+    ));
 }
 
 function renderBatches(pipeline) {
@@ -111,40 +193,38 @@ function renderBatches(pipeline) {
   const oldest = pipeline.oldest_rewindable;
   const wanted = { run: params.get("run_id"), epoch: params.get("epoch"), batch: params.get("batch_id") };
   for (const r of rows) {
-    const rewindable = r.status === "committed" && oldest !== null && r.batch_id >= oldest && !abandoned(r, rows);
+    const key = `${r.epoch}.${r.batch_id}`;
+    const rewindable = r.phase === "committed" && r.live && oldest !== null && r.batch_id >= oldest;
     const highlight =
-      (wanted.run && r.run_id === wanted.run && r.status !== "planned") ||
-      (wanted.batch !== null && String(r.batch_id) === wanted.batch && String(r.epoch) === (wanted.epoch || "0") && r.status === "committed");
-    const runCell = r.run_id
-      ? el("a", { href: `${AIRFLOW}/dags/${encodeURIComponent(pipeline.dag_id)}/runs/${encodeURIComponent(r.run_id)}`, target: "_top" }, r.run_id)
-      : "";
+      (wanted.run && r.run_id === wanted.run) ||
+      (wanted.batch !== null && String(r.batch_id) === wanted.batch && String(r.epoch) === (wanted.epoch || "0"));
     const quarantined = r.records_quarantined
-      ? el("a", { href: "#quarantine", onclick: () => loadQuarantine(pipeline, r) }, fmt(r.records_quarantined))
+      ? el("a", { href: "#quarantine", onclick: (e) => { e.stopPropagation(); loadQuarantine(pipeline, r); } }, fmt(r.records_quarantined))
       : fmt(r.records_quarantined);
-    body.append(
-      el(
-        "tr",
-        { class: highlight ? "highlight" : "", "data-batch": `${r.epoch}.${r.batch_id}` },
-        el("td", { class: "mono" }, `${r.batch_id}` + (r.epoch ? ` (epoch ${r.epoch})` : "")),
-        el("td", {}, el("span", { class: `badge ${r.status}` }, r.status)),
-        el("td", { class: "mono" }, r.status === "rewound" ? `back to ${offsets(r.end_offsets)}` : `${offsets(r.start_offsets)} → ${offsets(r.end_offsets)}`),
-        el("td", { class: "num" }, fmt(r.records_in)),
-        el("td", { class: "num" }, quarantined),
-        el("td", { class: "num" }, fmt(r.keys_updated)),
-        el("td", { class: "num" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
-        el("td", { class: "num" }, fmt(r.state_version)),
-        el("td", { title: r.committed_at || "" }, ago(r.committed_at)),
-        el("td", { class: "mono small" }, runCell),
-        el("td", {}, rewindable ? el("button", { class: "rewind", onclick: () => askRewind(pipeline, r.batch_id) }, "Rewind here") : ""),
-      ),
-    );
+    const toggle = () => { state.open.has(key) ? state.open.delete(key) : state.open.add(key); renderBatches(pipeline); };
+    const live = r.live || r.phase === "pending" || r.phase === "rewind";
+    body.append(el(
+      "tr",
+      { class: `batch${highlight ? " highlight" : ""}${live ? "" : " dead"}`, "data-batch": key, onclick: toggle, title: "click for what it read and its links" },
+      el("td", { class: "mono nowrap" }, el("span", { class: "caret" }, state.open.has(key) ? "▾ " : "▸ "), batchName(r)),
+      el("td", {}, phaseBadge(r)),
+      el("td", { class: "num" }, fmt(r.records_in)),
+      el("td", { class: "num" }, quarantined),
+      el("td", { class: "num optional" }, fmt(r.keys_updated)),
+      el("td", { class: "num" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
+      el("td", { class: "num optional" }, r.arrival_to_commit_s === null || r.arrival_to_commit_s === undefined ? "" : age(r.arrival_to_commit_s)),
+      el("td", { class: "num optional" }, fmt(r.state_version)),
+      el("td", { title: when(r.committed_at || r.planned_at) }, ago(r.committed_at || r.planned_at)),
+      el("td", {}, rewindable ? el("button", { class: "rewind", onclick: (e) => { e.stopPropagation(); askRewind(pipeline, r.batch_id); } }, "Rewind here") : ""),
+    ));
+    if (state.open.has(key)) body.append(details(pipeline, r));
   }
   if (!state.scrolled) {
     state.scrolled = true;
     body.querySelector("tr.highlight")?.scrollIntoView({ block: "center" });
   }
   if (rows.length) {
-    body.append(el("tr", {}, el("td", { colspan: "10", class: "muted" }, "Batch 0: the empty state before the first batch"),
+    body.append(el("tr", {}, el("td", { colspan: "9", class: "muted" }, "Batch 0: the empty state before the first batch"),
       el("td", {}, el("button", { class: "rewind", onclick: () => askRewind(pipeline, 0) }, "Rewind to 0"))));
   }
 }
@@ -153,7 +233,7 @@ function chart(svg, values, kind) {
   svg.replaceChildren();
   const width = svg.clientWidth || 320;
   const height = svg.clientHeight || 150;
-  const pad = { l: 44, r: 6, t: 8, b: 18 };
+  const pad = { l: 44, r: 8, t: 8, b: 20 };
   const ns = "http://www.w3.org/2000/svg";
   const add = (tag, attrs, text) => {
     const node = document.createElementNS(ns, tag);
@@ -170,72 +250,106 @@ function chart(svg, values, kind) {
   const max = Math.max(...points.map((v) => v.y), 1e-9);
   const w = (width - pad.l - pad.r) / values.length;
   const y = (v) => pad.t + (height - pad.t - pad.b) * (1 - v / max);
+  const cx = (i) => pad.l + i * w + w / 2;
   add("line", { x1: pad.l, y1: height - pad.b, x2: width - pad.r, y2: height - pad.b, class: "axis" });
   add("text", { x: 2, y: pad.t + 8 }, fmt(Math.round(max * 10) / 10));
   add("text", { x: 2, y: height - pad.b }, "0");
-  add("text", { x: pad.l, y: height - 4 }, `batch ${values[0].x}`);
-  add("text", { x: width - pad.r - 60, y: height - 4 }, `batch ${values[values.length - 1].x}`);
+  // Batch labels under the axis: every batch when they fit, else evenly spaced (ends included).
+  const fit = Math.max(1, Math.floor((width - pad.l - pad.r) / 34));
+  const step = Math.ceil(values.length / fit);
+  values.forEach((v, i) => {
+    if (i % step === 0 || i === values.length - 1) add("text", { x: cx(i), y: height - 5, "text-anchor": "middle", class: "tick" }, String(v.x));
+  });
   if (kind === "bars") {
     values.forEach((v, i) => {
       if (v.y === null || v.y === undefined) return;
-      const bar = add("rect", { class: "bar", x: pad.l + i * w + w * 0.1, y: y(v.y), width: Math.max(w * 0.8, 1), height: height - pad.b - y(v.y) });
+      const bar = add("rect", { class: `bar${v.dead ? " dead" : ""}`, x: pad.l + i * w + w * 0.1, y: y(v.y), width: Math.max(w * 0.8, 1), height: height - pad.b - y(v.y) });
       bar.append(Object.assign(document.createElementNS(ns, "title"), { textContent: `batch ${v.x}: ${fmt(v.y)}` }));
     });
   } else {
-    const xy = values.map((v, i) => (v.y === null || v.y === undefined ? null : [pad.l + i * w + w / 2, y(v.y)])).filter(Boolean);
-    add("polyline", { class: "line", points: xy.map((p) => p.join(",")).join(" ") });
-    xy.forEach(([cx, cy]) => add("circle", { class: "dot", cx, cy, r: 2.5 }));
+    const xy = values.map((v, i) => (v.y === null || v.y === undefined ? null : [cx(i), y(v.y), v])).filter(Boolean);
+    add("polyline", { class: "line", points: xy.map(([x, yy]) => `${x},${yy}`).join(" ") });
+    xy.forEach(([x, yy, v]) => add("circle", { class: `dot${v.dead ? " dead" : ""}`, cx: x, cy: yy, r: 2.5 })
+      .append(Object.assign(document.createElementNS(ns, "title"), { textContent: `batch ${v.x}: ${fmt(v.y)}` })));
   }
 }
 
 function renderCharts(pipeline) {
-  const committed = state.batches.filter((r) => r.status === "committed");
-  const label = (r) => (r.epoch ? `${r.batch_id}/e${r.epoch}` : r.batch_id);
-  chart($("#chart-records"), committed.map((r) => ({ x: label(r), y: r.records_in })), "bars");
-  chart($("#chart-duration"), committed.map((r) => ({ x: label(r), y: r.duration_ms === null ? null : r.duration_ms / 1000 })), "line");
-  chart($("#chart-lag"), committed.map((r) => ({ x: label(r), y: r.waiting_after })), "line");
+  // The live lineage by default; rewound batches only on request (greyed).
+  const committed = state.batches.filter((r) => r.phase === "committed" && (r.live || state.showRewound));
+  const point = (r, yv) => ({ x: r.epoch ? `${r.batch_id}/e${r.epoch}` : r.batch_id, y: yv, dead: !r.live });
+  chart($("#chart-records"), committed.map((r) => point(r, r.records_in)), "bars");
+  chart($("#chart-duration"), committed.map((r) => point(r, r.duration_ms === null ? null : r.duration_ms / 1000)), "line");
+  chart($("#chart-lag"), committed.map((r) => point(r, r.waiting_after)), "line");
   $("#lag-unit").textContent = pipeline.lag ? pipeline.lag.unit : "source units";
+  renderRates(state.batches.filter((r) => r.phase === "committed" && r.live));
 }
 
-function renderQuarantine() {
+function renderRates(live) {
+  // Throughput: records per second of batch time, and per hour of wall-clock
+  // time across the batches shown; time from a batch's oldest input's arrival to its commit.
+  const records = live.reduce((n, r) => n + (r.records_in || 0), 0);
+  const busy = live.reduce((n, r) => n + (r.duration_ms || 0), 0) / 1000;
+  const times = live.map((r) => Date.parse(r.committed_at)).filter((t) => !Number.isNaN(t));
+  const span = times.length > 1 ? (Math.max(...times) - Math.min(...times)) / 1000 : 0;
+  const waits = live.map((r) => r.arrival_to_commit_s).filter((v) => v !== null && v !== undefined).sort((a, b) => a - b);
+  const parts = [];
+  if (busy > 0) parts.push(`${fmt(Math.round(records / busy))} records/s while running`);
+  if (span > 0) parts.push(`${fmt(Math.round((records * 3600) / span))} records/h over the last ${live.length} batches`);
+  if (waits.length) parts.push(`arrival to commit: median ${age(waits[Math.floor(waits.length / 2)])}, worst ${age(waits[waits.length - 1])}`);
+  $("#rates").textContent = parts.join(" · ");
+}
+
+function renderQuarantine(pipeline) {
   const q = state.quarantine;
   const reasons = $("#reasons");
   reasons.replaceChildren();
   const body = $("#quarantine tbody");
   body.replaceChildren();
   if (!q) return;
-  $("#quarantine-scope").textContent = `${fmt(q.total)} record(s) ${state.scope || "in all batches"}; newest ${q.rows.length} shown`;
+  const where = state.scope || (q.lineage === "all" ? "in all batches, rewound ones included" : "in the live batches");
+  $("#quarantine-scope").textContent = `${fmt(q.total)} record(s) ${where}; newest ${fmt(q.rows.length)} shown`;
   for (const [reason, count] of Object.entries(q.by_reason)) {
-    reasons.append(el("button", { class: reason === state.reason ? "active" : "", onclick: () => { state.reason = state.reason === reason ? null : reason; renderQuarantine(); } }, `${reason} (${fmt(count)})`));
+    reasons.append(el("button", { class: reason === state.reason ? "active" : "", onclick: () => { state.reason = state.reason === reason ? null : reason; renderQuarantine(pipeline); } }, `${reason} (${fmt(count)})`));
   }
+  const csv = new URLSearchParams({ format: "csv", lineage: q.lineage });
+  if (state.reason) csv.set("reason", state.reason);
+  if (state.scopeRow) { csv.set("batch_id", state.scopeRow.batch_id); csv.set("epoch", state.scopeRow.epoch); }
+  $("#quarantine-csv").href = `${BASE}/api/pipelines/${encodeURIComponent(pipeline.name)}/quarantine?${csv}`;
+  const needle = state.search.toLowerCase();
   for (const r of q.rows) {
     if (state.reason && r.reason !== state.reason) continue;
     const where = r.file && r.file.startsWith("kafka://") ? `${r.file} offset ${r.line}` : `${r.file}:${r.line}`;
-    body.append(el("tr", {}, el("td", { class: "mono" }, `${r.batch_id}` + (r.epoch ? ` (epoch ${r.epoch})` : "")), el("td", { class: "mono" }, where), el("td", {}, r.reason), el("td", { class: "raw" }, r.raw)));
+    if (needle && !`${where} ${r.reason} ${r.raw}`.toLowerCase().includes(needle)) continue;
+    body.append(el("tr", {}, el("td", { class: "mono", "data-label": "batch" }, String(r.batch_id)), el("td", { class: "mono", "data-label": "epoch" }, String(r.epoch)),
+      el("td", { class: "mono where" }, where), el("td", {}, r.reason), el("td", { class: "raw" }, r.raw)));
   }
 }
 
 async function loadQuarantine(pipeline, row) {
-  const query = row ? `?batch_id=${row.batch_id}&epoch=${row.epoch}&limit=200` : "?limit=200";
-  state.scope = row ? `in batch ${row.batch_id}` : null;
+  const query = new URLSearchParams({ limit: "200", lineage: state.quarantineAll ? "all" : "live" });
+  if (row) { query.set("batch_id", row.batch_id); query.set("epoch", row.epoch); }
+  state.scope = row ? `in batch ${batchName(row)}` : null;
+  state.scopeRow = row || null;
   state.reason = null;
-  state.quarantine = await api(`pipelines/${encodeURIComponent(pipeline.name)}/quarantine${query}`);
-  renderQuarantine();
+  state.quarantine = await api(`pipelines/${encodeURIComponent(pipeline.name)}/quarantine?${query}`);
+  renderQuarantine(pipeline);
 }
 
 async function select(name) {
+  if (state.selected !== name) state.open.clear();
   state.selected = name;
   renderPipelines();
   const pipeline = state.pipelines.find((p) => p.name === name);
   if (!pipeline) return;
   $("#detail").hidden = false;
   $("#detail-name").textContent = name;
-  $("#detail-source").textContent = `${pipeline.source}; spec ${pipeline.spec_path}`;
+  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}`;
   $("#dag-link").href = `${AIRFLOW}/dags/${encodeURIComponent(pipeline.dag_id)}`;
-  state.batches = await api(`pipelines/${encodeURIComponent(name)}/batches?limit=100`);
+  state.batches = await api(`pipelines/${encodeURIComponent(name)}/batches?limit=100&group=batch`);
   renderCharts(pipeline);
   renderBatches(pipeline);
-  await loadQuarantine(pipeline, null);
+  await loadQuarantine(pipeline, state.scopeRow);
 }
 
 // -- rewind ----------------------------------------------------------------------
@@ -273,5 +387,16 @@ async function refresh() {
   }
 }
 
+function current() {
+  return state.pipelines.find((p) => p.name === state.selected);
+}
+
+$("#show-rewound").addEventListener("change", (e) => { state.showRewound = e.target.checked; if (current()) renderCharts(current()); });
+$("#quarantine-all").addEventListener("change", (e) => { state.quarantineAll = e.target.checked; if (current()) loadQuarantine(current(), state.scopeRow).catch(showError); });
+$("#quarantine-search").addEventListener("input", (e) => { state.search = e.target.value; if (current()) renderQuarantine(current()); });
+$("#quarantine-every").addEventListener("click", (e) => { e.preventDefault(); if (current()) loadQuarantine(current(), null).catch(showError); });
+applyTheme();
+matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme);
+window.addEventListener("storage", (e) => { if (e.key === "theme") applyTheme(); });
 refresh();
-setInterval(() => { if (!$("#rewind-dialog").open) refresh(); }, 30000);
+setInterval(() => { applyTheme(); if (!$("#rewind-dialog").open) refresh(); }, 30000);

@@ -1,0 +1,127 @@
+"""Pipeline status probes for the console: in parallel, cached, never waited on for long.
+
+A pipeline's status reads its ledger and state (tens of milliseconds) and
+asks its source what waits (a folder listing, a Kafka broker, a Delta
+log). One source that does not answer (a broker that is down: librdkafka
+waits out its timeouts) must not hold up the page for the others, and a
+console with 200 pipelines must not probe them one after another.
+
+So a probe runs in a bounded thread pool. A value is reused for
+`fresh_s`, or for twice what a round of probes of every pipeline takes,
+if that is longer (a status is tens of milliseconds of mostly
+Python: 200 pipelines would otherwise keep the API server's CPU busy
+re-probing); an older one is shown at once, with its age, while a new probe
+runs (stale while revalidating). Only a pipeline with no value yet is
+waited for, `wait_s` at most from its probe's start, and then shown as
+"probing". A probe that hangs holds one worker, not the page, and its
+answer is kept when it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from spark_jobs.core.spec import PipelineSpec
+
+__all__ = ["Probes"]
+
+
+@dataclass
+class _Entry:
+    value: dict[str, Any] | None = None
+    at: float = 0.0  # time.monotonic() of the value
+    at_wall: datetime | None = None
+    running: Future[dict[str, Any]] | None = None
+    started: float = 0.0
+
+
+@dataclass
+class Probes:
+    """Status probes of many pipelines, cached by pipeline name and spec file."""
+
+    probe: Callable[[PipelineSpec], dict[str, Any]]
+    workers: int = 8
+    fresh_s: float = 5.0
+    wait_s: float = 1.5
+    #: A probe's mean duration (exponentially weighted), for the freshness of a fleet.
+    mean_probe_s: float = 0.0
+    _entries: dict[tuple[str, str], _Entry] = field(default_factory=dict)
+    # Re-entrant: a probe that is done before its callback is added runs the
+    # callback at once, in the thread that holds the lock.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _pool: ThreadPoolExecutor | None = None
+
+    def _start(self, key: tuple[str, str], spec: PipelineSpec) -> Future[dict[str, Any]]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="microbatch-probe")
+        entry = self._entries.setdefault(key, _Entry())
+        future = self._pool.submit(self.probe, spec)
+        entry.running, entry.started = future, time.monotonic()
+
+        def keep(done: Future[dict[str, Any]]) -> None:
+            with self._lock:
+                if entry.running is done:
+                    entry.running = None
+                if not done.cancelled() and done.exception() is None:
+                    entry.value, entry.at, entry.at_wall = done.result(), time.monotonic(), datetime.now(timezone.utc)
+                    took = entry.at - entry.started
+                    self.mean_probe_s = took if not self.mean_probe_s else 0.8 * self.mean_probe_s + 0.2 * took
+
+        future.add_done_callback(keep)
+        return future
+
+    async def summaries(self, specs: Iterable[PipelineSpec]) -> list[dict[str, Any]]:
+        """Each spec's summary, in order. Waits only for pipelines with no
+        value yet, and for each no longer than `wait_s` from its probe's start."""
+        specs = list(specs)
+        keys = [(spec.name, str(spec.spec_path)) for spec in specs]
+        waiting: list[tuple[Future[dict[str, Any]], float]] = []
+        now = time.monotonic()
+        with self._lock:
+            # A probe's duration is measured with the pool's others running beside it.
+            fresh = max(self.fresh_s, 2 * self.mean_probe_s * len(specs) / self.workers)
+            for key, spec in zip(keys, specs):
+                entry = self._entries.get(key)
+                stale = entry is None or entry.value is None or now - entry.at >= fresh
+                if stale and (entry is None or entry.running is None):
+                    self._start(key, spec)
+                entry = self._entries[key]
+                if entry.value is None and entry.running is not None:
+                    remaining = self.wait_s - (now - entry.started)
+                    if remaining > 0:
+                        waiting.append((entry.running, remaining))
+            # Pipelines whose spec is gone are forgotten.
+            for gone in set(self._entries) - set(keys):
+                del self._entries[gone]
+        if waiting:
+            await asyncio.wait([asyncio.wrap_future(f) for f, _ in waiting], timeout=max(r for _, r in waiting))
+        with self._lock:
+            return [self._shown(spec, self._entries[key]) for key, spec in zip(keys, specs)]
+
+    def _shown(self, spec: PipelineSpec, entry: _Entry) -> dict[str, Any]:
+        now = time.monotonic()
+        probing = entry.running is not None
+        if entry.value is None:
+            return {
+                "name": spec.name, "dag_id": spec.name, "spec_path": str(spec.spec_path), "status": "probing",
+                "problems": [], "probing": True, "probed_at": None, "probe_age_s": None,
+                "probing_for_s": round(now - entry.started, 1) if probing else None,
+            }
+        return {
+            **entry.value,
+            "probing": probing,
+            "probed_at": entry.at_wall.isoformat() if entry.at_wall else None,
+            "probe_age_s": round(now - entry.at, 1),
+            "probing_for_s": round(now - entry.started, 1) if probing else None,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -37,7 +37,7 @@ def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
 
 
 def test_random_kills_and_overlapping_runs_end_exact(spec_path):
-    counts = _chaos(spec_path, rounds=6, seed=1)
+    counts = _chaos(spec_path, rounds=4, seed=1)
     print(counts)
 
 
@@ -86,7 +86,9 @@ def _chain_chaos(folder, rounds: int, seed: int) -> dict[str, int]:
 
 
 def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintenance(tmp_path):
-    print(_chain_chaos(tmp_path, rounds=5, seed=11))
+    counts = _chain_chaos(tmp_path, rounds=5, seed=11)
+    print(counts)
+    assert counts["killed"] and counts["rewinds"] and counts["maintains"], counts  # it explored what it is for
 
 
 @pytest.mark.slow

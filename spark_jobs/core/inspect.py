@@ -269,7 +269,8 @@ def quarantined(
 
     By default only the live lineage's records count: a rewound and
     replayed batch quarantines its bad records again, in its new epoch, and
-    the old epoch's rows stay for audit (`lineage="all"` shows them).
+    the old epoch's rows stay for audit (`lineage="all"` shows them; so does
+    asking for one batch by `batch_id` and `epoch`).
     `by_reason` counts every reason whatever `reason` asks for, so a filter
     shows its share.
     """
@@ -279,7 +280,8 @@ def quarantined(
     if table is None:
         return Quarantined([], {}, 0, lineage)
     where = f"pipeline = {pipeline_literal(spec.name)}"
-    if lineage == "live":
+    if lineage == "live" and (batch_id is None or epoch is None):
+        # One batch named by its epoch is shown whatever became of it.
         where += f" AND {Pipeline(spec).ledger.load().live().where()}"
     if batch_id is not None:
         where += f" AND batch_id = {int(batch_id)}" + (f" AND epoch = {int(epoch)}" if epoch is not None else "")

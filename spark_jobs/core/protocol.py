@@ -935,7 +935,11 @@ def _nothing_new(options: RunOptions, head: LedgerRow | None) -> str:
     end = options.interval_end
     if end is None:
         return f"no new data (pipeline at {at})"
-    read_to = max((t for t in (head.interval_end, head.planned_at) if t is not None), default=None) if head else None
+    # What the head batch read: up to its interval's end if it had one, else
+    # what had arrived when it was planned. A rewind read nothing.
+    read_to = None
+    if head is not None and head.status is RowStatus.COMMITTED:
+        read_to = head.interval_end or head.planned_at
     if read_to is not None and read_to >= end:
         return (
             f"this interval is already covered: batch {head.batch_id} (epoch {head.epoch}) read what had arrived "

@@ -98,23 +98,27 @@ class LiveAirflow:
         (self.home / "passwords.json").write_text(json.dumps(self.passwords))
         # The metadata DB on PostgreSQL, as in production: on SQLite a
         # command racing the scheduler fails half-written (tests/postgres_server.py).
-        self.database = PostgresServer.start()
-        self.database.create_database("airflow")
-        self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database.url("airflow", driver="postgresql+psycopg2")
-        migrated = self.airflow("db", "migrate")
-        assert migrated.returncode == 0, migrated.stderr[-3000:]
-        for component in COMPONENTS:
-            log = open(self.home / f"{component}.log", "wb")
-            self.procs.append(
-                subprocess.Popen(
-                    [str(BIN / "airflow"), component],
-                    env=self.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+        try:
+            self.database = PostgresServer.start()
+            self.database.create_database("airflow")
+            self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database.url("airflow", driver="postgresql+psycopg2")
+            migrated = self.airflow("db", "migrate")
+            assert migrated.returncode == 0, migrated.stderr[-3000:]
+            for component in COMPONENTS:
+                log = open(self.home / f"{component}.log", "wb")
+                self.procs.append(
+                    subprocess.Popen(
+                        [str(BIN / "airflow"), component],
+                        env=self.env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 )
-            )
-        self.wait(lambda: self._get_or_none("/api/v2/monitor/health", user=None) is not None, 120, "the api-server to answer")
+            self.wait(lambda: self._get_or_none("/api/v2/monitor/health", user=None) is not None, 120, "the api-server to answer")
+        except BaseException:
+            self.stop()  # nothing left running: the server, its folder, the components started
+            raise
         return self
 
     def stop(self) -> None:

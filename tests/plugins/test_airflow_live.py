@@ -33,7 +33,7 @@ def live(tmp_path_factory):
     yearly["state"]["path"] = "lake/yearly"
     yearly["checkpoint"] = "lake/_checkpoints/yearly"
     write_spec(pipelines, yearly, "yearly_clicks.yaml")
-    waiting = oracle_spec_dict(name="waiting_clicks", airflow={"wait_for_data": {"poll_seconds": 2, "timeout_seconds": 45, "deferrable": True}})
+    waiting = oracle_spec_dict(name="waiting_clicks", airflow={"wait_for_data": {"poll_seconds": 2, "timeout_seconds": 30, "deferrable": True}})
     waiting["source"]["path"] = "landing_waiting"
     waiting["state"]["path"] = "lake/waiting"
     waiting["checkpoint"] = "lake/_checkpoints/waiting"
@@ -252,7 +252,7 @@ def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
     assert run["state"] == "success", live.logs()
     assert live.xcom("waiting_clicks", run_id)["status"] == "committed"
     assert_exact(spec_file)
-    # Nothing new: the sensor times out (45 s) and soft-fails, so the batch is skipped.
+    # Nothing new: the sensor times out (30 s) and soft-fails, so the batch is skipped.
     second = live.trigger("waiting_clicks", {})
     live.wait_for_runs("waiting_clicks", 2, timeout=400)
     states = {t["task_id"]: t["state"] for t in live.task_instances("waiting_clicks", second)}
@@ -443,6 +443,13 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             page.locator("#quarantine-search").fill("")
             page.locator("#quarantine-all").uncheck()
             page.wait_for_function("document.querySelector('#quarantine-scope').textContent.startsWith('15 record(s)')")
+            # A reason asks the API for its records.
+            page.locator("#reasons button").first.click()
+            page.wait_for_selector("#reasons button.active")
+            page.wait_for_function("document.querySelectorAll('#quarantine tbody tr').length < 15")
+            assert len(set(page.locator("#quarantine tbody tr td:nth-child(4)").all_inner_texts())) == 1
+            page.locator("#reasons button.active").click()
+            page.wait_for_function("document.querySelectorAll('#quarantine tbody tr').length == 15")
             assert "format=csv" in page.locator("#quarantine-csv").get_attribute("href")
             # A batch's row opens what it read, its times in Airflow's time zone on a 24-hour clock, and its links.
             page.locator('#batches tr[data-batch="1.2"]').click()

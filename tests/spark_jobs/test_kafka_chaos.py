@@ -105,7 +105,7 @@ def _chaos(tmp_path, *, rounds: int, seed: int, most: int, chained: bool) -> dic
 
 
 def test_kafka_random_kills_and_overlapping_runs_end_exact(tmp_path):
-    print(_chaos(tmp_path, rounds=3, seed=1, most=3, chained=False))
+    print(_chaos(tmp_path, rounds=2, seed=1, most=3, chained=False))
 
 
 @pytest.mark.slow

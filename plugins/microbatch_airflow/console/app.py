@@ -56,7 +56,7 @@ from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from airflow.configuration import conf
 
 from microbatch_airflow.airflow_spec import airflow_spec
-from microbatch_airflow.console.probes import Probes
+from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
@@ -123,10 +123,7 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         with connections(spec):
             st = inspect.status(spec)
     except Exception as exc:  # noqa: BLE001 - one unreadable pipeline must not hide the others
-        return {
-            **base, "epoch": None, "batch_id": None, "status": "unreadable", "state_version": None, "lag": None,
-            "last_committed_at": None, "problems": [first_line(exc)], "oldest_rewindable": None,
-        }
+        return {**dict.fromkeys(SUMMARY_FIELDS), **base, "status": "unreadable", "problems": [first_line(exc)]}
     d = st.to_dict()
     problems = st.note.splitlines() if st.note else []
     alert = _lag_alert(spec, d["lag"])
@@ -253,15 +250,15 @@ async def _resolve_pending(client: httpx.AsyncClient, spec: PipelineSpec, views:
 
 async def _link_downstream(client: httpx.AsyncClient, spec: PipelineSpec, views: list[dict[str, Any]]) -> None:
     """The DAG runs each committed batch's asset event triggered
-    (`downstream_runs`), from the DAG's 200 newest events; None where
-    Airflow could not say or the event is older."""
+    (`downstream_runs`), from the DAG's 100 newest events (Airflow's
+    default page limit); None where Airflow could not say or the event is older."""
     runs = {v["run_id"] for v in views if v["phase"] == "committed" and v.get("run_id")}
     for view in views:
         view["downstream_runs"] = None
     if not runs:
         return
     try:
-        answer = await client.get("/api/v2/assets/events", params={"source_dag_id": spec.name, "order_by": "-timestamp", "limit": 200})
+        answer = await client.get("/api/v2/assets/events", params={"source_dag_id": spec.name, "order_by": "-timestamp", "limit": 100})
     except httpx.HTTPError:
         return
     if answer.status_code != 200:
@@ -275,7 +272,7 @@ async def _link_downstream(client: httpx.AsyncClient, spec: PipelineSpec, views:
         )
     for view in views:
         if view["phase"] == "committed":
-            # None, not []: an event older than the 200 newest is not looked for.
+            # None, not []: an event older than the 100 newest is not looked for.
             view["downstream_runs"] = made.get((view.get("run_id"), view["epoch"], view["batch_id"]))
 
 
@@ -301,6 +298,7 @@ def create_app() -> FastAPI:
     @app.get("/api/pipelines")
     async def pipelines(user: User) -> list[dict[str, Any]]:
         specs, errors = await anyio.to_thread.run_sync(_SPECS.scan)
+        probes.forget_all_but(specs.values())
         visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
         results = await probes.summaries(visible)
         if errors and _allowed(user, "GET", None):

@@ -30,7 +30,14 @@ from typing import Any
 
 from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["Probes"]
+__all__ = ["SUMMARY_FIELDS", "Probes"]
+
+#: The fields of a pipeline's summary (`GET /api/pipelines`): every answer has
+#: them all, None where not known (yet).
+SUMMARY_FIELDS = (
+    "name", "dag_id", "source", "spec_path", "epoch", "batch_id", "status", "state_version", "lag",
+    "last_committed_at", "problems", "oldest_rewindable", "end_offsets", "quarantined",
+)
 
 
 @dataclass
@@ -81,35 +88,43 @@ class Probes:
         """Each spec's summary, in order. Waits only for pipelines with no
         value yet, and for each no longer than `wait_s` from its probe's start."""
         specs = list(specs)
-        keys = [(spec.name, str(spec.spec_path)) for spec in specs]
+        entries: list[_Entry] = []
         waiting: list[tuple[Future[dict[str, Any]], float]] = []
         now = time.monotonic()
         with self._lock:
             # A probe's duration is measured with the pool's others running beside it.
-            fresh = max(self.fresh_s, 2 * self.mean_probe_s * len(specs) / self.workers)
-            for key, spec in zip(keys, specs):
+            fresh = max(self.fresh_s, 2 * self.mean_probe_s * len(self._entries or specs) / self.workers)
+            for spec in specs:
+                key = (spec.name, str(spec.spec_path))
                 entry = self._entries.get(key)
                 stale = entry is None or entry.value is None or now - entry.at >= fresh
                 if stale and (entry is None or entry.running is None):
                     self._start(key, spec)
                 entry = self._entries[key]
+                entries.append(entry)  # kept: another request may forget the key meanwhile
                 if entry.value is None and entry.running is not None:
                     remaining = self.wait_s - (now - entry.started)
                     if remaining > 0:
                         waiting.append((entry.running, remaining))
-            # Pipelines whose spec is gone are forgotten.
-            for gone in set(self._entries) - set(keys):
-                del self._entries[gone]
         if waiting:
             await asyncio.wait([asyncio.wrap_future(f) for f, _ in waiting], timeout=max(r for _, r in waiting))
         with self._lock:
-            return [self._shown(spec, self._entries[key]) for key, spec in zip(keys, specs)]
+            return [self._shown(spec, entry) for spec, entry in zip(specs, entries)]
+
+    def forget_all_but(self, specs: Iterable[PipelineSpec]) -> None:
+        """Drop the cached values of pipelines whose spec is gone (`specs`:
+        every spec in the folder, not only those one caller may see)."""
+        keep = {(spec.name, str(spec.spec_path)) for spec in specs}
+        with self._lock:
+            for gone in set(self._entries) - keep:
+                del self._entries[gone]
 
     def _shown(self, spec: PipelineSpec, entry: _Entry) -> dict[str, Any]:
         now = time.monotonic()
         probing = entry.running is not None
         if entry.value is None:
             return {
+                **dict.fromkeys(SUMMARY_FIELDS),
                 "name": spec.name, "dag_id": spec.name, "spec_path": str(spec.spec_path), "status": "probing",
                 "problems": [], "probing": True, "probed_at": None, "probe_age_s": None,
                 "probing_for_s": round(now - entry.started, 1) if probing else None,

@@ -73,6 +73,13 @@ def test_a_probe_that_hangs_shows_as_probing_and_holds_up_no_other():
                 break
             threading.Event().wait(0.05)
         assert calls.count("a") == 2
+        # A caller who sees fewer pipelines forgets nobody's; a spec that is gone is forgotten.
+        probes.fresh_s = 3600
+        asyncio.run(probes.summaries(specs[1:]))
+        assert asyncio.run(probes.summaries(specs[:1]))[0]["probed_at"] is not None and calls.count("a") == 2
+        probes.forget_all_but(specs[1:])
+        asyncio.run(probes.summaries(specs[:1]))
+        assert calls.count("a") == 3  # probed anew
     finally:
         release.set()
         probes.close()

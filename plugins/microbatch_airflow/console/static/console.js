@@ -310,7 +310,8 @@ function renderQuarantine(pipeline) {
   const where = state.scope || (q.lineage === "all" ? "in all batches, rewound ones included" : "in the live batches");
   $("#quarantine-scope").textContent = `${fmt(q.total)} record(s) ${where}; newest ${fmt(q.rows.length)} shown`;
   for (const [reason, count] of Object.entries(q.by_reason)) {
-    reasons.append(el("button", { class: reason === state.reason ? "active" : "", onclick: () => { state.reason = state.reason === reason ? null : reason; renderQuarantine(pipeline); } }, `${reason} (${fmt(count)})`));
+    // A reason asks the API for its own records: the newest 200 of them, not those of the 200 shown.
+    reasons.append(el("button", { class: reason === state.reason ? "active" : "", onclick: () => { state.reason = state.reason === reason ? null : reason; loadQuarantine(pipeline, state.scopeRow, true).catch(showError); } }, `${reason} (${fmt(count)})`));
   }
   const csv = new URLSearchParams({ format: "csv", lineage: q.lineage });
   if (state.reason) csv.set("reason", state.reason);
@@ -326,12 +327,14 @@ function renderQuarantine(pipeline) {
   }
 }
 
-async function loadQuarantine(pipeline, row) {
+async function loadQuarantine(pipeline, row, keepReason = false) {
   const query = new URLSearchParams({ limit: "200", lineage: state.quarantineAll ? "all" : "live" });
   if (row) { query.set("batch_id", row.batch_id); query.set("epoch", row.epoch); }
+  const same = (state.scopeRow || null) === (row || null);
+  if (!keepReason && !same) state.reason = null;  // a refresh keeps the reason chosen; another scope does not
+  if (state.reason) query.set("reason", state.reason);
   state.scope = row ? `in batch ${batchName(row)}` : null;
   state.scopeRow = row || null;
-  state.reason = null;
   state.quarantine = await api(`pipelines/${encodeURIComponent(pipeline.name)}/quarantine?${query}`);
   renderQuarantine(pipeline);
 }

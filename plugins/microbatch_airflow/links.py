@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
-from microbatch_airflow.console import CONSOLE_PREFIX
+from microbatch_airflow.console import CONSOLE_PREFIX, airflow_root
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
@@ -18,15 +18,8 @@ __all__ = ["ConsoleLink", "console_url"]
 
 def console_url(dag_id: str, run_id: str) -> str:
     """The console page of a run's batch, absolute (for task logs, which
-    link only full URLs): under `[api] base_url`, as Airflow's own log URLs."""
-    from airflow.configuration import conf
-
-    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-    if not base.startswith(("http://", "https://")):  # unset, or a path: the API server's own address
-        host = conf.get("api", "host", fallback="") or "localhost"
-        host = "localhost" if host in ("0.0.0.0", "::") else host
-        base = f"http://{host}:{conf.getint('api', 'port', fallback=8080)}{base}"
-    return f"{base}{_path(dag_id, run_id)}"
+    link only full URLs): where the console itself reaches Airflow."""
+    return f"{airflow_root()}{_path(dag_id, run_id)}"
 
 
 def _path(dag_id: str, run_id: str) -> str:

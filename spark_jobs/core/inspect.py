@@ -24,7 +24,7 @@ from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
 
-__all__ = ["BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "quarantined", "recent", "status"]
+__all__ = ["BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "quarantined", "recent", "recent_in_lineage", "status"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,13 @@ def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:
     """
     p = Pipeline(spec)
     return _recent(p, p.ledger.load(), limit)
+
+
+def recent_in_lineage(spec: PipelineSpec, limit: int) -> tuple[list[LedgerRow], LiveLineage]:
+    """`recent`, and which positions are live, from one read of the ledger."""
+    p = Pipeline(spec)
+    view = p.ledger.load()
+    return _recent(p, view, limit), view.live()
 
 
 def _recent(p: Pipeline, view: LedgerView, limit: int) -> list[LedgerRow]:

@@ -56,6 +56,7 @@ from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from airflow.configuration import conf
 
 from microbatch_airflow.airflow_spec import airflow_spec
+from microbatch_airflow.console import airflow_root
 from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes
 from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
@@ -191,40 +192,19 @@ def _token(request: Request, credentials: HTTPAuthorizationCredentials | None) -
     return request.cookies.get(COOKIE_NAME_JWT_TOKEN, "")
 
 
-def airflow_root() -> str:
-    """Where the console calls Airflow's REST API: `[api] base_url` when it is
-    a URL, else the API server this app is mounted in, on this machine.
-
-    Never from the request (its Host header): the call carries the caller's
-    token, and a forged Host would send it, and the trigger, elsewhere. With
-    TLS, set `[api] base_url` to the name the certificate holds: the
-    certificate of `https://127.0.0.1` rarely does.
-    """
-    base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-    if base.startswith(("http://", "https://")):
-        return base
-    host = conf.get("api", "host", fallback="") or "127.0.0.1"
-    if host in ("0.0.0.0", "::"):  # listening everywhere: loopback reaches it
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    scheme = "https" if conf.get("api", "ssl_cert", fallback="") else "http"
-    return f"{scheme}://{host}:{conf.getint('api', 'port', fallback=8080)}{base}"
-
-
 def _ledger_rows(spec: PipelineSpec, limit: int) -> list[dict[str, Any]]:
     """The newest ledger rows as `history --json` has them, each marked live
     (a committed row of the current lineage) with the rewind that cut it."""
-    from spark_jobs.core.ledger import OffsetLedger, RowStatus
+    from spark_jobs.core.ledger import RowStatus
 
-    live = OffsetLedger(spec.ledger_path, spec.name).load().live()
+    rows, live = inspect.recent_in_lineage(spec, limit)
     return [
         {
             **r.to_dict(),
             "live": r.status is RowStatus.COMMITTED and live.holds(r.epoch, r.batch_id),
             "rewound_in_epoch": None if r.status is RowStatus.REWOUND else live.cut_by(r.epoch, r.batch_id),
         }
-        for r in inspect.recent(spec, limit)
+        for r in rows
     ]
 
 

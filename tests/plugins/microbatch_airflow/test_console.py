@@ -19,7 +19,7 @@ import pytest
 def test_the_rewind_calls_airflow_where_the_configuration_says(monkeypatch, settings, root):
     """Not where the request's Host header says: a forged Host would get the
     caller's token and the trigger (the live test forges one)."""
-    from microbatch_airflow.console.app import airflow_root
+    from microbatch_airflow.console import airflow_root
 
     for name in ("AIRFLOW__API__BASE_URL", "AIRFLOW__API__HOST", "AIRFLOW__API__PORT", "AIRFLOW__API__SSL_CERT"):
         monkeypatch.delenv(name, raising=False)

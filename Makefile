@@ -28,8 +28,10 @@ $(STAMP): requirements.lock pyproject.toml | java
 demo: setup
 	$(BIN)/python -m spark_jobs.demo
 
+# How many of the slowest tests to list (0: all).
+DURATIONS ?= 25
 test: setup tools jars
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS)
 
 # Pinned JARs fetched once with Maven into ~/.cache/microbatch/jars (nothing
 # downloads at run time): a real Kafka broker for the tests (jars/kafka/pom.xml).
@@ -107,17 +109,19 @@ LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 .PHONY: airflow airflow-cli
 # One Ctrl-C stops everything. `airflow standalone` alone needs two while a
 # task runs: its scheduler waits for the LocalExecutor's running tasks. So it
-# runs in a process group of its own; the first Ctrl-C (or TERM) sends TERM
-# to the whole group (a running batch stops at its next protocol boundary),
-# and whatever still runs after $(AIRFLOW_STOP_GRACE) s is killed, which the
-# commit protocol is built to survive.
+# runs in a session of its own; the first Ctrl-C (or TERM) sends TERM to the
+# whole session (a running batch stops at its next protocol boundary), and
+# whatever still runs after $(AIRFLOW_STOP_GRACE) s is killed, which the
+# commit protocol is built to survive. The session, not the process group:
+# Airflow's task supervisor puts each task (and the Spark JVM it starts) in a
+# process group of its own, which a signal to the standalone's group misses.
 AIRFLOW_STOP_GRACE ?= 30
 airflow: setup
-	@$(AIRFLOW_ENV) bash -c 'setsid $(BIN)/airflow standalone & group=$$!; \
-	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; kill -TERM -- -$$group 2>/dev/null; \
-	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do kill -0 -- -$$group 2>/dev/null || exit 0; sleep 1; done; \
-	    echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; kill -KILL -- -$$group 2>/dev/null; exit 0; }; \
-	  trap stop INT TERM; wait $$group'
+	@$(AIRFLOW_ENV) bash -c 'setsid $(BIN)/airflow standalone & session=$$!; \
+	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; pkill -TERM -s $$session; \
+	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do pgrep -s $$session >/dev/null || exit 0; sleep 1; done; \
+	    echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; pkill -KILL -s $$session; exit 0; }; \
+	  trap stop INT TERM; wait $$session'
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
 airflow-cli: setup

@@ -76,6 +76,12 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
             assert time.monotonic() < deadline, "the batch never started Spark"
             time.sleep(0.5)
         time.sleep(3)  # inside the batch: Spark is at work
+        # What a signal to the standalone's process group alone would miss:
+        # Airflow's supervisor runs each task (and so its Spark JVM) in a
+        # process group of its own, inside the session `make airflow` made.
+        standalone = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), "standalone")}
+        spark = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), "java")}
+        assert standalone and spark and not spark & standalone
 
         os.killpg(make.pid, signal.SIGINT)  # one Ctrl-C
         make.wait(90)

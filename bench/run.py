@@ -180,7 +180,8 @@ def child_steady(spec_path: str, batches: int, read_ahead: bool) -> None:
     (`steady_pace` turns them into the figure). Without, each batch is a
     `run_batch` call, timed from its start to its end.
     """
-    from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
+    from spark_jobs.core.catch_up import catch_up
+    from spark_jobs.core.protocol import RunOptions, run_batch
     from spark_jobs.core.spec import load_spec
     from spark_jobs.engine.session import default_session
     from spark_jobs.engine.spark_compute import SparkCompute

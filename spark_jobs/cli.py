@@ -200,7 +200,8 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
         spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run, short_lived=not args.catch_up
     )
     try:
-        from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
+        from spark_jobs.core.catch_up import catch_up
+        from spark_jobs.core.protocol import RunOptions, run_batch
 
         options = RunOptions(
             run_id=args.run_id or _run_id(""),

@@ -9,6 +9,8 @@ exercised without a JVM, and keeps Spark out of runs that have nothing to do.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +21,7 @@ from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "check_result_columns", "validate_updates"]
+__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "Engine", "check_result_columns", "validate_updates"]
 
 #: Columns of the quarantine rows compute returns (the table adds bookkeeping).
 QUARANTINE_COLUMNS = pa.schema(
@@ -40,14 +42,18 @@ class ComputeResult:
 
 
 class Compute(Protocol):
-    """A batch engine. `catch_up` calls `process` for the batches it reads
-    ahead on reader threads, not the thread that started the engine; one at
-    a time unless the engine says, with an int attribute ``reads_at_once``,
-    that it runs that many at once (at most
-    `spark_jobs.core.protocol.READ_AHEAD`). Such an engine's `check` and
-    `process` take a keyword ``alongside``: True for every batch of a run
-    whose reads overlap (`catch_up`), so the engine need not spread one
-    read over the whole machine while others share it."""
+    """A batch engine: everything the protocol asks of one.
+
+    `catch_up` (`spark_jobs.core.catch_up`) calls `process` for the batches
+    it reads ahead on reader threads, not the thread that started the
+    engine, as many at once as ``reads_at_once`` says (at most
+    `spark_jobs.core.catch_up.READ_AHEAD`). Every `check` and `process` is
+    told ``alongside``: True for every batch of a run whose reads overlap
+    on an engine that runs more than one at once, so the engine need not
+    spread one read over the whole machine while others share it."""
+
+    #: How many `process` calls the engine runs at once, from as many threads.
+    reads_at_once: int
 
     def start(self) -> None:
         """Start the engine (a JVM, a session, a connection). Called once, and
@@ -63,6 +69,47 @@ class Compute(Protocol):
 
     def close(self) -> None:
         """Release engine resources."""
+
+
+class Engine:
+    """A run's compute, started on first use: a run with nothing to do never starts Spark.
+
+    `alongside`: the run reads batches at once (`catch_up`); on an engine
+    that can (``reads_at_once`` > 1) its checks and reads then say so, the
+    first batch's too.
+    """
+
+    def __init__(self, factory: Callable[[], Compute], *, alongside: bool = False) -> None:
+        self._factory = factory
+        self._alongside_reads = alongside
+        self._compute: Compute | None = None
+        #: Seconds its start took (a JVM, a session, a connection).
+        self.start_s = 0.0
+
+    @property
+    def reads_at_once(self) -> int:
+        return max(1, self.get().reads_at_once)
+
+    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        self.get().check(spec, batch, alongside=self._alongside())
+
+    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+        return self.get().process(spec, batch, alongside=self._alongside())
+
+    def _alongside(self) -> bool:
+        return self._alongside_reads and self.reads_at_once > 1
+
+    def get(self) -> Compute:
+        if self._compute is None:
+            begun = time.monotonic()
+            self._compute = self._factory()
+            self._compute.start()
+            self.start_s = time.monotonic() - begun
+        return self._compute
+
+    def close(self) -> None:
+        if self._compute is not None:
+            self._compute.close()
 
 
 def check_result_columns(spec: PipelineSpec, columns: list[str]) -> None:

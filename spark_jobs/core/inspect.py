@@ -18,7 +18,7 @@ from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, LiveLineage, RowStatus, utcnow
 from spark_jobs.core.maintain import oldest_rewindable
 from spark_jobs.core.pipeline import Pipeline
-from spark_jobs.core.protocol import check_spec, lagging_commit
+from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError

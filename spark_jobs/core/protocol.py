@@ -64,65 +64,47 @@ and reports its batch committed.
 
 Each step is one function below, in this order: `reconcile`, `plan`,
 `read_and_quarantine`, `commit_state`, `project`; `run_batch` runs them.
+What steps 1 and 2 judge (do the tables agree, was the state changed outside
+the job, does the spec still mean the same) is `spark_jobs.core.agreement`,
+which `status` reads too.
 
 A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
 status and history (`spark_jobs.core.inspect`) only read.
 
-A process that runs batches back to back (`catch_up`: a backlog, a
-long-lived runner) runs the same five steps per batch, in the same order,
-and overlaps one thing: while batch N commits (steps 4 and 5, on a worker
-thread), the engine *reads ahead* the ranges N+1 and N+2 will most likely
-get, each the source's next range after the one before as if that were
-committed (N+2's only on an engine that runs two reads at once). Reading
-writes nothing. Step 3 of N+1 uses its read only if step 2 then planned
-exactly its range; otherwise it is dropped, with every read after it, and
-the planned range read, as in any run. A crash, a racing run or a file
-landing between the two plans costs the early reads, never a record: the
-range recorded, read and committed is step 2's, as always.
+A process that runs batches back to back (`spark_jobs.core.catch_up`) runs
+these same steps per batch, through an engine that reads the next ranges
+ahead while a batch commits; step 3 gets a read made ahead only if it is of
+exactly the planned range.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from spark_jobs.core import shutdown
-from spark_jobs.core.commits import CommitKind, CommitMetadata, StateCommit
-from spark_jobs.core.compute import Compute, ComputeResult
+from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commit
+from spark_jobs.core.commits import CommitKind, CommitMetadata
+from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
-from spark_jobs.core.identity import SpecIdentity, changes, new_pipeline_id
+from spark_jobs.core.identity import SpecIdentity, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.spec import PipelineSpec
-from spark_jobs.errors import (
-    ConcurrentRunError,
-    SpecChangedError,
-    StateBehindLedgerError,
-    StateChangedOutsideError,
-    StateLedgerMismatchError,
-    first_line,
-)
+from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
 from spark_jobs.sources import BatchRange, Caps
-from spark_jobs.sources.base import Lineage
 
-if TYPE_CHECKING:
-    from deltalake import DeltaTable
-
-__all__ = ["RunOptions", "catch_up", "check_spec", "check_unchanged", "lagging_commit", "reconcile", "run_batch"]
+__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare", "reconcile", "run_batch"]
 
 log = logging.getLogger("microbatch")
 
@@ -142,6 +124,10 @@ class RunOptions:
     max_files: int | None = None
     max_records: int | None = None
     dry_run: bool = False
+
+    def caps(self, spec: PipelineSpec) -> Caps:
+        """A batch's caps: this run's overrides, else the spec's `batch:` block."""
+        return Caps(self.max_files or spec.batch.max_files, self.max_records or spec.batch.max_records)
 
 
 @dataclass(frozen=True)
@@ -191,23 +177,20 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
     """
     started = time.monotonic()
     p = Pipeline(spec)
-    engine = _Engine(compute_factory)
-    steps = _Steps(engine)
+    engine = Engine(compute_factory)
+    steps = StepTimes(engine)
     try:
-        ready = _reconcile_plan_read(p, options, engine, steps, started)
+        ready = prepare(p, options, engine, steps, started)
         if isinstance(ready, BatchOutcome):
             return ready
-        return _commit_and_project(p, *ready, options, started, steps)
+        return complete(p, *ready, options, started, steps)
     finally:
         engine.close()
 
 
-def _reconcile_plan_read(
-    p: Pipeline, options: RunOptions, engine: _Engine, steps: _Steps, started: float, ahead: ReadAhead | None = None
-) -> tuple[Plan, Processed] | BatchOutcome:
+def prepare(p: Pipeline, options: RunOptions, engine: Engine, steps: StepTimes, started: float) -> tuple[Plan, Processed] | BatchOutcome:
     """Steps 1-3 of a batch: its plan and its fitted updates, or the outcome
-    of a run that ends before its commit. `ahead`: a read made before the
-    plan (`catch_up`), used only if it covers exactly the planned range."""
+    of a run that ends before its commit."""
     spec = p.spec
     with steps("reconcile"):
         view = reconcile(p)
@@ -217,25 +200,15 @@ def _reconcile_plan_read(
     if isinstance(plan_, Done):
         return _outcome(spec, options, started, plan_, steps=steps)
     _boundary("after_plan", spec)
-    early = None
-    if ahead is not None:
-        if ahead.covers(plan_.batch):
-            early = ahead.result
-            steps.ms["read_ahead"] = int(ahead.seconds * 1000)
-            # How long before this batch began its read had begun (a
-            # benchmark's window starts there: docs/benchmarks.md).
-            steps.ms["read_ahead_lead"] = int((started - ahead.begun) * 1000)
-        else:
-            log.info("the range read ahead is not the one planned for %s: reading the planned range", plan_.position)
     with steps("read"):
-        processed = read_and_quarantine(p, plan_, engine, early)
+        processed = read_and_quarantine(p, plan_, engine)
     if isinstance(processed, Done):
         return _outcome(spec, options, started, processed, steps=steps)
     return plan_, processed
 
 
-def _commit_and_project(
-    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: _Steps
+def complete(
+    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: StepTimes
 ) -> BatchOutcome:
     """Steps 4 and 5 of a batch whose step 3 is done."""
     spec = p.spec
@@ -293,98 +266,10 @@ def reconcile(p: Pipeline, *, own_commit: bool = False) -> LedgerView:
     return view
 
 
-def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> StateCommit | None:
-    """The state commit the ledger lags behind, None if the two agree.
-
-    Raises `StateLedgerMismatchError` (or its subclasses) when they do not
-    belong together; reads only, so `status` can say what a run would find.
-    """
-    if view.agrees(state_at):
-        check_unchanged(p, view, table)
-        return None
-    if state_at < view.position:
-        raise StateBehindLedgerError(p.spec.name, view.position, state_at, missing=table is None)
-    commit = p.state.find_commit(table, state_at) if table is not None else None
-    if commit is None:
-        raise StateLedgerMismatchError(
-            f"pipeline {p.spec.name}: the state table is at {state_at} but its commit is not "
-            f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
-            "automatically. Rewind to a batch in the ledger with `microbatch rewind`.",
-            pipeline=p.spec.name,
-            path=p.state.path,
-            position=state_at,
-        )
-    problem = _not_following(p, view, state_at, commit)
-    if problem is not None:
-        raise StateLedgerMismatchError(problem, pipeline=p.spec.name, path=p.state.path, position=state_at)
-    if commit.metadata.kind is CommitKind.BATCH:
-        # A change made outside the job before the lagging batch would be
-        # hidden by projecting it; one made after it is found once the row is
-        # recorded. (A rewind replaces whatever was there with a version the
-        # ledger knows: it is the repair.)
-        check_unchanged(p, view, table, before_version=commit.version)
-    return commit
-
-
-def _not_following(p: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
-    """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
-
-    A run commits the state only from the ledger's head, and a rewind only
-    one epoch up, so the ledger can lag the state by one event at most. A
-    state further ahead, or one committed by another pipeline, means the
-    ledger is not this state's (the checkpoint was deleted or replaced,
-    the pipeline renamed, or the state table shared): recording just the
-    latest commit would make the next runs re-read everything before it. A
-    batch commit must also match a ``planned`` row of this ledger with the
-    same pipeline id: names alone cannot tell two pipelines apart.
-    """
-    head = view.position
-    m = commit.metadata
-    if m.kind is CommitKind.REWIND:
-        follows = state_at.epoch == head.epoch + 1 and state_at.batch_id <= head.batch_id
-        ours = _same_id(m.pipeline_id, view.pipeline_id)
-    else:
-        # A run commits only what it planned first, in this ledger, under this id.
-        follows = state_at == head.next()
-        planned = view.planned(state_at)
-        ours = planned is not None and _same_id(m.pipeline_id, planned.pipeline_id)
-    if m.pipeline == p.spec.name and follows and ours:
-        return None
-    return (
-        f"pipeline {p.spec.name}: the state table {p.state.path} is at {state_at} (committed by pipeline "
-        f"{m.pipeline!r}, id {m.pipeline_id or 'unknown'}), which does not follow {head} in the offset "
-        f"ledger {p.ledger.path} (pipeline id {view.pipeline_id or 'not minted yet'}). The "
-        "ledger is not this state's: its checkpoint was deleted or replaced, the pipeline was renamed, "
-        "or another pipeline writes the same state table. Nothing was written. Point `checkpoint` back "
-        "at the folder that belongs to this state, or give the pipeline a new state path and a new "
-        "checkpoint to start over."
-    )
-
-
-def _same_id(a: str | None, b: str | None) -> bool:
-    """Ids match, or one side predates ids (format 1) and only the name can tell."""
-    return a is None or b is None or a == b
-
-
-def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None) -> None:
-    """Refuse a state whose data changed outside the job since the ledger's head.
-
-    A Delta RESTORE (or DELETE, ...) of the state does not move the fence
-    (RESTORE leaves `txn` alone), so the positions still agree; only the
-    history shows it.
-    """
-    head = view.head
-    if table is None or head is None or head.state_version is None:
-        return
-    changes = p.state.outside_changes(table, head.state_version, before_version)
-    if changes:
-        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, view.position)
-
-
 # -- 2. Plan ---------------------------------------------------------------------------
 
 
-def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) -> Plan | Done:
+def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> Plan | Done:
     """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
     spec = p.spec
     identity = check_spec(p, view)
@@ -396,7 +281,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: _Engine) ->
         p.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:
-        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=_caps(spec, options))
+        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=options.caps(spec))
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, _nothing_new(options, view.head), head)
         batch = planned
@@ -450,44 +335,15 @@ def _record_plan(
     )
 
 
-def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
-    """The spec's identity, if the lineage can carry on under it; else `SpecChangedError`.
-
-    Compared with the spec that made the ledger's head (the last committed
-    batch or rewind). Compatible changes are logged and recorded by the next
-    row; see `spark_jobs.core.identity`.
-    """
-    identity = SpecIdentity.of(p.spec)
-    head = view.head
-    if head is None or head.spec is None or head.spec_fingerprint == identity.fingerprint:
-        return identity
-    refused, allowed = changes(SpecIdentity.from_dict(head.spec), identity)
-    if refused:
-        listed = "\n".join(f"  - {c}" for c in refused)
-        raise SpecChangedError(
-            f"pipeline {p.spec.name}: the spec changed since {head.position} (spec {head.spec_fingerprint}, now "
-            f"{identity.fingerprint}) in ways the state cannot carry on from:\n{listed}\n"
-            "Nothing was written. Either revert the spec; or recompute from the start under the new spec "
-            f"with `microbatch rewind {p.spec.spec_path} --to-batch 0` (a new epoch; the source files must "
-            "still be there); or give the pipeline a new state path and a new checkpoint.",
-            pipeline=p.spec.name,
-            path=p.spec.spec_path,
-            position=head.position,
-        )
-    for change in allowed:
-        log.info("spec change since %s, recorded with the next batch: %s", head.position, change)
-    return identity
-
-
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, engine: _Engine, early: ComputeResult | None = None) -> Processed | Done:
-    """Step 3: compute reads exactly the planned range (or `early` is its
-    read, made ahead by `catch_up`); the state makes room for the batch (a
-    new or widened merge column); bad records go to the quarantine, once."""
+def read_and_quarantine(p: Pipeline, plan_: Plan, engine: Engine) -> Processed | Done:
+    """Step 3: compute reads exactly the planned range; the state makes room
+    for the batch (a new or widened merge column); bad records go to the
+    quarantine, once."""
     spec, n = p.spec, plan_.position
-    result = early if early is not None else engine.process(spec, plan_.batch)
+    result = engine.process(spec, plan_.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
         table = p.state.open() or p.state.create(result.updates)
@@ -627,276 +483,15 @@ def project(p: Pipeline) -> None:
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 
 
-# -- Back to back: catching up, reading ahead ------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReadAhead:
-    """The engine's read of a range before step 2 planned it (`catch_up`)."""
-
-    batch: BatchRange
-    result: ComputeResult
-    #: When the read began (`time.monotonic()`), and how long it took.
-    begun: float
-    seconds: float
-
-    def covers(self, batch: BatchRange) -> bool:
-        """Whether this read is of exactly `batch`."""
-        return _same_range(self.batch, batch)
-
-
-def _same_range(a: BatchRange, b: BatchRange) -> bool:
-    """Same offsets, same manifest (for files: the same files, sizes and modification times)."""
-    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict()) == (
-        b.start.to_dict(),
-        b.end.to_dict(),
-        b.manifest.to_dict(),
-    )
-
-
-class _Ahead:
-    """The lineage as it will be once `batch` commits: what the read-ahead plans from."""
-
-    def __init__(self, lineage: Lineage, batch: BatchRange) -> None:
-        self._lineage = lineage
-        self._batch = batch
-
-    @property
-    def end(self) -> dict[str, Any]:
-        return self._batch.end.to_dict()
-
-    def consumed(self, keys: Collection[str]) -> dict[str, set[str]]:
-        wanted = set(keys)
-        found = self._lineage.consumed(wanted)
-        for key, version in self._batch.manifest.units():
-            if key in wanted:
-                found.setdefault(key, set()).add(version)
-        return found
-
-
-def catch_up(
-    spec: PipelineSpec,
-    options: RunOptions,
-    compute_factory: Callable[[], Compute],
-    *,
-    max_batches: int | None = None,
-    on_outcome: Callable[[BatchOutcome], None] | None = None,
-) -> list[BatchOutcome]:
-    """Run batches back to back on one engine until one does not commit
-    (nothing new is left, or another run got there first) or `max_batches`
-    have committed; each outcome goes to `on_outcome` as it is known.
-
-    Every batch is steps 1-5 of the module docstring, in order, with the
-    same fault points and SIGTERM stops as `run_batch`. While N's steps 4
-    and 5 run on a worker thread, reader threads read ahead N+1's and
-    N+2's likely ranges (`_ReadsAhead`; the module docstring says why that
-    changes no guarantee). Those ranges are planned on this thread before
-    the worker starts; then the worker alone touches the pipeline's
-    tables, and the readers only the source's data through the engine:
-    they share nothing but the CPU. Steps 1 and 2 of N+1 wait for N's
-    commit (they read what it wrote) and for N+1's read.
-    """
-    p = Pipeline(spec)
-    engine = _Engine(compute_factory, alongside=True)
-    outcomes: list[BatchOutcome] = []
-
-    def report(outcome: BatchOutcome) -> None:
-        outcomes.append(outcome)
-        if on_outcome is not None:
-            on_outcome(outcome)
-
-    worker = ThreadPoolExecutor(1, thread_name_prefix="microbatch-commit")
-    reads = _ReadsAhead(engine)
-    try:
-        while True:
-            started = time.monotonic()
-            steps = _Steps(engine)
-            # A stop asked for while N committed (SIGTERM) waits for no read
-            # ahead: those begun finish, as any step does (`reads.close`),
-            # and the run stops at N+1's first boundary.
-            ahead = None if shutdown.requested() else reads.next()
-            ready = _reconcile_plan_read(p, options, engine, steps, started, ahead)
-            if isinstance(ready, BatchOutcome):
-                report(ready)
-                break
-            plan_, processed = ready
-            # The reads after a range planned otherwise were planned after it.
-            reads.keep_if_planned(plan_.batch)
-            room = None if max_batches is None else max_batches - len(outcomes) - 1
-            # Planned ahead before the worker starts: from then on it alone
-            # reads and writes the pipeline's tables.
-            if not shutdown.requested():
-                reads.extend(p, plan_, options, room)
-            # The worker runs in this thread's context: storage sessions and
-            # connection settings are context variables.
-            committing = worker.submit(
-                contextvars.copy_context().run, _commit_and_project, p, plan_, processed, options, started, steps
-            )
-            outcome = committing.result()
-            report(outcome)
-            if (room is not None and room <= 0) or outcome.status is not Outcome.COMMITTED:
-                break
-    finally:
-        worker.shutdown(wait=True, cancel_futures=True)
-        reads.close()
-        engine.close()
-    return outcomes
-
-
-#: How many batches `catch_up` reads ahead at most, on an engine that runs
-#: that many reads at once (`Compute.reads_at_once`). Two: on a small
-#: machine one read leaves a core idle while its driver plans and its last
-#: stage runs on one task, and the next read fills it (two reads at once
-#: took 0.73 s a pair against 0.87 s one after the other, warm, 2 cores).
-#: Three ahead measured within the spread of two (docs/benchmarks.md).
-READ_AHEAD = 2
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A read ahead in flight."""
-
-    batch: BatchRange
-    read: Future[ReadAhead | None]
-
-
-class _ReadsAhead:
-    """The reads ahead in flight, oldest (N+1's) first, each on a reader thread.
-
-    Each range is planned as the source would plan it were the ranges
-    before it committed (`_Ahead` chained). The engine decides how many run
-    at once: one read at a time on an engine that cannot run more, up to
-    `READ_AHEAD`.
-    """
-
-    def __init__(self, engine: _Engine) -> None:
-        self._engine = engine
-        self._pending: deque[_Pending] = deque()
-        self._readers: ThreadPoolExecutor | None = None
-        #: The range of the read `next` last handed out (or dropped, if it failed).
-        self._taken: BatchRange | None = None
-
-    def extend(self, p: Pipeline, plan_: Plan, options: RunOptions, room: int | None) -> None:
-        """Start reading the ranges after `plan_`'s until `READ_AHEAD` reads
-        (the engine's number, and no more than `room` batches) are in
-        flight. Planning stops at the first range the source cannot give:
-        nothing waits, or it cannot tell now (the batch's own step 2 then
-        raises what there is to raise)."""
-        at_once = min(READ_AHEAD, self._engine.reads_at_once)
-        if self._readers is None:
-            # As many threads as reads at once: a dropped read still running
-            # holds one, and the next waits for it rather than run beside it.
-            self._readers = ThreadPoolExecutor(at_once, thread_name_prefix="microbatch-read")
-        wanted = at_once if room is None else min(at_once, room)
-        if len(self._pending) >= wanted:
-            return
-        try:
-            after: Lineage = _Ahead(p.lineage(plan_.view), plan_.batch)
-            for pending in self._pending:
-                after = _Ahead(after, pending.batch)
-            while len(self._pending) < wanted:
-                batch = p.source.plan(after, until=options.interval_end, caps=_caps(p.spec, options))
-                if batch is None:
-                    return
-                # In this thread's context, as the commit worker.
-                read = self._readers.submit(contextvars.copy_context().run, _read_ahead, p.spec, self._engine, batch)
-                self._pending.append(_Pending(batch, read))
-                after = _Ahead(after, batch)
-        except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
-            log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
-
-    def next(self) -> ReadAhead | None:
-        """The oldest read in flight, once done (None if there is none, or it failed)."""
-        if not self._pending:
-            self._taken = None
-            return None
-        oldest = self._pending.popleft()
-        self._taken = oldest.batch
-        return oldest.read.result()
-
-    def keep_if_planned(self, batch: BatchRange) -> None:
-        """Drop the reads in flight unless the range `next` handed out is
-        `batch` (whether or not its read succeeded): they were planned after
-        a range that turned out otherwise."""
-        if self._taken is not None and not _same_range(self._taken, batch):
-            self.drop()
-
-    def drop(self) -> None:
-        """Forget the reads in flight: those not begun are cancelled, the others' results unused."""
-        for pending in self._pending:
-            pending.read.cancel()
-        self._pending.clear()
-
-    def close(self) -> None:
-        """Wait for the reads that have begun (a read is not interrupted midway), cancel the rest."""
-        self._pending.clear()
-        if self._readers is not None:
-            self._readers.shutdown(wait=True, cancel_futures=True)
-
-
-def _read_ahead(spec: PipelineSpec, engine: _Engine, batch: BatchRange) -> ReadAhead | None:
-    """The engine's read of `batch`, or None if it fails (the batch's own
-    step 3 then reads it, and raises what there is to raise)."""
-    begun = time.monotonic()
-    try:
-        return ReadAhead(batch, engine.process(spec, batch), begun, time.monotonic() - begun)
-    except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
-        log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
-        return None
-
-
 # -- helpers ---------------------------------------------------------------------------
 
 
-class _Engine:
-    """The compute engine, started on first use: a run with nothing to do never starts Spark.
-
-    `alongside`: the run reads batches at once (`catch_up`); on an engine
-    that can (``reads_at_once`` > 1) its checks and reads then say so
-    (``alongside=True``, `Compute.process`), the first batch's too.
-    """
-
-    def __init__(self, factory: Callable[[], Compute], *, alongside: bool = False) -> None:
-        self._factory = factory
-        self._alongside_reads = alongside
-        self._compute: Compute | None = None
-        #: Seconds its start took (a JVM, a session, a connection).
-        self.start_s = 0.0
-
-    @property
-    def reads_at_once(self) -> int:
-        """How many reads the engine runs at once (`Compute`): 1 unless it says more."""
-        return max(1, getattr(self.get(), "reads_at_once", 1))
-
-    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
-        self.get().check(spec, batch, **self._alongside())
-
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
-        return self.get().process(spec, batch, **self._alongside())
-
-    def _alongside(self) -> dict[str, bool]:
-        # Only to an engine that runs reads at once: no other takes the keyword.
-        return {"alongside": True} if self._alongside_reads and self.reads_at_once > 1 else {}
-
-    def get(self) -> Compute:
-        if self._compute is None:
-            begun = time.monotonic()
-            self._compute = self._factory()
-            self._compute.start()
-            self.start_s = time.monotonic() - begun
-        return self._compute
-
-    def close(self) -> None:
-        if self._compute is not None:
-            self._compute.close()
-
-
-class _Steps:
+class StepTimes:
     """Milliseconds per protocol step, for the outcome. The engine's start is
     counted apart from the step that needed it first. A step that raises is
     not timed: no `finally`, so nothing runs on the way out of a crash."""
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.ms: dict[str, int] = {}
 
@@ -908,11 +503,6 @@ class _Steps:
         self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
         if engine_start:
             self.ms["engine_start"] = int(engine_start * 1000)
-
-
-def _caps(spec: PipelineSpec, options: RunOptions) -> Caps:
-    """A batch's caps: the run's overrides, else the spec's `batch:` block."""
-    return Caps(options.max_files or spec.batch.max_files, options.max_records or spec.batch.max_records)
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:
@@ -957,7 +547,7 @@ def _outcome(
     processed: Processed | None = None,
     committed: Committed | None = None,
     *,
-    steps: _Steps | None = None,
+    steps: StepTimes | None = None,
 ) -> BatchOutcome:
     """The one place a run's outcome is built."""
     batch = done.batch

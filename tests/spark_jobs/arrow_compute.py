@@ -108,10 +108,12 @@ def _path_of(uri: str) -> Path:
 class ArrowCompute:
     """`Compute` for the oracle pipeline with pyarrow and the standard library only."""
 
+    reads_at_once = 1
+
     def start(self) -> None:
         """No engine to start."""
 
-    def check(self, spec: PipelineSpec, batch: BatchRange | None = None) -> None:
+    def check(self, spec: PipelineSpec, batch: BatchRange | None = None, *, alongside: bool = False) -> None:
         """Refuse any pipeline this compute does not implement, before anything is written."""
         if spec.source.format != "json":
             raise TransformError(f"pipeline {spec.name}: ArrowCompute reads JSON lines only, not {spec.source.format}")
@@ -122,7 +124,7 @@ class ArrowCompute:
             raise TransformError(f"pipeline {spec.name}: ArrowCompute implements ORACLE_TRANSFORM only")
         check_result_columns(spec, RESULT_SCHEMA.names)
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
         self.check(spec)
         fields = spec.source.fields
         keys = set(spec.state.keys)

@@ -206,15 +206,19 @@ class _BreaksAFileAfterPlanning:
     def __init__(self, inner, damage) -> None:
         self.inner, self.damage = inner, damage
 
+    @property
+    def reads_at_once(self) -> int:
+        return self.inner.reads_at_once
+
     def start(self) -> None:
         self.inner.start()
 
-    def check(self, spec, batch) -> None:
-        self.inner.check(spec, batch)
+    def check(self, spec, batch, **options) -> None:
+        self.inner.check(spec, batch, **options)
 
-    def process(self, spec, batch):
+    def process(self, spec, batch, **options):
         self.damage()
-        return self.inner.process(spec, batch)
+        return self.inner.process(spec, batch, **options)
 
     def close(self) -> None:
         self.inner.close()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from spark_jobs.core import faults, shutdown
-from spark_jobs.core.protocol import RunOptions, catch_up, run_batch
+from spark_jobs.core.catch_up import catch_up
+from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.errors import Terminated
@@ -23,7 +24,7 @@ from tests.conftest import assert_exact, run_cli
 
 class _Watched:
     """A compute that calls `on_process(n)` before its n-th `process` (1-based),
-    or `on_process(batch)` with `with_batch`; one read at a time (no `reads_at_once`).
+    or `on_process(batch)` with `with_batch`; one read at a time.
     `alongside` lists, call by call, whether `process` was told other reads run beside it."""
 
     def __init__(self, inner, on_process, *, with_batch: bool = False) -> None:
@@ -33,6 +34,8 @@ class _Watched:
         self._lock = threading.Lock()
         self.calls = 0
         self.alongside: list[bool] = []
+
+    reads_at_once = 1
 
     def start(self) -> None:
         self._inner.start()

@@ -314,16 +314,18 @@ def test_a_column_without_a_merge_rule_is_still_refused(tmp_path):
 class _FixedCompute:
     """A `Compute` whose transform result is whatever the test sets, plus one bad record."""
 
+    reads_at_once = 1
+
     def __init__(self, updates: pa.Table) -> None:
         self.updates = updates
 
     def start(self) -> None:
         """No engine to start."""
 
-    def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+    def check(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> None:
         """Every result is set by the test."""
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
         record = {"file": [batch.manifest.uris[0]], "line": [2], "raw": ["{"], "reason": ["malformed"]}
         bad = pa.table(record, schema=QUARANTINE_COLUMNS)
         return ComputeResult(validate_updates(spec, self.updates), bad, 2)

@@ -21,7 +21,7 @@ from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceRefusedError, exit_code
 from spark_jobs.sources.base import Caps
 from spark_jobs.sources.delta import DeltaSource
-from tests.conftest import BatchesLineage, assert_chain_exact, assert_exact, chain_specs, crash_at, oracle_spec_dict, write_spec
+from tests.conftest import BatchesLineage, assert_chain_exact, chain_specs, crash_at
 
 SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int64())])
 

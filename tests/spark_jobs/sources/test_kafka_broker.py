@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer

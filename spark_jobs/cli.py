@@ -229,81 +229,90 @@ def _dispatch(args: argparse.Namespace) -> int:
     from spark_jobs.core.spec import load_spec
 
     spec = load_spec(args.spec, storage_roots=args.storage_root)
-    if args.command == "run":
-        return _run(spec, args)
-    from spark_jobs.core.inspect import history, status
+    command = {"run": _run, "status": _status, "history": _history, "maintain": _maintain, "rewind": _rewind}
+    return command[args.command](spec, args)
+
+
+def _status(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    from spark_jobs.core.inspect import status
+
+    st = status(spec)
+    if args.json:
+        print(json.dumps(st.to_dict(), indent=2))
+        return EXIT_OK
+    shown = st.to_dict()
+    _table(
+        f"pipeline {st.pipeline}",
+        ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting", "quarantined", "rewindable"],
+        [
+            [
+                shown["epoch"],
+                shown["last_batch"],
+                _compact(st.end_offsets),
+                shown["state_version"],
+                _time(shown["committed_at"]),
+                st.lag.describe() if st.lag else "?",
+                st.quarantined,
+                "" if st.oldest_rewindable is None else f"0, {st.oldest_rewindable}..{shown['last_batch']}",
+            ]
+        ],
+    )
+    if st.note:
+        print(f"note: {st.note}")
+    return EXIT_OK
+
+
+def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    from spark_jobs.core.inspect import history
+
+    rows = history(spec)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return EXIT_OK
+    shown = rows[-args.limit :] if args.limit else rows
+    _table(
+        f"offset ledger of {spec.name} ({len(rows)} rows)",
+        ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "spec", "run id", "at"],
+        [
+            [
+                r.epoch,
+                r.batch_id,
+                r.status,
+                _compact(r.start_offsets),
+                _compact(r.end_offsets),
+                r.records_in,
+                r.records_quarantined,
+                r.keys_updated,
+                r.state_version,
+                r.spec_fingerprint,
+                r.run_id,
+                _time(r.committed_at or r.planned_at),
+            ]
+            for r in shown
+        ],
+    )
+    return EXIT_OK
+
+
+def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    from spark_jobs.core.maintain import maintain
+
+    report = maintain(spec, args.keep_batches)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return EXIT_OK
+    kept = report.kept_batches
+    print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
+    for table, removed in report.removed_files.items():
+        print(f"  {table}: compacted, {removed} unneeded file(s) removed, checkpoint written")
+    return EXIT_OK
+
+
+def _rewind(spec: PipelineSpec, args: argparse.Namespace) -> int:
     from spark_jobs.core.rewind import rewind
 
-    if args.command == "status":
-        st = status(spec)
-        if args.json:
-            print(json.dumps(st.to_dict(), indent=2))
-        else:
-            shown = st.to_dict()
-            _table(
-                f"pipeline {st.pipeline}",
-                ["epoch", "last batch", "end offsets", "state version", "committed at", "waiting", "quarantined", "rewindable"],
-                [
-                    [
-                        shown["epoch"],
-                        shown["last_batch"],
-                        _compact(st.end_offsets),
-                        shown["state_version"],
-                        _time(shown["committed_at"]),
-                        st.lag.describe() if st.lag else "?",
-                        st.quarantined,
-                        "" if st.oldest_rewindable is None else f"0, {st.oldest_rewindable}..{shown['last_batch']}",
-                    ]
-                ],
-            )
-            if st.note:
-                print(f"note: {st.note}")
-        return EXIT_OK
-    if args.command == "history":
-        rows = history(spec)
-        if args.json:
-            print(json.dumps([r.to_dict() for r in rows], indent=2))
-            return EXIT_OK
-        shown = rows[-args.limit :] if args.limit else rows
-        _table(
-            f"offset ledger of {spec.name} ({len(rows)} rows)",
-            ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "spec", "run id", "at"],
-            [
-                [
-                    r.epoch,
-                    r.batch_id,
-                    r.status,
-                    _compact(r.start_offsets),
-                    _compact(r.end_offsets),
-                    r.records_in,
-                    r.records_quarantined,
-                    r.keys_updated,
-                    r.state_version,
-                    r.spec_fingerprint,
-                    r.run_id,
-                    _time(r.committed_at or r.planned_at),
-                ]
-                for r in shown
-            ],
-        )
-        return EXIT_OK
-    if args.command == "maintain":
-        from spark_jobs.core.maintain import maintain
-
-        report = maintain(spec, args.keep_batches)
-        if args.json:
-            print(json.dumps(report.to_dict(), indent=2))
-        else:
-            kept = report.kept_batches
-            print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
-            for table, removed in report.removed_files.items():
-                print(f"  {table}: compacted, {removed} unneeded file(s) removed, checkpoint written")
-        return EXIT_OK
-    if args.command == "rewind":
-        outcome = rewind(spec, args.to_batch, run_id=_run_id("-rewind"))
-        _print_outcome(outcome, args.json)
-        return EXIT_OK
-    raise AssertionError(args.command)
+    _print_outcome(rewind(spec, args.to_batch, run_id=_run_id("-rewind")), args.json)
+    return EXIT_OK
 
 
 # -- output -------------------------------------------------------------------------

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
 
     from spark_jobs.core.outcome import BatchOutcome
+    from spark_jobs.core.protocol import RunOptions
 
 __all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline"]
 
@@ -136,38 +137,12 @@ class MicroBatchOperator(BaseOperator):
         return operator_lineage(*datasets, getattr(self, "_summary", None))
 
     def _run(self, context: Context, spec: PipelineSpec) -> dict[str, Any]:
-        from spark_jobs.core.outcome import Outcome
-        from spark_jobs.core.protocol import RunOptions, run_batch
+        from spark_jobs.core.protocol import run_batch
         from spark_jobs.engine import compute_factory
 
         params = context.get("params") or {}
-        dag_run = context["dag_run"]
-        unknown = sorted(set(getattr(dag_run, "conf", None) or {}) - set(RUN_PARAMS))
-        if unknown:
-            raise AirflowFailException(
-                f"unknown run parameter(s) {unknown}: a run takes {', '.join(RUN_PARAMS)}. Nothing was read or written."
-            )
-        run_type = str(getattr(dag_run, "run_type", "manual")).lower().rsplit(".", 1)[-1]
-        bounded = run_type in _INTERVAL_BOUND_RUN_TYPES
+        options = _run_options(context, params)
         rewind_to = params.get("rewind_to_batch")
-        if rewind_to is not None and bounded:
-            # Every run of a backfill would apply it (a K=0 over dates before
-            # the data empties the state and reports "no new data").
-            raise AirflowFailException(
-                f"rewind_to_batch is refused in {run_type} runs: a backfill would rewind once per interval. "
-                "Trigger one run with rewind_to_batch (and rewind_only: true), then backfill."
-            )
-        if params.get("rewind_only") and rewind_to is None:
-            raise AirflowFailException("rewind_only needs rewind_to_batch: the batch to rewind to")
-        options = RunOptions(
-            run_id=context["run_id"],
-            attempt=context["ti"].try_number,
-            interval_start=context.get("data_interval_start") if bounded else None,
-            interval_end=context.get("data_interval_end") if bounded else None,
-            max_files=params.get("max_files"),
-            max_records=params.get("max_records"),
-            dry_run=bool(params.get("dry_run", False)),
-        )
         conn_id = self.spark_conn_id or airflow_spec(spec).spark_conn_id
         # The driver JVM boots while the run reconciles and plans; a run with
         # nothing new (or a rewind alone) stops it in `discard`.
@@ -193,13 +168,20 @@ class MicroBatchOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from exc
         finally:
             make_compute.discard()
+        return self._report(context, spec, options, outcome, rewound)
 
+    def _report(
+        self, context: Context, spec: PipelineSpec, options: RunOptions, outcome: BatchOutcome, rewound: BatchOutcome | None
+    ) -> dict[str, Any]:
+        """The run's asset events, its one log line and its XCom summary; a
+        run that changed nothing is skipped (its summary still pushed)."""
+        from spark_jobs.core.outcome import Outcome
+
+        summary = outcome.to_dict()
         if rewound is not None:
             # The state changed even if nothing new was processed after it.
             self._emit(context, spec, rewound, rewind=True)
-        summary = outcome.to_dict()
-        if rewound is not None:
-            summary["rewound_to_batch"] = int(rewind_to)
+            summary["rewound_to_batch"] = int((context.get("params") or {})["rewind_to_batch"])
             summary["rewind"] = rewound.message
         if outcome.status is Outcome.COMMITTED:
             self._emit(context, spec, outcome)
@@ -298,6 +280,40 @@ class MicroBatchOperator(BaseOperator):
         outcome = rewind(spec, to_batch, run_id=run_id)
         self.log.info("rewound: %s", outcome.message)
         return outcome
+
+
+def _run_options(context: Context, params: dict[str, Any]) -> RunOptions:
+    """The run's options from its Airflow context, once its parameters are
+    checked: a bad one fails the task before anything is read or written."""
+    from spark_jobs.core.protocol import RunOptions
+
+    dag_run = context["dag_run"]
+    unknown = sorted(set(getattr(dag_run, "conf", None) or {}) - set(RUN_PARAMS))
+    if unknown:
+        raise AirflowFailException(
+            f"unknown run parameter(s) {unknown}: a run takes {', '.join(RUN_PARAMS)}. Nothing was read or written."
+        )
+    run_type = str(getattr(dag_run, "run_type", "manual")).lower().rsplit(".", 1)[-1]
+    bounded = run_type in _INTERVAL_BOUND_RUN_TYPES
+    rewind_to = params.get("rewind_to_batch")
+    if rewind_to is not None and bounded:
+        # Every run of a backfill would apply it (a K=0 over dates before
+        # the data empties the state and reports "no new data").
+        raise AirflowFailException(
+            f"rewind_to_batch is refused in {run_type} runs: a backfill would rewind once per interval. "
+            "Trigger one run with rewind_to_batch (and rewind_only: true), then backfill."
+        )
+    if params.get("rewind_only") and rewind_to is None:
+        raise AirflowFailException("rewind_only needs rewind_to_batch: the batch to rewind to")
+    return RunOptions(
+        run_id=context["run_id"],
+        attempt=context["ti"].try_number,
+        interval_start=context.get("data_interval_start") if bounded else None,
+        interval_end=context.get("data_interval_end") if bounded else None,
+        max_files=params.get("max_files"),
+        max_records=params.get("max_records"),
+        dry_run=bool(params.get("dry_run", False)),
+    )
 
 
 class MaintenanceOperator(BaseOperator):

@@ -401,27 +401,7 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
             return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan_.batch)
     # Merging onto a change made outside the job since step 1 would hide it for good.
     check_unchanged(p, plan_.view, table)
-    metadata = CommitMetadata(
-        kind=CommitKind.BATCH,
-        pipeline=spec.name,
-        position=n,
-        start_offsets=plan_.row.start_offsets,
-        end_offsets=plan_.row.end_offsets,
-        manifest=plan_.row.manifest,
-        pipeline_id=plan_.row.pipeline_id,
-        spec=plan_.identity.to_dict(),
-        spec_fingerprint=plan_.identity.fingerprint,
-        run_id=options.run_id,
-        attempt=options.attempt,
-        records_in=processed.records_in,
-        records_quarantined=processed.records_quarantined,
-        interval_start=options.interval_start,
-        interval_end=options.interval_end,
-        planned_at=plan_.row.planned_at,
-        duration_ms=int((time.monotonic() - started) * 1000),
-        waiting_after=plan_.row.waiting_after,
-        commit_token=uuid.uuid4().hex,
-    )
+    metadata = _batch_metadata(p, plan_, processed, options, started)
     watch_for_new_files("mid_state_merge", p.state.path)
     try:
         with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
@@ -433,6 +413,33 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
     # No stop here on SIGTERM: the ledger row is a few milliseconds away.
     fault_point("after_state_commit")
     return Committed(version, keys_updated)
+
+
+def _batch_metadata(p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
+    """What the state commit carries: the planned row's range and identity,
+    the run's, and what step 3 counted; the ledger's row is built from it."""
+    row = plan_.row
+    return CommitMetadata(
+        kind=CommitKind.BATCH,
+        pipeline=p.spec.name,
+        position=plan_.position,
+        start_offsets=row.start_offsets,
+        end_offsets=row.end_offsets,
+        manifest=row.manifest,
+        pipeline_id=row.pipeline_id,
+        spec=plan_.identity.to_dict(),
+        spec_fingerprint=plan_.identity.fingerprint,
+        run_id=options.run_id,
+        attempt=options.attempt,
+        records_in=processed.records_in,
+        records_quarantined=processed.records_quarantined,
+        interval_start=options.interval_start,
+        interval_end=options.interval_end,
+        planned_at=row.planned_at,
+        duration_ms=int((time.monotonic() - started) * 1000),
+        waiting_after=row.waiting_after,
+        commit_token=uuid.uuid4().hex,
+    )
 
 
 def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exception) -> Committed | Done:

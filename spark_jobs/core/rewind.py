@@ -22,6 +22,7 @@ the ledger alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from spark_jobs.core.commits import CommitKind, CommitMetadata
@@ -106,25 +107,31 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         rewound_from=str(head),
         restored_version=version,
     )
-    try:
-        with storage_errors(f"pipeline {spec.name}: could not rewind the state table to batch {to_batch}", p.state.path):
-            state_version = p.state.restore(table, version, metadata)
-    except StorageError:
-        raise
-    except Exception as exc:
-        if is_commit_conflict(exc):
-            raise ConcurrentRunError(
-                f"pipeline {spec.name}: a batch committed while rewinding; run the rewind again", pipeline=spec.name
-            ) from exc
-        raise refuse(
-            f"could not restore {p.state.path} to version {version}: {exc}. "
-            f"If old files were vacuumed, batch {to_batch} cannot be restored."
-        ) from exc
+    state_version = _restore(p, table, version, metadata, refuse)
     # The consumed index belonged to the old epoch: rebuild it for the new one now
     # (rewinds are rare), so the next runs look files up in it again.
     p.lineage(reconcile(p)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
+
+
+def _restore(p: Pipeline, table: DeltaTable, version: int, metadata: CommitMetadata, refuse: Callable[[str], RewindError]) -> int:
+    """RESTORE the state to `version`, committing `metadata`: the rewind's commit point."""
+    to_batch = metadata.position.batch_id
+    try:
+        with storage_errors(f"pipeline {p.spec.name}: could not rewind the state table to batch {to_batch}", p.state.path):
+            return p.state.restore(table, version, metadata)
+    except StorageError:
+        raise
+    except Exception as exc:
+        if is_commit_conflict(exc):
+            raise ConcurrentRunError(
+                f"pipeline {p.spec.name}: a batch committed while rewinding; run the rewind again", pipeline=p.spec.name
+            ) from exc
+        raise refuse(
+            f"could not restore {p.state.path} to version {version}: {exc}. "
+            f"If old files were vacuumed, batch {to_batch} cannot be restored."
+        ) from exc
 
 
 def rewind_target(

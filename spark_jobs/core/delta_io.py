@@ -135,14 +135,15 @@ def ensure_table(
 def arrow(data: Any) -> pa.Table:
     """A pyarrow table from delta-rs's Arrow results (arro3 objects), through
     the Arrow stream interface: `pa.table` would first ask whether they are
-    pandas frames, importing pandas (0.7 s) on a run's hot path."""
+    pandas frames, importing pandas on a run's hot path (docs/benchmarks.md,
+    "Figures behind the code's choices")."""
     return pa.RecordBatchReader.from_stream(data).read_all()
 
 
 def int64s(values: Sequence[int]) -> pa.Array:
     """An int64 array built from its buffers. pyarrow's conversion of Python
     values first asks whether they are a pandas object, importing pandas
-    (0.7 s of a 1 s run) on the hot path, where row masks need a few values."""
+    on the hot path (see `arrow`), where row masks need a few values."""
     return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(array("q", values).tobytes())])
 
 
@@ -225,7 +226,7 @@ def read_pruned(
     actions = arrow(table.get_add_actions(flatten=True))
     for i, path in enumerate(actions.column("path").to_pylist()):
         # Statistics are read per asked column: turning every column into
-        # Python would turn timestamps too, and that imports pandas (0.7 s).
+        # Python would turn timestamps too, and that imports pandas (see `arrow`).
         if not keep(lambda c, i=i: (_stat(actions, f"min.{c}", i), _stat(actions, f"max.{c}", i))):
             continue
         # Single-threaded, like everything else on this path: pyarrow's

@@ -203,7 +203,8 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
     if head is not None and head.epoch == 0 and head.status is RowStatus.COMMITTED:
         # Never rewound: the lineage is epoch 0's batches 1..head, each found
         # by position, so the search costs ~2 log2(N) small reads, not a
-        # read of the whole ledger (51 s at 100,000 batches).
+        # read of the whole ledger (docs/benchmarks.md, "Figures behind the
+        # code's choices").
         batch_ids = range(1, head.batch_id + 1)
 
         def version(i: int) -> int | None:

@@ -153,8 +153,8 @@ class StateTable:
                 # Not streamed: the batch's updates are a small in-memory
                 # table, and only an unstreamed source gives delta-rs the
                 # key range it prunes the state's files with; streamed, every
-                # MERGE scanned the whole state (15 s a batch at 100M keys,
-                # docs/benchmarks.md "State size").
+                # MERGE scanned the whole state (docs/benchmarks.md, "Figures
+                # behind the code's choices").
                 streamed_exec=False,
             )
             .when_matched_update(updates=updates_expr)

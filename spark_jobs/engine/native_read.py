@@ -41,7 +41,8 @@ whichever path judged it.
 
 The scan used to be a second read of the lines in the batch's Spark job,
 which cost a quarter of a warm batch and more while the JVM warmed up. On
-the driver, with vectorised byte checks, it costs about 2 ms per MB.
+the driver, with vectorised byte checks, it costs far less
+(docs/benchmarks.md, "Figures behind the code's choices").
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         "spark.sql.shuffle.partitions": os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"),
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning
-        # cost a third of a second a batch (measured: docs/benchmarks.md).
+        # cost more than it saved (docs/benchmarks.md, "Figures behind the
+        # code's choices").
         "spark.sql.adaptive.enabled": "false" if short_lived else "true",
         "spark.driver.memory": os.environ.get("MICROBATCH_DRIVER_MEMORY", "2g"),
         "spark.sql.execution.arrow.pyspark.enabled": "true",

@@ -42,7 +42,7 @@ from typing import Annotated, Any, Literal
 
 import anyio
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
@@ -259,105 +259,113 @@ async def _link_downstream(client: httpx.AsyncClient, spec: PipelineSpec, views:
 def create_app() -> FastAPI:
     app = FastAPI(title="Micro-batch console", docs_url=None, redoc_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def page(request: Request) -> HTMLResponse:
-        try:
-            await get_user(request, None, await bearer_scheme(request))
-        except HTTPException as exc:
-            login = get_auth_manager().get_url_login(next_url=str(request.url))
-            return HTMLResponse(
-                f'<p>Log in to Airflow to see the micro-batch console: <a href="{html.escape(login)}">log in</a>.</p>',
-                status_code=exc.status_code,
-            )
-        return HTMLResponse((STATIC / "index.html").read_text())
-
-    probes = Probes(_summary)
-    app.state.probes = probes
-
-    @app.get("/api/pipelines")
-    async def pipelines(user: User) -> list[dict[str, Any]]:
-        specs, errors = await anyio.to_thread.run_sync(_SPECS.scan)
-        probes.forget_all_but(specs.values())
-        visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
-        results = await probes.summaries(visible)
-        if errors and _allowed(user, "GET", None):
-            # A spec that does not load has no DAG: shown to those who may read every DAG.
-            for path, message in errors.items():
-                results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
-        return results
-
-    @app.get("/api/pipelines/{name}/batches")
-    async def batches(
-        name: str,
-        request: Request,
-        user: User,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-        group: Literal["row", "batch"] = "row",
-    ) -> list[dict[str, Any]]:
-        spec = await _spec(name, user)
-        if group == "row":
-            return await anyio.to_thread.run_sync(_ledger_rows, spec, limit)
-        views = [v.to_dict() for v in await anyio.to_thread.run_sync(inspect.batches, spec, limit)]
-        token = _token(request, await bearer_scheme(request))
-        async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
-            await _resolve_pending(client, spec, views)
-            await _link_downstream(client, spec, views)
-        return views
-
-    @app.get("/api/pipelines/{name}/quarantine", response_model=None)
-    async def quarantine(
-        name: str,
-        user: User,
-        batch_id: Annotated[int | None, Query(ge=0)] = None,
-        epoch: Annotated[int | None, Query(ge=0)] = None,
-        reason: str | None = None,
-        lineage: Literal["live", "all"] = "live",
-        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        format: Literal["json", "csv"] = "json",  # noqa: A002 - the query parameter's name
-    ) -> dict[str, Any] | Response:
-        spec = await _spec(name, user)
-        found = await anyio.to_thread.run_sync(
-            lambda: inspect.quarantined(
-                spec, batch_id=batch_id, epoch=epoch, reason=reason, lineage=lineage, limit=None if format == "csv" else limit
-            )
-        )
-        if format == "json":
-            return found.to_dict()
-        out = io.StringIO()
-        columns = ["epoch", "batch_id", "file", "line", "reason", "raw", "quarantined_at"]
-        writer = csv.DictWriter(out, columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(found.rows)
-        filename = f"{spec.name}-quarantine" + (f"-batch-{batch_id}" if batch_id is not None else "") + ".csv"
-        return Response(out.getvalue(), media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{filename}"'})
-
-    @app.post("/api/pipelines/{name}/rewind")
-    async def rewind(name: str, body: RewindRequest, request: Request, user: User) -> JSONResponse:
-        spec = await _spec(name, user, "POST", DagAccessEntity.RUN)
-        try:
-            # The job's own rules, asked before a run is made for nothing.
-            await anyio.to_thread.run_sync(check_rewind, spec, body.batch_id)
-        except RewindError as exc:
-            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
-        who = getattr(user, "get_name", lambda: "a user")()
-        payload = {
-            "logical_date": None,
-            "conf": {"rewind_to_batch": body.batch_id, "rewind_only": body.rewind_only},
-            "note": f"Rewind to batch {body.batch_id} requested by {who} from the micro-batch console.",
-        }
-        # Through Airflow's REST API, as the caller: Airflow checks the right
-        # to trigger again, records who did it, and validates the params.
-        async with httpx.AsyncClient(timeout=30) as client:
-            answer = await client.post(
-                f"{airflow_root()}/api/v2/dags/{spec.name}/dagRuns",
-                json=payload,
-                headers={"Authorization": f"Bearer {_token(request, await bearer_scheme(request))}"},
-            )
-        try:
-            content = answer.json()
-        except ValueError:
-            content = {"detail": answer.text[:500]}
-        return JSONResponse(content, status_code=answer.status_code)
-
+    app.state.probes = Probes(_summary)
+    app.include_router(router)
     return app
+
+
+#: The console's page and its JSON API (`create_app` serves them).
+router = APIRouter()
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def page(request: Request) -> HTMLResponse:
+    try:
+        await get_user(request, None, await bearer_scheme(request))
+    except HTTPException as exc:
+        login = get_auth_manager().get_url_login(next_url=str(request.url))
+        return HTMLResponse(
+            f'<p>Log in to Airflow to see the micro-batch console: <a href="{html.escape(login)}">log in</a>.</p>',
+            status_code=exc.status_code,
+        )
+    return HTMLResponse((STATIC / "index.html").read_text())
+
+@router.get("/api/pipelines")
+async def pipelines(request: Request, user: User) -> list[dict[str, Any]]:
+    probes: Probes = request.app.state.probes
+    specs, errors = await anyio.to_thread.run_sync(_SPECS.scan)
+    probes.forget_all_but(specs.values())
+    visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
+    results = await probes.summaries(visible)
+    if errors and _allowed(user, "GET", None):
+        # A spec that does not load has no DAG: shown to those who may read every DAG.
+        for path, message in errors.items():
+            results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
+    return results
+
+@router.get("/api/pipelines/{name}/batches")
+async def batches(
+    name: str,
+    request: Request,
+    user: User,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    group: Literal["row", "batch"] = "row",
+) -> list[dict[str, Any]]:
+    spec = await _spec(name, user)
+    if group == "row":
+        return await anyio.to_thread.run_sync(_ledger_rows, spec, limit)
+    views = [v.to_dict() for v in await anyio.to_thread.run_sync(inspect.batches, spec, limit)]
+    token = _token(request, await bearer_scheme(request))
+    async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
+        await _resolve_pending(client, spec, views)
+        await _link_downstream(client, spec, views)
+    return views
+
+@router.get("/api/pipelines/{name}/quarantine", response_model=None)
+async def quarantine(
+    name: str,
+    user: User,
+    batch_id: Annotated[int | None, Query(ge=0)] = None,
+    epoch: Annotated[int | None, Query(ge=0)] = None,
+    reason: str | None = None,
+    lineage: Literal["live", "all"] = "live",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    format: Literal["json", "csv"] = "json",  # noqa: A002 - the query parameter's name
+) -> dict[str, Any] | Response:
+    spec = await _spec(name, user)
+    found = await anyio.to_thread.run_sync(
+        lambda: inspect.quarantined(
+            spec, batch_id=batch_id, epoch=epoch, reason=reason, lineage=lineage, limit=None if format == "csv" else limit
+        )
+    )
+    if format == "json":
+        return found.to_dict()
+    return _as_csv(found.rows, f"{spec.name}-quarantine" + (f"-batch-{batch_id}" if batch_id is not None else ""))
+
+@router.post("/api/pipelines/{name}/rewind")
+async def rewind(name: str, body: RewindRequest, request: Request, user: User) -> JSONResponse:
+    spec = await _spec(name, user, "POST", DagAccessEntity.RUN)
+    try:
+        # The job's own rules, asked before a run is made for nothing.
+        await anyio.to_thread.run_sync(check_rewind, spec, body.batch_id)
+    except RewindError as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+    who = getattr(user, "get_name", lambda: "a user")()
+    payload = {
+        "logical_date": None,
+        "conf": {"rewind_to_batch": body.batch_id, "rewind_only": body.rewind_only},
+        "note": f"Rewind to batch {body.batch_id} requested by {who} from the micro-batch console.",
+    }
+    # Through Airflow's REST API, as the caller: Airflow checks the right
+    # to trigger again, records who did it, and validates the params.
+    async with httpx.AsyncClient(timeout=30) as client:
+        answer = await client.post(
+            f"{airflow_root()}/api/v2/dags/{spec.name}/dagRuns",
+            json=payload,
+            headers={"Authorization": f"Bearer {_token(request, await bearer_scheme(request))}"},
+        )
+    try:
+        content = answer.json()
+    except ValueError:
+        content = {"detail": answer.text[:500]}
+    return JSONResponse(content, status_code=answer.status_code)
+
+
+def _as_csv(rows: list[dict[str, Any]], name: str) -> Response:
+    """Quarantined records as a CSV download named `name`.csv."""
+    out = io.StringIO()
+    columns = ["epoch", "batch_id", "file", "line", "reason", "raw", "quarantined_at"]
+    writer = csv.DictWriter(out, columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return Response(out.getvalue(), media_type="text/csv", headers={"Content-Disposition": f'attachment; filename="{name}.csv"'})

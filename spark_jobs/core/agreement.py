@@ -48,7 +48,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
             path=p.state.path,
             position=state_at,
         )
-    problem = _not_following(p, view, state_at, commit)
+    problem = _why_not_following(p, view, state_at, commit)
     if problem is not None:
         raise StateLedgerMismatchError(problem, pipeline=p.spec.name, path=p.state.path, position=state_at)
     if commit.metadata.kind is CommitKind.BATCH:
@@ -60,7 +60,7 @@ def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, stat
     return commit
 
 
-def _not_following(p: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
+def _why_not_following(p: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
     """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
 
     A run commits the state only from the ledger's head, and a rewind only

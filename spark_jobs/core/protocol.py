@@ -108,6 +108,11 @@ __all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare"
 
 log = logging.getLogger("microbatch")
 
+#: How often step 1 reads the tables again when a run recorded a row while
+#: it looked: each try sees a newer ledger, so only runs landing again and
+#: again exhaust it (then the run fails retryably).
+RECONCILE_TRIES = 3
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -233,7 +238,7 @@ def reconcile(p: Pipeline, *, own_commit: bool = False) -> LedgerView:
     `own_commit`: step 5, recording the commit this run just made, which its
     outcome reports; a row recorded at any other time completes what an
     earlier run left, and is logged."""
-    for _ in range(3):
+    for _ in range(RECONCILE_TRIES):
         view = p.ledger.load()
         table = p.state.open()
         state_at = p.state.position(table)

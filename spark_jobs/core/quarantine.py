@@ -30,6 +30,11 @@ SCHEMA = pa.schema(
     ]
 )
 
+#: How often a batch's append is tried again after another commit with the
+#: quarantine fence landed first (most likely the same batch's, by a racing
+#: run: the next try sees it and writes nothing).
+APPEND_TRIES = 3
+
 
 class Quarantine:
     def __init__(self, path: str, pipeline: str) -> None:
@@ -39,7 +44,7 @@ class Quarantine:
 
     def write(self, records: pa.Table, position: Position) -> bool:
         """Append one batch's quarantined records, once. True if we wrote them."""
-        for _ in range(3):
+        for _ in range(APPEND_TRIES):
             table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} quarantine")
             if transaction_position(table, self.fence) >= position:
                 return False  # an earlier attempt at this batch wrote them

@@ -141,7 +141,7 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.sql.shuffle.partitions": os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"),
+        "spark.sql.shuffle.partitions": _shuffle_partitions(),
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning
         # cost more than it saved (docs/benchmarks.md, "Figures behind the
@@ -164,6 +164,12 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # batches (docs/benchmarks.md); a one-batch process keeps the default.
         options["spark.sql.codegen.aggregate.map.twolevel.enabled"] = "false"
     return options
+
+
+def _shuffle_partitions() -> str:
+    """Partitions of a batch's shuffle: a batch is small, and Spark's default
+    (200) would be 200 tiny tasks; `MICROBATCH_SHUFFLE_PARTITIONS` overrides."""
+    return os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8")
 
 
 def _import_pandas_meanwhile() -> None:
@@ -223,5 +229,5 @@ def connect_session(url: str) -> SparkSession:
     # Per-session settings the server's defaults may not match; the same
     # meaning of timestamps as in local runs matters for exactness.
     session.conf.set("spark.sql.session.timeZone", "UTC")
-    session.conf.set("spark.sql.shuffle.partitions", os.environ.get("MICROBATCH_SHUFFLE_PARTITIONS", "8"))
+    session.conf.set("spark.sql.shuffle.partitions", _shuffle_partitions())
     return session

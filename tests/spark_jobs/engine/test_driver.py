@@ -4,8 +4,12 @@ cannot start says why."""
 
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -91,3 +95,35 @@ def test_a_process_keeps_its_one_jvm_across_sessions():
     first, second = next(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("JVMS"))
     assert first == second
     assert not marked_processes_left(mark)
+
+
+def test_the_pyspark_internals_the_launch_copies_are_still_pyspark_s():
+    """`DriverLaunch` does what `pyspark.java_gateway.launch_gateway` does,
+    by hand (so this process holds the JVM and its output). A pyspark
+    upgrade that changes what it copies must fail here, not in a run: the
+    environment variable naming the connection file, the file's format
+    (a big-endian int port, then a length-prefixed UTF-8 secret), the
+    classes imported into the gateway's view, and the `gateway` parameter
+    a session attaches through (`SparkContext._ensure_initialized`)."""
+    import pyspark.java_gateway as java_gateway
+    from pyspark import SparkContext
+    from pyspark.serializers import UTF8Deserializer, read_int
+
+    from spark_jobs.engine import driver
+
+    source = inspect.getsource(java_gateway.launch_gateway)
+    assert 'env["_PYSPARK_DRIVER_CONN_INFO_PATH"] = conn_info_file' in source
+    assert re.search(r"gateway_port = read_int\(info\)\s+gateway_secret = UTF8Deserializer\(\)\.loads\(info\)", source)
+    assert tuple(re.findall(r'java_import\(gateway\.jvm, "([^"]+)"\)', source)) == driver._JAVA_IMPORTS
+    assert "gateway" in inspect.signature(SparkContext._ensure_initialized).parameters
+
+    # The format, both ways: what pyspark's readers read from bytes our reader reads.
+    secret = "s3cr\u00e9t"
+    encoded = secret.encode("utf-8")
+    blob = struct.pack("!i", 41234) + struct.pack("!i", len(encoded)) + encoded
+    ours = io.BytesIO(blob)
+    theirs = io.BytesIO(blob)
+    assert (driver._read_int(ours), ours.read(driver._read_int(ours)).decode("utf-8")) == (
+        read_int(theirs),
+        UTF8Deserializer().loads(theirs),
+    )

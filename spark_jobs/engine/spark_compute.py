@@ -226,8 +226,9 @@ class SparkCompute:
         rows are read on the driver: it is checked over an empty frame of
         the table's columns, every time.)
         """
-        if isinstance(batch.manifest, DeltaManifest):
-            empty = self.spark.createDataFrame(delta_read.batch_schema(spec.source_path, spec.source.read).empty_table())
+        reader = _reader_of(spec, batch)
+        if reader.columns_on_driver is not None:
+            empty = self.spark.createDataFrame(reader.columns_on_driver(spec).empty_table())
             check_result_columns(spec, self._transform(spec, empty).columns)
             return
         checked = _CHECKED.setdefault(self.spark, set())
@@ -246,8 +247,9 @@ class SparkCompute:
             return self._process(spec, batch, alongside)
 
     def _process(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> ComputeResult:
-        if isinstance(batch.manifest, DeltaManifest):
-            return self._process_versions(spec, batch.manifest)
+        reader = _reader_of(spec, batch)
+        if reader.read_on_driver is not None:
+            return reader.read_on_driver(self, spec, batch.manifest)
         with self._lock:
             first = self._first
             if first is not None and first.batch == batch:
@@ -258,24 +260,33 @@ class SparkCompute:
         def run() -> ComputeResult:
             return self._finish(spec, first or self._first_read(spec, batch, alongside=alongside))
 
-        result = self._explained(spec, batch, run)
-        return _named_as_planned(result, batch.manifest) if isinstance(batch.manifest, FilesManifest) else result
+        return reader.as_planned(self._explained(spec, batch, run), batch.manifest)
 
     def _explained(self, spec: PipelineSpec, batch: BatchRange, step: Callable[[], _T]) -> _T:
         """`step`, with a Spark failure turned into an error that names what to look at."""
         try:
             return step()
         except Exception as exc:
-            if isinstance(batch.manifest, KafkaManifest):
-                raise _explain_kafka(spec, batch.manifest, exc) from exc
-            raise _explain(spec, _files_manifest(spec, batch), exc) from exc
+            raise _reader_of(spec, batch).explain(spec, batch.manifest, exc) from exc
 
     def _first_read(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> _FirstRead:
-        """How a batch is read first, up to its transform (analysed, not run).
+        """How a batch is read first, up to its transform (analysed, not run):
+        by the reader of its manifest (`_READERS`)."""
+        read = _reader_of(spec, batch).first_read
+        assert read is not None  # readers on the driver have no first read
+        return read(self, spec, batch, alongside)
 
-        Local JSON and CSV files are read natively, but for those found
-        suspect on the driver (`native_read.suspect_on_driver`); S3
-        objects, Parquet files and Kafka records the exact way.
+    def _read_kafka(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> _FirstRead:
+        """Kafka records, fetched on the executors and cached: fetching them
+        from the brokers again for the quarantine pass would cost more than
+        keeping them."""
+        parsed = exact_read.kafka_records(self.spark, spec, batch.manifest).cache()
+        return _FirstRead(batch, self._numbered_query(spec, parsed, KAFKA_COLUMNS), parsed=parsed)
+
+    def _read_files(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> _FirstRead:
+        """Files: local JSON and CSV files natively, but for those found
+        suspect on the driver (`native_read.suspect_on_driver`); S3 objects
+        and Parquet files the exact way.
 
         A native read `alongside` others (a `catch_up`, whose reads run at
         once) of no more than Spark's split size
@@ -290,12 +301,7 @@ class SparkCompute:
         was faster so on a cold JVM, and every batch then runs the same
         plan, compiled once (docs/benchmarks.md).
         """
-        if isinstance(batch.manifest, KafkaManifest):
-            # Cached: fetching the records from the brokers again for the
-            # quarantine pass would cost more than keeping them.
-            parsed = exact_read.kafka_records(self.spark, spec, batch.manifest).cache()
-            return _FirstRead(batch, self._numbered_query(spec, parsed, KAFKA_COLUMNS), parsed=parsed)
-        entries = list(_files_manifest(spec, batch).files)
+        entries = list(batch.manifest.files)
         remote = any(is_s3(f.uri) for f in entries)
         if remote or spec.source.format == "parquet" or not self._native_reads:
             read = exact_read.parquet_records if spec.source.format == "parquet" else exact_read.text_records
@@ -549,16 +555,6 @@ def _planned_files(files: list[SourceFile], spelled: list[str]) -> list[SourceFi
     return [f for f in files if _local_path(f.uri) in named]
 
 
-def _files_manifest(spec: PipelineSpec, batch: BatchRange) -> FilesManifest:
-    """The batch's files: this engine reads files sources."""
-    if not isinstance(batch.manifest, FilesManifest):
-        raise ComputeError(
-            f"pipeline {spec.name}: the Spark engine cannot read a {type(batch.manifest).__name__} batch",
-            pipeline=spec.name,
-        )
-    return batch.manifest
-
-
 def _named_as_planned(result: ComputeResult, manifest: FilesManifest) -> ComputeResult:
     """Report quarantined records' files by the URIs in the batch's manifest.
 
@@ -618,3 +614,45 @@ def _explain(spec: PipelineSpec, manifest: FilesManifest, exc: Exception) -> Exc
             )
     return ComputeError(f"pipeline {spec.name}: the batch failed in Spark: {first_line(exc, 500)}", pipeline=spec.name)
 
+
+@dataclass(frozen=True)
+class _Reader:
+    """How this engine reads one kind of manifest (`_READERS`).
+
+    On the executors: `first_read` builds the batch's read up to its
+    transform, `explain` turns a failure into an error that names what to
+    look at, `as_planned` reports the result in the manifest's own terms.
+    On the driver (typed rows, nothing to quarantine): `read_on_driver`
+    reads and transforms, and `columns_on_driver` gives the columns the
+    transform is checked over (every time: they are the upstream's, which
+    may change).
+    """
+
+    first_read: Callable[[SparkCompute, PipelineSpec, BatchRange, bool], _FirstRead] | None = None
+    explain: Callable[[PipelineSpec, Any, Exception], Exception] = lambda spec, manifest, exc: exc
+    as_planned: Callable[[ComputeResult, Any], ComputeResult] = lambda result, manifest: result
+    read_on_driver: Callable[[SparkCompute, PipelineSpec, Any], ComputeResult] | None = None
+    columns_on_driver: Callable[[PipelineSpec], pa.Schema] | None = None
+
+
+#: Each source's manifest and how this engine reads it: a source and its
+#: reader are added together, here.
+_READERS: dict[type, _Reader] = {
+    FilesManifest: _Reader(first_read=SparkCompute._read_files, explain=_explain, as_planned=_named_as_planned),
+    KafkaManifest: _Reader(first_read=SparkCompute._read_kafka, explain=_explain_kafka),
+    DeltaManifest: _Reader(
+        read_on_driver=SparkCompute._process_versions,
+        columns_on_driver=lambda spec: delta_read.batch_schema(spec.source_path, spec.source.read),
+    ),
+}
+
+
+def _reader_of(spec: PipelineSpec, batch: BatchRange) -> _Reader:
+    """The reader of the batch's manifest; an engine error for a kind it cannot read."""
+    reader = _READERS.get(type(batch.manifest))
+    if reader is None:
+        raise ComputeError(
+            f"pipeline {spec.name}: the Spark engine cannot read a {type(batch.manifest).__name__} batch",
+            pipeline=spec.name,
+        )
+    return reader

@@ -85,27 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; replaces MICROBATCH_STORAGE_ROOTS)",
     )
 
-    run = sub.add_parser("run", help="run one micro-batch", parents=[common])
-    run.add_argument("spec", help="pipeline spec (YAML)")
-    run.add_argument("--max-files", type=_positive, help="cap files for this batch (overrides the spec)")
-    run.add_argument("--max-records", type=_positive, help="cap records for this batch (files sources: in whole files; Kafka: offsets shared across partitions)")
-    run.add_argument("--until", type=_parse_time, help="only read data that arrived before this ISO time")
-    run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
-    run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
-    run.add_argument("--json", action="store_true", help="print the outcome as JSON (with --catch-up: one object per line, per batch)")
-    run.add_argument(
-        "--catch-up",
-        action="store_true",
-        help="run batches back to back until nothing new is left (each its own exactly-once batch; "
-        "the next two batches are read while one commits)",
-    )
-    run.add_argument("--max-batches", type=_positive, help="with --catch-up: stop after this many committed batches")
-    run.add_argument(
-        "--master",
-        type=_master,
-        help="Spark to run on: local[*], spark://host:port (standalone cluster) or sc://host:port "
-        "(Spark Connect); default: spark-submit's, else the spec's engine.master, else local[*]",
-    )
+    _add_run(sub.add_parser("run", help="run one micro-batch", parents=[common]))
 
     status = sub.add_parser("status", help="where the pipeline stands", parents=[common])
     status.add_argument("spec")
@@ -130,6 +110,30 @@ def build_parser() -> argparse.ArgumentParser:
     rewind.add_argument("--to-batch", type=_non_negative, required=True, metavar="K")
     rewind.add_argument("--json", action="store_true")
     return parser
+
+
+def _add_run(run: argparse.ArgumentParser) -> None:
+    """The options of `microbatch run`."""
+    run.add_argument("spec", help="pipeline spec (YAML)")
+    run.add_argument("--max-files", type=_positive, help="cap files for this batch (overrides the spec)")
+    run.add_argument("--max-records", type=_positive, help="cap records for this batch (files sources: in whole files; Kafka: offsets shared across partitions)")
+    run.add_argument("--until", type=_parse_time, help="only read data that arrived before this ISO time")
+    run.add_argument("--dry-run", action="store_true", help="plan and show the range; commit nothing")
+    run.add_argument("--run-id", help="identifier recorded in the ledger (default cli-<time>-<random>)")
+    run.add_argument("--json", action="store_true", help="print the outcome as JSON (with --catch-up: one object per line, per batch)")
+    run.add_argument(
+        "--catch-up",
+        action="store_true",
+        help="run batches back to back until nothing new is left (each its own exactly-once batch; "
+        "the next two batches are read while one commits)",
+    )
+    run.add_argument("--max-batches", type=_positive, help="with --catch-up: stop after this many committed batches")
+    run.add_argument(
+        "--master",
+        type=_master,
+        help="Spark to run on: local[*], spark://host:port (standalone cluster) or sc://host:port "
+        "(Spark Connect); default: spark-submit's, else the spec's engine.master, else local[*]",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,17 +82,7 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
             f"there is no state table at {p.state.path} to rewind. If it was moved or deleted on "
             "purpose to start over, give the pipeline a new checkpoint as well."
         )
-    # The restore commits from this snapshot: its fence must be where the
-    # ledger says (recovering: not ahead of it, or ahead by the one batch
-    # the ledger may lag by), else a run or another rewind moved the
-    # pipeline since we looked.
-    current = p.state.position(table)
-    if not view.agrees(current) if not recovering else not (current <= head or current == head.next()):
-        raise ConcurrentRunError(
-            f"pipeline {spec.name}: the state moved to {current} while rewinding; run the rewind again",
-            pipeline=spec.name,
-            position=current,
-        )
+    _check_not_moved(p, view, table, recovering)
     p.source.rewinding(end_offsets)
     metadata = CommitMetadata(
         kind=CommitKind.REWIND,
@@ -113,6 +103,20 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     p.lineage(reconcile(p)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
+
+
+def _check_not_moved(p: Pipeline, view: LedgerView, table: DeltaTable, recovering: bool) -> None:
+    """The restore commits from this snapshot: its fence must be where the
+    ledger says (recovering: not ahead of it, or ahead by the one batch the
+    ledger may lag by), else a run or another rewind moved the pipeline
+    since we looked."""
+    head, current = view.position, p.state.position(table)
+    if not view.agrees(current) if not recovering else not (current <= head or current == head.next()):
+        raise ConcurrentRunError(
+            f"pipeline {p.spec.name}: the state moved to {current} while rewinding; run the rewind again",
+            pipeline=p.spec.name,
+            position=current,
+        )
 
 
 def _restore(p: Pipeline, table: DeltaTable, version: int, metadata: CommitMetadata, refuse: Callable[[str], RewindError]) -> int:

@@ -98,20 +98,7 @@ def parse_schema(ddl: str) -> list[SchemaField]:
     """
     fields: list[SchemaField] = []
     seen: set[str] = set()
-    # Split on commas outside parentheses (DECIMAL(10,2) has one inside).
-    parts, depth, current = [], 0, ""
-    for ch in ddl:
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
-    parts.append(current)
-    for raw in parts:
+    for raw in _columns(ddl):
         item = raw.strip()
         if not item:
             raise ValueError(f"empty column in {ddl!r}; write 'name TYPE, name TYPE'")
@@ -135,23 +122,44 @@ def parse_schema(ddl: str) -> list[SchemaField]:
         if name.lower() in seen:
             raise ValueError(f"column {name!r} appears twice")
         seen.add(name.lower())
-        upper = type_text.upper()
-        if upper in _ATOMIC_TYPES:
-            canonical = _ATOMIC_TYPES[upper]
-        elif m := _DECIMAL.fullmatch(type_text):
-            precision, scale = int(m.group(1)), int(m.group(2))
-            if not (1 <= precision <= 38 and 0 <= scale <= precision):
-                raise ValueError(f"column {name!r}: DECIMAL({precision},{scale}) is out of range")
-            canonical = f"DECIMAL({precision},{scale})"
-        else:
-            raise ValueError(
-                f"column {name!r} has type {type_text!r}; use one of "
-                f"{', '.join(sorted(set(_ATOMIC_TYPES.values())))} or DECIMAL(p,s) "
-                "(read nested data as STRING and use from_json in the transform); "
-                "the only constraint allowed after the type is NOT NULL"
-            )
-        fields.append(SchemaField(name, canonical, nullable))
+        fields.append(SchemaField(name, _canonical_type(name, type_text), nullable))
     return fields
+
+
+def _columns(ddl: str) -> list[str]:
+    """The column definitions of a DDL list: split on commas outside
+    parentheses (DECIMAL(10,2) has one inside)."""
+    parts, depth, current = [], 0, ""
+    for ch in ddl:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return parts
+
+
+def _canonical_type(name: str, type_text: str) -> str:
+    """Column `name`'s type as the job spells it, from the fixed list."""
+    upper = type_text.upper()
+    if upper in _ATOMIC_TYPES:
+        return _ATOMIC_TYPES[upper]
+    if m := _DECIMAL.fullmatch(type_text):
+        precision, scale = int(m.group(1)), int(m.group(2))
+        if not (1 <= precision <= 38 and 0 <= scale <= precision):
+            raise ValueError(f"column {name!r}: DECIMAL({precision},{scale}) is out of range")
+        return f"DECIMAL({precision},{scale})"
+    raise ValueError(
+        f"column {name!r} has type {type_text!r}; use one of "
+        f"{', '.join(sorted(set(_ATOMIC_TYPES.values())))} or DECIMAL(p,s) "
+        "(read nested data as STRING and use from_json in the transform); "
+        "the only constraint allowed after the type is NOT NULL"
+    )
 
 
 def _check_identifier(value: str, what: str) -> str:

@@ -93,7 +93,7 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
     import time
 
     import pyarrow as pa
-    from confluent_kafka import KafkaError, TopicPartition
+    from confluent_kafka import TopicPartition
 
     where = f"kafka://{topic}/{partition}"
     consumer.assign([TopicPartition(topic, partition, start)])
@@ -126,23 +126,9 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
             if time.monotonic() - last_progress > STALL_TIMEOUT_S:
                 raise OSError(f"cannot read {where} offsets {position}..{end - 1}: no record for {STALL_TIMEOUT_S:.0f} s")
             continue
-        error = message.error()
-        if error is not None:
-            code = error.code()
-            if code == KafkaError._PARTITION_EOF:
-                if message.offset() < end:
-                    raise OSError(
-                        f"cannot read {where} offsets {message.offset()}..{end - 1}: the partition ends at "
-                        f"{message.offset()} (deleted or recreated since the batch was planned)"
-                    )
+        if message.error() is not None:
+            if _at_end(message, where, partition, position, end):
                 break
-            if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-                # `auto.offset.reset=error`: never jump past records silently.
-                raise OSError(f"cannot read {where} offsets {position}..{end - 1}: retention deleted them ({error.str()})")
-            if error.fatal() or message.partition() == partition:
-                raise OSError(f"cannot read {where} at offset {position}: {error.str()}")
-            # A broker restarting, a connection dropped: librdkafka retries
-            # by itself; the stall timeout bounds how long that may take.
             continue
         offset = message.offset()
         if offset >= end:
@@ -161,3 +147,27 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
             size, last_progress = 0, time.monotonic()  # time waiting for Spark to take it is not a stall
     if offsets:
         yield chunk()
+
+
+def _at_end(message: Any, where: str, partition: int, position: int, end: int) -> bool:
+    """A poll that returned an error: True if it is the partition's end,
+    reached at `end`; False for a passing one (a broker restarting, a
+    connection dropped: librdkafka retries by itself, and the stall timeout
+    bounds how long that may take); raises what ends the read."""
+    from confluent_kafka import KafkaError
+
+    error = message.error()
+    code = error.code()
+    if code == KafkaError._PARTITION_EOF:
+        if message.offset() < end:
+            raise OSError(
+                f"cannot read {where} offsets {message.offset()}..{end - 1}: the partition ends at "
+                f"{message.offset()} (deleted or recreated since the batch was planned)"
+            )
+        return True
+    if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+        # `auto.offset.reset=error`: never jump past records silently.
+        raise OSError(f"cannot read {where} offsets {position}..{end - 1}: retention deleted them ({error.str()})")
+    if error.fatal() or message.partition() == partition:
+        raise OSError(f"cannot read {where} at offset {position}: {error.str()}")
+    return False

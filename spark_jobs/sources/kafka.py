@@ -532,18 +532,7 @@ class KafkaSource:
                 partitions[p] = _Partition(low, high)
         except KafkaException as exc:
             raise self._broker_error(exc) from exc
-        vanished = sorted(set(known.next) - set(partitions))
-        beyond = {p: (n, partitions[p].high) for p, n in known.next.items() if p in partitions and n > partitions[p].high}
-        if vanished or beyond:
-            problems = [f"partition {p} is gone" for p in vanished] + [
-                f"partition {p} ends at offset {high}, but this pipeline has read it up to {n}" for p, (n, high) in sorted(beyond.items())
-            ]
-            raise SourceChangedError(
-                f"topic {self.topic} is not the topic this pipeline read ({'; '.join(problems)}): it was deleted and "
-                "recreated. Nothing was read. Offsets of the old topic mean nothing in the new one: give the "
-                "pipeline a new checkpoint and state to start over on it.",
-                path=f"kafka://{self.topic}",
-            )
+        self._check_offsets_fit(known, partitions)
         topic_id = self._topic_id(metadata.cluster_id, required=bool(known.topic_id))
         if known.topic_id and topic_id and topic_id != known.topic_id:
             raise SourceChangedError(
@@ -557,6 +546,23 @@ class KafkaSource:
                 path=f"kafka://{self.topic}",
             )
         return _Topic(partitions, metadata.cluster_id or known.cluster, topic_id or known.topic_id)
+
+    def _check_offsets_fit(self, known: PartitionOffsets, partitions: Mapping[int, _Partition]) -> None:
+        """Refuse a topic whose partitions cannot hold the recorded offsets
+        (one is gone, or ends before them): it was deleted and recreated.
+        (The topic id says so too, where the cluster tells ids.)"""
+        vanished = sorted(set(known.next) - set(partitions))
+        beyond = {p: (n, partitions[p].high) for p, n in known.next.items() if p in partitions and n > partitions[p].high}
+        if vanished or beyond:
+            problems = [f"partition {p} is gone" for p in vanished] + [
+                f"partition {p} ends at offset {high}, but this pipeline has read it up to {n}" for p, (n, high) in sorted(beyond.items())
+            ]
+            raise SourceChangedError(
+                f"topic {self.topic} is not the topic this pipeline read ({'; '.join(problems)}): it was deleted and "
+                "recreated. Nothing was read. Offsets of the old topic mean nothing in the new one: give the "
+                "pipeline a new checkpoint and state to start over on it.",
+                path=f"kafka://{self.topic}",
+            )
 
     def _topic_id(self, cluster: str | None, *, required: bool) -> str | None:
         """The topic's id (KIP-516), or None where the cluster does not tell it

@@ -198,12 +198,11 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
 
     # The driver JVM is launched first, so that it boots while the protocol's
     # libraries load and the batch is planned; a run that finds nothing new
-    # (or fails before its batch) stops it in `discard`. A catch-up runs many
-    # batches on it, so it gets a long-lived session's flags.
-    factory = compute_factory(
+    # (or fails before its batch) stops it as it leaves the factory's block.
+    # A catch-up runs many batches on it, so it gets a long-lived session's flags.
+    with compute_factory(
         spec, args.master, process_ends=args.process_ends, start_driver=not args.dry_run, short_lived=not args.catch_up
-    )
-    try:
+    ) as factory:
         from spark_jobs.core.catch_up import catch_up
         from spark_jobs.core.protocol import RunOptions, run_batch
 
@@ -223,8 +222,6 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
             catch_up(spec, options, factory, max_batches=args.max_batches, on_outcome=shown)
             return EXIT_OK
         outcome = run_batch(spec, options, factory)
-    finally:
-        factory.discard()
     _print_outcome(outcome, args.json)
     return EXIT_OK
 

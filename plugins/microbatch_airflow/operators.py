@@ -145,29 +145,28 @@ class MicroBatchOperator(BaseOperator):
         rewind_to = params.get("rewind_to_batch")
         conn_id = self.spark_conn_id or airflow_spec(spec).spark_conn_id
         # The driver JVM boots while the run reconciles and plans; a run with
-        # nothing new (or a rewind alone) stops it in `discard`.
-        make_compute = compute_factory(
+        # nothing new (or a rewind alone) stops it as it leaves the factory's block.
+        factory = compute_factory(
             spec,
             self.spark_master or (spark_master(conn_id) if conn_id else None),
             start_driver=not options.dry_run and not params.get("rewind_only"),
         )
         rewound: BatchOutcome | None = None
         try:
-            if rewind_to is not None and not options.dry_run:
-                rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
-            if params.get("rewind_only") and not options.dry_run:
-                self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
-                if rewound is None:  # a retry: an earlier attempt of this run rewound
-                    return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
-                self._emit(context, spec, rewound, rewind=True)
-                return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
-            outcome = run_batch(spec, options, make_compute)
+            with factory:
+                if rewind_to is not None and not options.dry_run:
+                    rewound = self._rewind_once(spec, int(rewind_to), options.run_id)
+                if params.get("rewind_only") and not options.dry_run:
+                    self.log.info("rewind only: the next run processes from batch %s's offsets", rewind_to)
+                    if rewound is None:  # a retry: an earlier attempt of this run rewound
+                        return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
+                    self._emit(context, spec, rewound, rewind=True)
+                    return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
+                outcome = run_batch(spec, options, factory)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise
             raise AirflowFailException(str(exc)) from exc
-        finally:
-            make_compute.discard()
         return self._report(context, spec, options, outcome, rewound)
 
     def _report(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from spark_jobs.core.compute import Compute
     from spark_jobs.core.spec import PipelineSpec
-    from spark_jobs.engine.driver import DriverLaunch
+    from spark_jobs.engine.driver import EarlyDriver
 
 __all__ = ["SparkFactory", "compute_factory"]
 
@@ -25,16 +25,15 @@ log = logging.getLogger("microbatch")
 class SparkFactory:
     """Makes a run's `SparkCompute`; the protocol calls it only when a batch has work.
 
-    Holds the driver JVM launched ahead of need (`start_driver`), hands it to
-    the compute it makes, and stops it in `discard` if no batch used it.
+    Owns the driver JVM launched ahead of need (`start_driver`): the compute
+    it makes may take it for its session, and leaving the factory's `with`
+    block stops it if none did (nothing new, a dry run, an error).
     """
 
-    def __init__(
-        self, master: str | None, *, process_ends: bool, launch: DriverLaunch | None, short_lived: bool = True
-    ) -> None:
+    def __init__(self, master: str | None, *, process_ends: bool, early: EarlyDriver | None, short_lived: bool = True) -> None:
         self._master = master
         self._process_ends = process_ends
-        self._launch = launch
+        self._early = early
         self._short_lived = short_lived
 
     def __call__(self) -> Compute:
@@ -42,16 +41,16 @@ class SparkFactory:
         from spark_jobs.engine.spark_compute import SparkCompute
 
         log.info("Spark master: %s", redact_master(self._master))
-        launch, self._launch = self._launch, None
         return SparkCompute(
-            master=self._master, stop_on_close=not self._process_ends, launch=launch, short_lived=self._short_lived
+            master=self._master, stop_on_close=not self._process_ends, early=self._early, short_lived=self._short_lived
         )
 
-    def discard(self) -> None:
-        """Stop the driver launched ahead of need if no batch took it (nothing new, a dry run, an error)."""
-        launch, self._launch = self._launch, None
-        if launch is not None:
-            launch.cancel()
+    def __enter__(self) -> SparkFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._early is not None:
+            self._early.close()
 
 
 def compute_factory(
@@ -71,7 +70,7 @@ def compute_factory(
     with it rather than stopped first. `start_driver`: for a run that most
     likely has a batch to process, launch the local driver JVM now, so that
     it boots while the run plans (`spark_jobs.engine.driver`); the caller
-    calls `discard()` when the run is over, which stops it if unused.
+    runs in the factory's `with` block, whose end stops it if unused.
     `short_lived`: the local session runs one batch (JVM flags for a fast
     start, `spark_jobs.engine.jvm_cache`); False for a run of many batches
     (`catch_up`), whose JVM compiles for the long run.
@@ -80,5 +79,5 @@ def compute_factory(
 
     resolved = resolve_master(master, spec)
     remote = resolved is not None and resolved.startswith("sc://")
-    launch = launch_driver(resolved, short_lived=short_lived) if start_driver and not remote else None
-    return SparkFactory(resolved, process_ends=process_ends, launch=launch, short_lived=short_lived)
+    early = launch_driver(resolved, short_lived=short_lived) if start_driver and not remote else None
+    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived)

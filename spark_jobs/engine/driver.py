@@ -42,7 +42,7 @@ from spark_jobs.engine.jvm_output import relay_pipe
 if TYPE_CHECKING:
     from py4j.java_gateway import JavaGateway
 
-__all__ = ["DriverExitedError", "DriverLaunch"]
+__all__ = ["DriverExitedError", "DriverLaunch", "EarlyDriver"]
 
 log = logging.getLogger("microbatch")
 
@@ -179,6 +179,46 @@ class DriverLaunch:
         with open(self._port_file, "rb") as info:
             port = _read_int(info)
             return port, info.read(_read_int(info)).decode("utf-8")
+
+
+class EarlyDriver:
+    """The one owner of a driver JVM launched ahead of need (`launch`, None
+    if there is none): a session takes it (`take`), and `close` stops it if
+    none did (nothing new, a dry run, a session elsewhere, an error). Used
+    as a context manager by whoever launched it: the run's factory."""
+
+    def __init__(self, launch: DriverLaunch | None) -> None:
+        self._launch = launch
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a launch is held: made, and neither taken nor stopped."""
+        return self._launch is not None
+
+    def take(self, options: dict[str, str]) -> DriverLaunch | None:
+        """The launch, for a session that starts its driver with `options`;
+        None if there is none, or it was launched with other settings (then
+        it is stopped now: the session launches its own)."""
+        with self._lock:
+            launch, self._launch = self._launch, None
+        if launch is not None and launch.options != options:
+            launch.cancel()
+            return None
+        return launch
+
+    def close(self) -> None:
+        """Stop the launch if no session took it."""
+        with self._lock:
+            launch, self._launch = self._launch, None
+        if launch is not None:
+            launch.cancel()
+
+    def __enter__(self) -> EarlyDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _read_int(stream: BinaryIO) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from spark_jobs.core.spec import PipelineSpec
-from spark_jobs.engine.driver import DriverLaunch
+from spark_jobs.engine.driver import DriverLaunch, EarlyDriver
 from spark_jobs.engine.jvm_cache import driver_java_options
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def default_session(
     app_name: str = "microbatch",
     *,
     short_lived: bool = True,
-    launch: DriverLaunch | None = None,
+    early: EarlyDriver | None = None,
 ) -> SparkSession:
     """A Spark session tuned for micro-batches.
 
@@ -70,9 +70,9 @@ def default_session(
     same everywhere, no UI. `short_lived`: the process runs one batch and
     exits (CLI, Airflow task), which picks JVM flags for a fast start
     (`spark_jobs.engine.jvm_cache`) and no adaptive re-planning; pass False
-    for a session that runs many batches. `launch`: a driver JVM already
-    starting for this session (`launch_driver`), used if its settings are
-    this session's; else it is stopped and the driver launched now.
+    for a session that runs many batches. `early`: a driver JVM launched
+    ahead of need (`launch_driver`), taken if its settings are this
+    session's; else the driver is launched now (and `early` stops its own).
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -87,34 +87,27 @@ def default_session(
         # its own level, not to stderr (which Airflow shows as errors). (A
         # session stopped earlier in this process leaves its JVM running, and
         # pyspark starts the next context on it.)
-        if launch is None or launch.options != options:
-            if launch is not None:
-                launch.cancel()
-            launch = DriverLaunch(options)
+        launch = (early.take(options) if early is not None else None) or DriverLaunch(options)
         _import_pandas_meanwhile()
         # pyspark attaches a new context to a gateway it has, instead of launching its own.
         SparkContext._ensure_initialized(gateway=launch.gateway())
-    elif launch is not None:
-        launch.cancel()  # this process has its JVM already (or spark-submit's): nothing to attach to
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
     return session
 
 
-def launch_driver(
-    master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True
-) -> DriverLaunch | None:
+def launch_driver(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> EarlyDriver:
     """Start the driver JVM of this process's `default_session` (one batch, or
-    many when not `short_lived`) now, on a thread, or None where that session
-    would not start one (under spark-submit; a JVM already running in this
+    many when not `short_lived`) now, on a thread; the launch's owner is
+    returned. None is launched where that session would not start one (under spark-submit; a JVM already running in this
     process) or ``MICROBATCH_EARLY_DRIVER=0`` says not to (pipelines whose
     runs mostly find nothing new, where the launch costs each such run a
     tenth of a second and its JVM's first CPU)."""
     if os.environ.get(EARLY_DRIVER_ENV, "1") == "0":
-        return None
+        return EarlyDriver(None)
     if under_spark_submit() or ("pyspark" in sys.modules and _has_gateway()):
-        return None
-    return DriverLaunch(session_options(master, app_name, short_lived=short_lived))
+        return EarlyDriver(None)
+    return EarlyDriver(DriverLaunch(session_options(master, app_name, short_lived=short_lived)))
 
 
 def _has_gateway() -> bool:

@@ -51,7 +51,7 @@ from spark_jobs.storage.s3 import is_s3
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-    from spark_jobs.engine.driver import DriverLaunch
+    from spark_jobs.engine.driver import EarlyDriver
 
 __all__ = ["SparkCompute", "spark_path"]
 
@@ -134,15 +134,16 @@ class SparkCompute:
         *,
         native_reads: bool = True,
         stop_on_close: bool = True,
-        launch: DriverLaunch | None = None,
+        early: EarlyDriver | None = None,
         short_lived: bool = True,
     ) -> None:
         self._session = session
         self._master = master
         #: The session it starts runs one batch (`default_session`'s flags for a fast start), or many.
         self._short_lived = short_lived
-        #: A driver JVM already starting for this compute's session (`SparkFactory`).
-        self._launch = launch
+        #: A driver JVM launched ahead of need, for this compute's session to
+        #: take; its owner (`SparkFactory`) stops it if none does.
+        self._early = early
         self._owns_session = False
         #: False for a process that exits after the batch: its driver JVM
         #: ends when this process does (it watches its standard input), and
@@ -160,7 +161,6 @@ class SparkCompute:
         if self._session is None:
             from pyspark.sql import SparkSession
 
-            launch, self._launch = self._launch, None
             if self._master and self._master.startswith("sc://"):
                 log.info("connecting to Spark Connect at %s", redact_master(self._master))
                 self._session, self._owns_session = connect_session(self._master), True
@@ -168,13 +168,10 @@ class SparkCompute:
                 active = SparkSession.getActiveSession()
                 if active is None:
                     log.info("starting Spark (master %s)", redact_master(self._master))
-                    self._session = default_session(self._master, short_lived=self._short_lived, launch=launch)
-                    launch = None
+                    self._session = default_session(self._master, short_lived=self._short_lived, early=self._early)
                 else:
                     self._session = active
                 self._owns_session = active is None
-            if launch is not None:  # a driver launched for nothing: the session is elsewhere
-                launch.cancel()
         return self._session
 
     @property
@@ -198,9 +195,6 @@ class SparkCompute:
                 first.parsed.unpersist()
             except Exception as exc:  # noqa: BLE001 - clean-up only, as stopping below
                 log.debug("a prepared read was not unpersisted (%s)", type(exc).__name__)
-        if self._launch is not None:  # started ahead of need, never used
-            self._launch.cancel()
-            self._launch = None
         if self._session is not None and self._owns_session and (self._stop_on_close or _is_connect(self._session)):
             session, self._session = self._session, None
             try:

@@ -421,28 +421,24 @@ def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOpt
 
 
 def _batch_metadata(p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
-    """What the state commit carries: the planned row's range and identity,
-    the run's, and what step 3 counted; the ledger's row is built from it."""
-    row = plan_.row
+    """What the state commit carries: the planned row's range (this run's or
+    an earlier attempt's), this run's identity and spec, and what step 3
+    counted; the ledger's row is built from it."""
     return CommitMetadata(
+        **{
+            **plan_.row.record(),
+            "spec": plan_.identity.to_dict(),
+            "spec_fingerprint": plan_.identity.fingerprint,
+            "run_id": options.run_id,
+            "attempt": options.attempt,
+            "interval_start": options.interval_start,
+            "interval_end": options.interval_end,
+            "records_in": processed.records_in,
+            "records_quarantined": processed.records_quarantined,
+            "duration_ms": int((time.monotonic() - started) * 1000),
+        },
         kind=CommitKind.BATCH,
-        pipeline=p.spec.name,
         position=plan_.position,
-        start_offsets=row.start_offsets,
-        end_offsets=row.end_offsets,
-        manifest=row.manifest,
-        pipeline_id=row.pipeline_id,
-        spec=plan_.identity.to_dict(),
-        spec_fingerprint=plan_.identity.fingerprint,
-        run_id=options.run_id,
-        attempt=options.attempt,
-        records_in=processed.records_in,
-        records_quarantined=processed.records_quarantined,
-        interval_start=options.interval_start,
-        interval_end=options.interval_end,
-        planned_at=row.planned_at,
-        duration_ms=int((time.monotonic() - started) * 1000),
-        waiting_after=row.waiting_after,
         commit_token=uuid.uuid4().hex,
     )
 

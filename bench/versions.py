@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--after", default="HEAD")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=6, help="batches of the steady run (the pace is of 2..N)")
+    parser.add_argument("--only", choices=["one", "steady"], help="measure one figure only (and write no docs)")
     args = parser.parse_args()
     revs = {name: subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
             for name, rev in (("before", args.before), ("after", args.after))}
@@ -84,15 +85,21 @@ def main() -> None:
         work = Path(tmp)
         trees = {name: checkout(rev, work / f"tree-{name}") for name, rev in revs.items()}
         waves = Waves(work / "waves")
-        figures: dict[str, dict[str, list[float]]] = {"one batch, new process": {}, "steady, one process": {}}
+        figures: dict[str, dict[str, list[float]]] = {}
+        if args.only != "steady":
+            figures["one batch, new process"] = {}
+        if args.only != "one":
+            figures["steady, one process"] = {}
         for round_ in range(args.rounds):
             order = ["before", "after"] if round_ % 2 == 0 else ["after", "before"]
             for name in order:
                 folder = work / f"r{round_}-{name}"
-                figures["one batch, new process"].setdefault(name, []).append(
-                    one_batch(trees[name], project_pipeline(folder / "one", waves, range(1))))
-                figures["steady, one process"].setdefault(name, []).append(
-                    steady(trees[name], project_pipeline(folder / "steady", waves, range(args.batches)), args.batches))
+                if "one batch, new process" in figures:
+                    figures["one batch, new process"].setdefault(name, []).append(
+                        one_batch(trees[name], project_pipeline(folder / "one", waves, range(1))))
+                if "steady, one process" in figures:
+                    figures["steady, one process"].setdefault(name, []).append(
+                        steady(trees[name], project_pipeline(folder / "steady", waves, range(args.batches)), args.batches))
             print(f"round {round_ + 1}: " + "; ".join(
                 f"{figure}: before {samples['before'][-1]:.3f} s, after {samples['after'][-1]:.3f} s" for figure, samples in figures.items()),
                 flush=True)
@@ -109,7 +116,8 @@ def main() -> None:
         f"{figure}: " + ", ".join(f"{b:.3f}" for b in samples["before"]) + "; " + ", ".join(f"{a:.3f}" for a in samples["after"])
         for figure, samples in figures.items()), ""]
     print("\n".join(lines))
-    replace_section(DOC, HEADING, lines)
+    if args.only is None:
+        replace_section(DOC, HEADING, lines)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ import shutil
 from pathlib import Path
 
 __all__ = [
-    "C2_DIRECTIVES",
     "CACHE_ENV",
     "LAUNCHER_ENV",
-    "LONG_JOB_JVM_OPTIONS",
     "OPTIONS_ENV",
     "SHORT_JOB_JVM_OPTIONS",
     "archive_path",
@@ -44,30 +42,11 @@ __all__ = [
 #: A one-batch process lives for seconds: the C1 compiler alone reaches fast
 #: enough code sooner than tiered C2, and the serial collector starts
 #: cheapest. A long-lived session running many batches wants C2, so it does
-#: not get these (both measured in docs/benchmarks.md), but
-#: `LONG_JOB_JVM_OPTIONS`.
+#: not get these (both measured in docs/benchmarks.md): it runs the JVM's
+#: defaults. (C2 directives and higher tier-4 thresholds for it were tried
+#: and taken out: re-measured in interleaved rounds, their gain was not
+#: clear; docs/benchmarks.md, "JVM start-up choices".)
 SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-#: Methods a long-lived session's C2 compiler leaves to C1 (`c2_directives.json`):
-#: Java serialization (task closures and results) and the ASM class reader
-#: of Spark's closure cleaner. Each batch runs them just often enough to make
-#: them hot, and they are among the largest methods C2 compiles: in batches
-#: 2-6 of a session they took a third of C2's time (the JVM's compilation
-#: log), CPU the batch's own tasks wait for on a small machine. Compiled by
-#: C1 they stay fast enough for the few hundred kilobytes a batch serialises.
-C2_DIRECTIVES = Path(__file__).with_name("c2_directives.json")
-#: C2 also waits for more calls before it compiles a method: 30,000 where the
-#: default is 5,000 (tier 4's thresholds; the one that counts calls and loop
-#: iterations together goes from 15,000 to 60,000, and loops alone, counted
-#: by their back-edges, keep theirs). The per-record code of a batch makes
-#: millions of calls and gets there within the first batch all the same;
-#: what no longer does is the driver's planning code, which runs a few times
-#: a batch and, at the default thresholds, kept C2 busy batch after batch.
-_TIER4_THRESHOLDS = "-XX:Tier4InvocationThreshold=30000 -XX:Tier4MinInvocationThreshold=3600 -XX:Tier4CompileThreshold=60000"
-#: The directives' path is quoted: spark-submit splits a driver's option
-#: string at spaces but honours quotes, and a JVM that cannot read the file
-#: does not start (a missing archive is only skipped). Driver-only:
-#: `spark-class` expands the launcher's options unquoted.
-LONG_JOB_JVM_OPTIONS = f'-XX:+UnlockDiagnosticVMOptions -XX:CompilerDirectivesFile="{C2_DIRECTIVES}" {_TIER4_THRESHOLDS}'
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
 CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.
@@ -127,7 +106,7 @@ def driver_java_options(short_lived: bool = True) -> str:
     session's life span plus the class archive if it has been built."""
     if OPTIONS_ENV in os.environ:
         return os.environ[OPTIONS_ENV]
-    options = [SHORT_JOB_JVM_OPTIONS if short_lived else LONG_JOB_JVM_OPTIONS]
+    options = [SHORT_JOB_JVM_OPTIONS] if short_lived else []
     archive = archive_path()
     if archive.is_file():
         options.append(_mapping(archive))

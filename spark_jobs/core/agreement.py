@@ -27,40 +27,40 @@ __all__ = ["check_spec", "check_unchanged", "lagging_commit"]
 log = logging.getLogger("microbatch")
 
 
-def lagging_commit(p: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> StateCommit | None:
+def lagging_commit(pipeline: Pipeline, view: LedgerView, table: DeltaTable | None, state_at: Position) -> StateCommit | None:
     """The state commit the ledger lags behind, None if the two agree.
 
     Raises `StateLedgerMismatchError` (or its subclasses) when they do not
     belong together; reads only, so `status` can say what a run would find.
     """
     if view.agrees(state_at):
-        check_unchanged(p, view, table)
+        check_unchanged(pipeline, view, table)
         return None
     if state_at < view.position:
-        raise StateBehindLedgerError(p.spec.name, view.position, state_at, missing=table is None)
-    commit = p.state.find_commit(table, state_at) if table is not None else None
+        raise StateBehindLedgerError(pipeline.spec.name, view.position, state_at, missing=table is None)
+    commit = pipeline.state.find_commit(table, state_at) if table is not None else None
     if commit is None:
         raise StateLedgerMismatchError(
-            f"pipeline {p.spec.name}: the state table is at {state_at} but its commit is not "
-            f"in the last versions of {p.state.path}'s history; the ledger cannot be repaired "
+            f"pipeline {pipeline.spec.name}: the state table is at {state_at} but its commit is not "
+            f"in the last versions of {pipeline.state.path}'s history; the ledger cannot be repaired "
             "automatically. Rewind to a batch in the ledger with `microbatch rewind`.",
-            pipeline=p.spec.name,
-            path=p.state.path,
+            pipeline=pipeline.spec.name,
+            path=pipeline.state.path,
             position=state_at,
         )
-    problem = _why_not_following(p, view, state_at, commit)
+    problem = _why_not_following(pipeline, view, state_at, commit)
     if problem is not None:
-        raise StateLedgerMismatchError(problem, pipeline=p.spec.name, path=p.state.path, position=state_at)
+        raise StateLedgerMismatchError(problem, pipeline=pipeline.spec.name, path=pipeline.state.path, position=state_at)
     if commit.metadata.kind is CommitKind.BATCH:
         # A change made outside the job before the lagging batch would be
         # hidden by projecting it; one made after it is found once the row is
         # recorded. (A rewind replaces whatever was there with a version the
         # ledger knows: it is the repair.)
-        check_unchanged(p, view, table, before_version=commit.version)
+        check_unchanged(pipeline, view, table, before_version=commit.version)
     return commit
 
 
-def _why_not_following(p: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
+def _why_not_following(pipeline: Pipeline, view: LedgerView, state_at: Position, commit: StateCommit) -> str | None:
     """Why the state commit at `state_at` does not directly follow the ledger's head, or None.
 
     A run commits the state only from the ledger's head, and a rewind only
@@ -82,12 +82,12 @@ def _why_not_following(p: Pipeline, view: LedgerView, state_at: Position, commit
         follows = state_at == head.next()
         planned = view.planned(state_at)
         ours = planned is not None and _same_id(m.pipeline_id, planned.pipeline_id)
-    if m.pipeline == p.spec.name and follows and ours:
+    if m.pipeline == pipeline.spec.name and follows and ours:
         return None
     return (
-        f"pipeline {p.spec.name}: the state table {p.state.path} is at {state_at} (committed by pipeline "
+        f"pipeline {pipeline.spec.name}: the state table {pipeline.state.path} is at {state_at} (committed by pipeline "
         f"{m.pipeline!r}, id {m.pipeline_id or 'unknown'}), which does not follow {head} in the offset "
-        f"ledger {p.ledger.path} (pipeline id {view.pipeline_id or 'not minted yet'}). The "
+        f"ledger {pipeline.ledger.path} (pipeline id {view.pipeline_id or 'not minted yet'}). The "
         "ledger is not this state's: its checkpoint was deleted or replaced, the pipeline was renamed, "
         "or another pipeline writes the same state table. Nothing was written. Point `checkpoint` back "
         "at the folder that belongs to this state, or give the pipeline a new state path and a new "
@@ -100,7 +100,7 @@ def _same_id(a: str | None, b: str | None) -> bool:
     return a is None or b is None or a == b
 
 
-def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None) -> None:
+def check_unchanged(pipeline: Pipeline, view: LedgerView, table: DeltaTable | None, before_version: int | None = None) -> None:
     """Refuse a state whose data changed outside the job since the ledger's head.
 
     A Delta RESTORE (or DELETE, ...) of the state does not move the fence
@@ -110,19 +110,19 @@ def check_unchanged(p: Pipeline, view: LedgerView, table: DeltaTable | None, bef
     head = view.head
     if table is None or head is None or head.state_version is None:
         return
-    changes = p.state.outside_changes(table, head.state_version, before_version)
+    changes = pipeline.state.outside_changes(table, head.state_version, before_version)
     if changes:
-        raise StateChangedOutsideError(p.spec.name, p.state.path, changes, view.position)
+        raise StateChangedOutsideError(pipeline.spec.name, pipeline.state.path, changes, view.position)
 
 
-def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
+def check_spec(pipeline: Pipeline, view: LedgerView) -> SpecIdentity:
     """The spec's identity, if the lineage can carry on under it; else `SpecChangedError`.
 
     Compared with the spec that made the ledger's head (the last committed
     batch or rewind). Compatible changes are logged and recorded by the next
     row; see `spark_jobs.core.identity`.
     """
-    identity = SpecIdentity.of(p.spec)
+    identity = SpecIdentity.of(pipeline.spec)
     head = view.head
     if head is None or head.spec is None or head.spec_fingerprint == identity.fingerprint:
         return identity
@@ -130,13 +130,13 @@ def check_spec(p: Pipeline, view: LedgerView) -> SpecIdentity:
     if refused:
         listed = "\n".join(f"  - {c}" for c in refused)
         raise SpecChangedError(
-            f"pipeline {p.spec.name}: the spec changed since {head.position} (spec {head.spec_fingerprint}, now "
+            f"pipeline {pipeline.spec.name}: the spec changed since {head.position} (spec {head.spec_fingerprint}, now "
             f"{identity.fingerprint}) in ways the state cannot carry on from:\n{listed}\n"
             "Nothing was written. Either revert the spec; or recompute from the start under the new spec "
-            f"with `microbatch rewind {p.spec.spec_path} --to-batch 0` (a new epoch; the source files must "
+            f"with `microbatch rewind {pipeline.spec.spec_path} --to-batch 0` (a new epoch; the source files must "
             "still be there); or give the pipeline a new state path and a new checkpoint.",
-            pipeline=p.spec.name,
-            path=p.spec.spec_path,
+            pipeline=pipeline.spec.name,
+            path=pipeline.spec.spec_path,
             position=head.position,
         )
     for change in allowed:

@@ -69,7 +69,7 @@ def catch_up(
     engine: they share nothing but the CPU. Steps 1 and 2 of N+1 wait for
     N's commit (they read what it wrote) and for N+1's read.
     """
-    p = Pipeline(spec)
+    pipeline = Pipeline(spec)
     engine = _Prefetching(compute_factory)
     outcomes: list[BatchOutcome] = []
 
@@ -86,15 +86,15 @@ def catch_up(
             # ahead: those begun finish, as any step does (`close`), and the
             # run stops at N+1's first boundary.
             engine.begin_batch(steps, started, use_ahead=not shutdown.requested())
-            ready = prepare(p, options, engine, steps, started)
+            ready = prepare(pipeline, options, engine, steps, started)
             if isinstance(ready, BatchOutcome):
                 report(ready)
                 break
-            plan_, processed = ready
+            plan, processed = ready
             room = None if max_batches is None else max_batches - len(outcomes) - 1
             if not shutdown.requested():
-                engine.read_ahead(p, plan_, options, room)
-            outcome = complete(p, plan_, processed, options, started, steps)
+                engine.read_ahead(pipeline, plan, options, room)
+            outcome = complete(pipeline, plan, processed, options, started, steps)
             report(outcome)
             if (room is not None and room <= 0) or outcome.status is not Outcome.COMMITTED:
                 break
@@ -164,7 +164,7 @@ class _Prefetching(Engine):
         self._steps.ms["read_ahead_lead"] = int((self._started - early.begun) * 1000)
         return early.result
 
-    def read_ahead(self, p: Pipeline, plan_: Plan, options: RunOptions, room: int | None) -> None:
+    def read_ahead(self, pipeline: Pipeline, plan: Plan, options: RunOptions, room: int | None) -> None:
         """Start reading the ranges after `plan_`'s until as many reads as
         the engine runs at once (no more than `READ_AHEAD`, nor `room`
         batches) are in flight. Planning stops at the first range the source
@@ -179,16 +179,16 @@ class _Prefetching(Engine):
         if len(self._pending) >= wanted:
             return
         try:
-            after: Lineage = _Ahead(p.lineage(plan_.view), plan_.batch)
+            after: Lineage = _Ahead(pipeline.lineage(plan.view), plan.batch)
             for pending in self._pending:
                 after = _Ahead(after, pending.batch)
             while len(self._pending) < wanted:
-                batch = p.source.plan(after, until=options.interval_end, caps=options.caps(p.spec))
+                batch = pipeline.source.plan(after, until=options.interval_end, caps=options.caps(pipeline.spec))
                 if batch is None:
                     return
                 # In this thread's context: storage sessions and connection
                 # settings are context variables.
-                read = self._readers.submit(contextvars.copy_context().run, self._read, p.spec, batch)
+                read = self._readers.submit(contextvars.copy_context().run, self._read, pipeline.spec, batch)
                 self._pending.append(_Pending(batch, read))
                 after = _Ahead(after, batch)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides

@@ -76,19 +76,19 @@ def _lag_dict(lag: Lag) -> dict[str, Any]:
 
 def status(spec: PipelineSpec) -> PipelineStatus:
     """Where the pipeline stands. Read-only: a pending repair is reported, not made."""
-    p = Pipeline(spec)
-    view = p.ledger.load()
+    pipeline = Pipeline(spec)
+    view = pipeline.ledger.load()
     head = view.head
-    table = p.state.open()
-    state_at = p.state.position(table)
+    table = pipeline.state.open()
+    state_at = pipeline.state.position(table)
     problems: list[str] = []
     try:
-        if lagging_commit(p, view, table, state_at):
+        if lagging_commit(pipeline, view, table, state_at):
             problems.append(f"the state is at {state_at}; the next run will record it in the ledger")
     except MicrobatchError as exc:
         problems.append(str(exc))
     try:
-        check_spec(p, view)
+        check_spec(pipeline, view)
     except MicrobatchError as exc:
         problems.append(str(exc))
     pending = view.planned(view.position.next())
@@ -96,12 +96,12 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         # An earlier run planned the next batch and did not commit it: the
         # next run replays exactly that range, if it still can.
         try:
-            p.source.verify(p.batch(pending))
+            pipeline.source.verify(pipeline.batch(pending))
         except MicrobatchError as exc:
             problems.append(f"{pending.position} is planned but cannot be replayed: {exc}")
     lag: Lag | None
     try:
-        lag = p.source.lag(p.lineage(view), dated=True)
+        lag = pipeline.source.lag(pipeline.lineage(view), dated=True)
         problems += lag.warnings
     except MicrobatchError as exc:
         lag = None
@@ -110,10 +110,10 @@ def status(spec: PipelineSpec) -> PipelineStatus:
     return PipelineStatus(
         pipeline=spec.name,
         head=head,
-        end_offsets=head.end_offsets if head else p.source.origin.to_dict(),
+        end_offsets=head.end_offsets if head else pipeline.source.origin.to_dict(),
         lag=lag,
         note=note,
-        oldest_rewindable=oldest_rewindable(p, view, table),
+        oldest_rewindable=oldest_rewindable(pipeline, view, table),
         quarantined=_quarantine_count(spec, view.live()),
     )
 
@@ -128,8 +128,8 @@ def _quarantine_count(spec: PipelineSpec, live: LiveLineage) -> int:
 def lag(spec: PipelineSpec) -> Lag:
     """What waits in the source, and nothing else (what a sensor polls).
     Raises what reading the source raises: a broken source is not "nothing waiting"."""
-    p = Pipeline(spec)
-    return p.source.lag(p.lineage(p.ledger.load()))
+    pipeline = Pipeline(spec)
+    return pipeline.source.lag(pipeline.lineage(pipeline.ledger.load()))
 
 
 def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:
@@ -139,23 +139,23 @@ def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:
     shows, not what the ledger holds; only a history that a recent rewind
     cut short (fewer rows in the head's epoch than asked for) is read whole.
     """
-    p = Pipeline(spec)
-    return _recent(p, p.ledger.load(), limit)
+    pipeline = Pipeline(spec)
+    return _recent(pipeline, pipeline.ledger.load(), limit)
 
 
 def recent_in_lineage(spec: PipelineSpec, limit: int) -> tuple[list[LedgerRow], LiveLineage]:
     """`recent`, and which positions are live, from one read of the ledger."""
-    p = Pipeline(spec)
-    view = p.ledger.load()
-    return _recent(p, view, limit), view.live()
+    pipeline = Pipeline(spec)
+    view = pipeline.ledger.load()
+    return _recent(pipeline, view, limit), view.live()
 
 
-def _recent(p: Pipeline, view: LedgerView, limit: int) -> list[LedgerRow]:
+def _recent(pipeline: Pipeline, view: LedgerView, limit: int) -> list[LedgerRow]:
     head = view.head
     rows: list[LedgerRow] = []
     if head is not None:
         # The head's epoch, up to the batch after the head (a planned, uncommitted one).
-        rows = p.ledger.between(view.table, head.epoch, max(head.batch_id - limit + 1, 0), head.batch_id + 1)
+        rows = pipeline.ledger.between(view.table, head.epoch, max(head.batch_id - limit + 1, 0), head.batch_id + 1)
     if head is None or (len(rows) < limit and (head.epoch > 0 or head.batch_id >= limit)):
         rows = view.rows
     return _ordered(rows)[-limit:]
@@ -204,10 +204,10 @@ class BatchView:
 def batches(spec: PipelineSpec, limit: int) -> list[BatchView]:
     """The newest `limit` batches, oldest first, one entry each (a batch's
     `planned` and `committed` rows are one batch), each marked live or not."""
-    p = Pipeline(spec)
-    view = p.ledger.load()
+    pipeline = Pipeline(spec)
+    view = pipeline.ledger.load()
     live = view.live()
-    rows = _recent(p, view, 2 * limit + 1)  # at most a plan and a commit per batch, and a rewind
+    rows = _recent(pipeline, view, 2 * limit + 1)  # at most a plan and a commit per batch, and a rewind
     chosen: dict[tuple[int, int], LedgerRow] = {}
     for row in rows:
         key = (row.epoch, row.batch_id)
@@ -223,7 +223,7 @@ def batches(spec: PipelineSpec, limit: int) -> list[BatchView]:
         else:
             phase = "pending" if row.position == view.position.next() else "abandoned"
         try:
-            inputs = p.batch(row).manifest.inputs() if row.status is not RowStatus.REWOUND else []
+            inputs = pipeline.batch(row).manifest.inputs() if row.status is not RowStatus.REWOUND else []
         except MicrobatchError:
             inputs = []
         out.append(BatchView(row, phase, row.status is RowStatus.COMMITTED and live.holds(row.epoch, row.batch_id), cut, inputs, _oldest_arrival(row)))

@@ -63,22 +63,22 @@ class MaintenanceReport:
 
 def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> MaintenanceReport:
     """Compact, VACUUM and checkpoint the state, ledger and quarantine of `spec`."""
-    p = Pipeline(spec)
-    view = reconcile(p)  # the tables must agree first (and a lagging row is recorded)
+    pipeline = Pipeline(spec)
+    view = reconcile(pipeline)  # the tables must agree first (and a lagging row is recorded)
     keep = keep_batches or spec.maintenance.keep_batches
     kept_rows = view.lineage()[-keep:]
     keep_versions = {r.state_version for r in kept_rows if r.state_version is not None}
     if view.head is not None and view.head.state_version is not None:
         keep_versions.add(view.head.state_version)
     removed: dict[str, int] = {}
-    state = p.state.open()
+    state = pipeline.state.open()
     readers: dict[str, int] = {}
     if state is not None:
         # The change data of versions every recorded downstream has read,
         # before the versions kept for rewinds, is read by no one again. With
         # no downstream recorded, none is pruned: one that has not run since
         # positions were recorded may still need it.
-        readers = _readers(p.state.path, state)
+        readers = _readers(pipeline.state.path, state)
         unread = min(readers.values()) + 1 if readers else 0
         prune_before = min([*keep_versions, unread])
         # Versions a downstream has yet to read stay readable: their files
@@ -87,7 +87,7 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         keep_versions |= set(range(max(unread - 1, 0), state.version() + 1)) if readers else set()
         # Compact first, so that the VACUUM removes what the compaction replaced.
         state.optimize.compact()
-        if p.state.position(p.state.open()) == view.position:
+        if pipeline.state.position(pipeline.state.open()) == view.position:
             removed["state"] = len(
                 state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
             )
@@ -97,12 +97,12 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
             # files this VACUUM would delete). The next maintenance does it.
             log.warning("state of %s moved during maintenance; VACUUM of the state skipped this time", spec.name)
         state.create_checkpoint()
-        removed["change data"] = _prune_change_data(p.state.path, state, prune_before)
+        removed["change data"] = _prune_change_data(pipeline.state.path, state, prune_before)
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
-    lineage = p.lineage(view)
+    lineage = pipeline.lineage(view)
     lineage.record()
-    for name, path in (("ledger", p.ledger.path), ("quarantine", p.quarantine.path), ("consumed", p.consumed.path)):
+    for name, path in (("ledger", pipeline.ledger.path), ("quarantine", pipeline.quarantine.path), ("consumed", pipeline.consumed.path)):
         table = open_table(path)
         if table is None:
             continue
@@ -192,7 +192,7 @@ def restorable_version(table: DeltaTable, path: str, version: int, next_version:
     return None
 
 
-def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -> int | None:
+def oldest_rewindable(pipeline: Pipeline, view: LedgerView, table: DeltaTable | None) -> int | None:
     """The oldest lineage batch a rewind can still restore (0, the empty state,
     always can); None when there is no state. Restorability only ever shrinks
     from the oldest versions up, so a binary search finds the boundary."""
@@ -208,7 +208,7 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
         batch_ids = range(1, head.batch_id + 1)
 
         def version(i: int) -> int | None:
-            found = p.ledger.at(view.table, Position(0, batch_ids[i]), (RowStatus.COMMITTED,))
+            found = pipeline.ledger.at(view.table, Position(0, batch_ids[i]), (RowStatus.COMMITTED,))
             return found[0].state_version if found else None
     else:
         lineage = view.lineage()
@@ -220,7 +220,7 @@ def oldest_rewindable(p: Pipeline, view: LedgerView, table: DeltaTable | None) -
     def ok(i: int) -> bool:
         v = version(i)
         following = version(i + 1) if i + 1 < len(batch_ids) else None
-        return v is not None and restorable_version(table, p.state.path, v, following) is not None
+        return v is not None and restorable_version(table, pipeline.state.path, v, following) is not None
 
     low, high = 0, len(batch_ids)  # the answer is the first i with ok(i), or len(batch_ids) if none
     while low < high:

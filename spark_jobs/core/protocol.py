@@ -181,92 +181,92 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
     nothing new never starts an engine.
     """
     started = time.monotonic()
-    p = Pipeline(spec)
+    pipeline = Pipeline(spec)
     engine = Engine(compute_factory)
     steps = StepTimes(engine)
     try:
-        ready = prepare(p, options, engine, steps, started)
+        ready = prepare(pipeline, options, engine, steps, started)
         if isinstance(ready, BatchOutcome):
             return ready
-        return complete(p, *ready, options, started, steps)
+        return complete(pipeline, *ready, options, started, steps)
     finally:
         engine.close()
 
 
-def prepare(p: Pipeline, options: RunOptions, engine: Engine, steps: StepTimes, started: float) -> tuple[Plan, Processed] | BatchOutcome:
+def prepare(pipeline: Pipeline, options: RunOptions, engine: Engine, steps: StepTimes, started: float) -> tuple[Plan, Processed] | BatchOutcome:
     """Steps 1-3 of a batch: its plan and its fitted updates, or the outcome
     of a run that ends before its commit."""
-    spec = p.spec
+    spec = pipeline.spec
     with steps("reconcile"):
-        view = reconcile(p)
+        view = reconcile(pipeline)
     _boundary("after_reconcile", spec)
     with steps("plan"):
-        plan_ = plan(p, view, options, engine)
-    if isinstance(plan_, Done):
-        return _outcome(spec, options, started, plan_, steps=steps)
+        plan = plan_batch(pipeline, view, options, engine)
+    if isinstance(plan, Done):
+        return _outcome(spec, options, started, plan, steps=steps)
     _boundary("after_plan", spec)
     with steps("read"):
-        processed = read_and_quarantine(p, plan_, engine)
+        processed = read_and_quarantine(pipeline, plan, engine)
     if isinstance(processed, Done):
         return _outcome(spec, options, started, processed, steps=steps)
-    return plan_, processed
+    return plan, processed
 
 
 def complete(
-    p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float, steps: StepTimes
+    pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float, steps: StepTimes
 ) -> BatchOutcome:
     """Steps 4 and 5 of a batch whose step 3 is done."""
-    spec = p.spec
+    spec = pipeline.spec
     with steps("commit"):
-        committed = commit_state(p, plan_, processed, options, started)
+        committed = commit_state(pipeline, plan, processed, options, started)
     if isinstance(committed, Done):
         return _outcome(spec, options, started, committed, steps=steps)
     # DEBUG: the run's outcome (the CLI's table, the task's one summary line) says it.
-    log.debug("committed %s: state version %d, %d keys updated", plan_.position, committed.state_version, committed.keys_updated)
+    log.debug("committed %s: state version %d, %d keys updated", plan.position, committed.state_version, committed.keys_updated)
     with steps("project"):
-        project(p)
-    done = Done(Outcome.COMMITTED, f"committed {plan_.position}: {plan_.batch.describe()}", plan_.position, plan_.batch)
+        project(pipeline)
+    done = Done(Outcome.COMMITTED, f"committed {plan.position}: {plan.batch.describe()}", plan.position, plan.batch)
     return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
 
 # -- 1. Reconcile ----------------------------------------------------------------------
 
 
-def reconcile(p: Pipeline, *, own_commit: bool = False) -> LedgerView:
+def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
     """Step 1 (and 5): make the ledger's head agree with the state fence.
 
     `own_commit`: step 5, recording the commit this run just made, which its
     outcome reports; a row recorded at any other time completes what an
     earlier run left, and is logged."""
     for _ in range(RECONCILE_TRIES):
-        view = p.ledger.load()
-        table = p.state.open()
-        state_at = p.state.position(table)
+        view = pipeline.ledger.load()
+        table = pipeline.state.open()
+        state_at = pipeline.state.position(table)
         try:
-            commit = lagging_commit(p, view, table, state_at)
+            commit = lagging_commit(pipeline, view, table, state_at)
         except StateLedgerMismatchError:
-            if p.ledger.load().position != view.position:
+            if pipeline.ledger.load().position != view.position:
                 continue  # our view of the ledger was stale (events landed since): look again
             raise
         if commit is None:
             return view
         row = LedgerRow.from_commit(commit)
         with storage_errors(
-            f"pipeline {p.spec.name}: could not record {row.status} {state_at} in the offset ledger",
-            p.ledger.path,
+            f"pipeline {pipeline.spec.name}: could not record {row.status} {state_at} in the offset ledger",
+            pipeline.ledger.path,
             note=(
                 f"{state_at} itself is durable in the state table (the commit point); the next run "
                 "records this ledger row from it. It is safe to re-run once the storage is healthy "
                 "again (space freed, disk fixed)."
             ),
         ):
-            appended = p.ledger.append(view, row, COMMIT_FENCE)
+            appended = pipeline.ledger.append(view, row, COMMIT_FENCE)
         if appended:
             log.log(logging.DEBUG if own_commit else logging.INFO, "ledger: recorded %s %s from state version %d", row.status, state_at, commit.version)
-    view = p.ledger.load()
-    if not view.agrees(p.state.position(p.state.open())):
+    view = pipeline.ledger.load()
+    if not view.agrees(pipeline.state.position(pipeline.state.open())):
         raise ConcurrentRunError(
-            f"pipeline {p.spec.name}: the tables kept moving while reconciling; run again", pipeline=p.spec.name
+            f"pipeline {pipeline.spec.name}: the tables kept moving while reconciling; run again", pipeline=pipeline.spec.name
         )
     return view
 
@@ -274,19 +274,19 @@ def reconcile(p: Pipeline, *, own_commit: bool = False) -> LedgerView:
 # -- 2. Plan ---------------------------------------------------------------------------
 
 
-def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> Plan | Done:
+def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> Plan | Done:
     """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
-    spec = p.spec
-    identity = check_spec(p, view)
+    spec = pipeline.spec
+    identity = check_spec(pipeline, view)
     head = view.position
     n = head.next()
     row = view.planned(n)
     if row is not None:
-        batch = p.batch(row)
-        p.source.verify(batch)
+        batch = pipeline.batch(row)
+        pipeline.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:
-        planned = p.source.plan(p.lineage(view), until=options.interval_end, caps=options.caps(spec))
+        planned = pipeline.source.plan(pipeline.lineage(view), until=options.interval_end, caps=options.caps(spec))
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, _nothing_new(options, view.head), head)
         batch = planned
@@ -294,7 +294,7 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> 
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
         engine.check(spec, batch)  # a transform that cannot fit the state fails before any write
-        recorded = _record_plan(p, view, n, batch, identity, options)
+        recorded = _record_plan(pipeline, view, n, batch, identity, options)
         if isinstance(recorded, Done):
             return recorded
         view, row, batch = recorded
@@ -303,11 +303,11 @@ def plan(p: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> 
 
 
 def _record_plan(
-    p: Pipeline, view: LedgerView, n: Position, batch: BatchRange, identity: SpecIdentity, options: RunOptions
+    pipeline: Pipeline, view: LedgerView, n: Position, batch: BatchRange, identity: SpecIdentity, options: RunOptions
 ) -> tuple[LedgerView, LedgerRow, BatchRange] | Done:
     """Append the `planned` row of N on the plan fence; if another run planned
     N first, its plan is the one to run (or the pipeline moved on: done)."""
-    spec = p.spec
+    spec = pipeline.spec
     row = LedgerRow(
         pipeline=spec.name,
         epoch=n.epoch,
@@ -326,13 +326,13 @@ def _record_plan(
         planned_at=utcnow(),
         waiting_after=batch.waiting_after,
     )
-    with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", p.ledger.path):
-        if p.ledger.append(view, row, PLAN_FENCE):
+    with storage_errors(f"pipeline {spec.name}: could not record the plan of {n} in the offset ledger", pipeline.ledger.path):
+        if pipeline.ledger.append(view, row, PLAN_FENCE):
             return view, row, batch
-    view = p.ledger.load()
+    view = pipeline.ledger.load()
     theirs = view.planned(n)
     if theirs is not None:
-        return view, theirs, p.batch(theirs)
+        return view, theirs, pipeline.batch(theirs)
     if view.position >= n:
         return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, view.position), n, batch)
     raise ConcurrentRunError(
@@ -343,32 +343,32 @@ def _record_plan(
 # -- 3. Read and quarantine ------------------------------------------------------------
 
 
-def read_and_quarantine(p: Pipeline, plan_: Plan, engine: Engine) -> Processed | Done:
+def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
     """Step 3: compute reads exactly the planned range; the state makes room
     for the batch (a new or widened merge column); bad records go to the
     quarantine, once."""
-    spec, n = p.spec, plan_.position
-    result = engine.process(spec, plan_.batch)
+    spec, n = pipeline.spec, plan.position
+    result = engine.process(spec, plan.batch)
     _boundary("after_read", spec)
-    with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
-        table = p.state.open() or p.state.create(result.updates)
+    with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
+        table = pipeline.state.open() or pipeline.state.create(result.updates)
     # `align` may change the state's columns: only from a state still at the
     # ledger's head (a run that lost the race, or a zombie, must not).
-    current = p.state.position(table)
+    current = pipeline.state.position(table)
     if current >= n:
-        reconcile(p)  # records the winner's commit, or refuses one that is not ours
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
-    if not plan_.view.agrees(current):
-        raise StateBehindLedgerError(spec.name, plan_.head, current)
+        reconcile(pipeline)  # records the winner's commit, or refuses one that is not ours
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
+    if not plan.view.agrees(current):
+        raise StateBehindLedgerError(spec.name, plan.head, current)
     # A batch that cannot fit the state fails before the quarantine write:
     # that write is fenced per batch, so after a fix to the spec the replay
     # would not quarantine again what the fixed spec rejects.
-    updates = p.state.align(table, result.updates)
+    updates = pipeline.state.align(table, result.updates)
     quarantined = result.quarantine.num_rows
     if quarantined:
-        watch_for_new_files("mid_quarantine_write", p.quarantine.path)
-        with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", p.quarantine.path):
-            p.quarantine.write(result.quarantine, n)
+        watch_for_new_files("mid_quarantine_write", pipeline.quarantine.path)
+        with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", pipeline.quarantine.path):
+            pipeline.quarantine.write(result.quarantine, n)
         log.info("quarantined %d of %d records", quarantined, result.records_in)
     _boundary("after_quarantine", spec)
     return Processed(updates, result.records_in, quarantined)
@@ -377,58 +377,58 @@ def read_and_quarantine(p: Pipeline, plan_: Plan, engine: Engine) -> Processed |
 # -- 4. Commit the state ---------------------------------------------------------------
 
 
-def commit_state(p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float) -> Committed | Done:
+def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float) -> Committed | Done:
     """Step 4, the commit point: MERGE the updates with fence position N, from a checked snapshot."""
-    spec, n, head = p.spec, plan_.position, plan_.head
+    spec, n, head = pipeline.spec, plan.position, plan.head
     # A new state table was created empty in step 3, so that even batch 1
     # commits from a checked snapshot.
-    table = p.state.open()
+    table = pipeline.state.open()
     if table is None:
         raise ConcurrentRunError(
-            f"pipeline {spec.name}: the state table {p.state.path} disappeared while this run "
+            f"pipeline {spec.name}: the state table {pipeline.state.path} disappeared while this run "
             f"prepared {n}; nothing was committed",
             pipeline=spec.name,
-            path=p.state.path,
+            path=pipeline.state.path,
             position=n,
         )
-    current = p.state.position(table)
+    current = pipeline.state.position(table)
     if current >= n:
-        reconcile(p)
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan_.batch)
-    if not plan_.view.agrees(current):
+        reconcile(pipeline)
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
+    if not plan.view.agrees(current):
         raise StateBehindLedgerError(spec.name, head, current)
     if current == ORIGIN:
         # A state never committed to carries no fence, and a rewind the ledger
         # alone recorded moves none: a run that planned before such a rewind
         # must find out from the ledger, just before its first commit.
-        moved = p.ledger.load().position
+        moved = pipeline.ledger.load().position
         if moved != head:
-            return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan_.batch)
+            return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan.batch)
     # Merging onto a change made outside the job since step 1 would hide it for good.
-    check_unchanged(p, plan_.view, table)
-    metadata = _batch_metadata(p, plan_, processed, options, started)
-    watch_for_new_files("mid_state_merge", p.state.path)
+    check_unchanged(pipeline, plan.view, table)
+    metadata = _batch_metadata(pipeline, plan, processed, options, started)
+    watch_for_new_files("mid_state_merge", pipeline.state.path)
     try:
-        with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", p.state.path):
-            version, keys_updated = p.state.commit_batch(table, processed.updates, metadata)
+        with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
+            version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata)
     except Exception as exc:
         if not is_commit_conflict(exc):
             raise
-        return _after_conflict(p, plan_, metadata, exc)
+        return _after_conflict(pipeline, plan, metadata, exc)
     # No stop here on SIGTERM: the ledger row is a few milliseconds away.
     fault_point("after_state_commit")
     return Committed(version, keys_updated)
 
 
-def _batch_metadata(p: Pipeline, plan_: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
+def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
     """What the state commit carries: the planned row's range (this run's or
     an earlier attempt's), this run's identity and spec, and what step 3
     counted; the ledger's row is built from it."""
     return CommitMetadata(
         **{
-            **plan_.row.record(),
-            "spec": plan_.identity.to_dict(),
-            "spec_fingerprint": plan_.identity.fingerprint,
+            **plan.row.record(),
+            "spec": plan.identity.to_dict(),
+            "spec_fingerprint": plan.identity.fingerprint,
             "run_id": options.run_id,
             "attempt": options.attempt,
             "interval_start": options.interval_start,
@@ -438,17 +438,17 @@ def _batch_metadata(p: Pipeline, plan_: Plan, processed: Processed, options: Run
             "duration_ms": int((time.monotonic() - started) * 1000),
         },
         kind=CommitKind.BATCH,
-        position=plan_.position,
+        position=plan.position,
         commit_token=uuid.uuid4().hex,
     )
 
 
-def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exception) -> Committed | Done:
+def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, exc: Exception) -> Committed | Done:
     """A commit with the state fence landed after our snapshot: whose was it?"""
-    n = plan_.position
-    table = p.state.open()
-    now = p.state.position(table)
-    landed = p.state.find_commit(table, n) if now >= n else None
+    n = plan.position
+    table = pipeline.state.open()
+    now = pipeline.state.position(table)
+    landed = pipeline.state.find_commit(table, n) if now >= n else None
     if landed is not None and landed.metadata.commit_token == metadata.commit_token:
         # Our own commit landed but the store answered with an error: S3 can
         # time out after the write, and the retried conditional put then finds
@@ -457,12 +457,12 @@ def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exc
         fault_point("after_state_commit")
         return Committed(landed.version, landed.keys_updated)
     if now >= n:
-        reconcile(p)
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, now), n, plan_.batch)
+        reconcile(pipeline)
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, now), n, plan.batch)
     raise ConcurrentRunError(
-        f"pipeline {p.spec.name}: the state table changed while committing {n} ({exc}); nothing was committed, run again",
-        pipeline=p.spec.name,
-        path=p.state.path,
+        f"pipeline {pipeline.spec.name}: the state table changed while committing {n} ({exc}); nothing was committed, run again",
+        pipeline=pipeline.spec.name,
+        path=pipeline.state.path,
         position=n,
     ) from exc
 
@@ -470,23 +470,23 @@ def _after_conflict(p: Pipeline, plan_: Plan, metadata: CommitMetadata, exc: Exc
 # -- 5. Project into the ledger --------------------------------------------------------
 
 
-def project(p: Pipeline) -> None:
+def project(pipeline: Pipeline) -> None:
     """Step 5: step 1 again, which records the `committed` row from the state
     commit just made; then the source may release what is committed."""
-    view = reconcile(p, own_commit=True)
+    view = reconcile(pipeline, own_commit=True)
     # A fault point but no SIGTERM stop: the batch is committed, and a run
     # that committed must say so.
     fault_point("after_ledger_commit")
-    if p.ledger.compact():
+    if pipeline.ledger.compact():
         log.info("compacted the offset ledger")
-    lineage = p.lineage(view)
+    lineage = pipeline.lineage(view)
     # The consumed index is a cache of the ledger: it follows the row just
     # recorded (best effort; lookups read what it lacks from the ledger).
     lineage.record()
     # After the commit only (a replay reads its planned files), and after the
     # ledger row, so the consumed set it goes by includes this batch.
     try:
-        p.source.after_commit(lineage)
+        pipeline.source.after_commit(lineage)
     except Exception as exc:  # noqa: BLE001 - the batch is committed: releasing files never fails the run
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 

@@ -56,34 +56,34 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     Airflow run's id), so an orchestrator can tell whether it already rewound.
     """
     started = time.monotonic()
-    p = Pipeline(spec)
+    pipeline = Pipeline(spec)
     try:
-        view = reconcile(p)
+        view = reconcile(pipeline)
         recovering = False
     except (StateBehindLedgerError, StateChangedOutsideError):
-        view = p.ledger.load()
+        view = pipeline.ledger.load()
         recovering = True
     head = view.position
 
     def refuse(message: str) -> RewindError:
-        return RewindError(f"pipeline {spec.name}: {message}", pipeline=spec.name, path=p.state.path, position=head)
+        return RewindError(f"pipeline {spec.name}: {message}", pipeline=spec.name, path=pipeline.state.path, position=head)
 
     stuck = view.planned(head.next()) is not None
     if to_batch == head.batch_id and not (recovering or stuck):
         raise refuse(f"already at batch {to_batch}, with no pending plan; nothing to rewind")
     identity = SpecIdentity.of(spec)
-    table = p.state.open()
-    version, end_offsets = rewind_target(p, view, table, to_batch, identity)
+    table = pipeline.state.open()
+    version, end_offsets = rewind_target(pipeline, view, table, to_batch, identity)
     new = Position(head.epoch + 1, to_batch)
     if table is None and head.batch_id == 0:
-        return _rewind_ledger_only(p, view, new, identity, run_id, started)
+        return _rewind_ledger_only(pipeline, view, new, identity, run_id, started)
     if table is None:
         raise refuse(
-            f"there is no state table at {p.state.path} to rewind. If it was moved or deleted on "
+            f"there is no state table at {pipeline.state.path} to rewind. If it was moved or deleted on "
             "purpose to start over, give the pipeline a new checkpoint as well."
         )
-    _check_not_moved(p, view, table, recovering)
-    p.source.rewinding(end_offsets)
+    _check_not_moved(pipeline, view, table, recovering)
+    pipeline.source.rewinding(end_offsets)
     metadata = CommitMetadata(
         kind=CommitKind.REWIND,
         pipeline=spec.name,
@@ -97,49 +97,49 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         rewound_from=str(head),
         restored_version=version,
     )
-    state_version = _restore(p, table, version, metadata, refuse)
+    state_version = _restore(pipeline, table, version, metadata, refuse)
     # The consumed index belonged to the old epoch: rebuild it for the new one now
     # (rewinds are rare), so the next runs look files up in it again.
-    p.lineage(reconcile(p)).record()
+    pipeline.lineage(reconcile(pipeline)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
 
 
-def _check_not_moved(p: Pipeline, view: LedgerView, table: DeltaTable, recovering: bool) -> None:
+def _check_not_moved(pipeline: Pipeline, view: LedgerView, table: DeltaTable, recovering: bool) -> None:
     """The restore commits from this snapshot: its fence must be where the
     ledger says (recovering: not ahead of it, or ahead by the one batch the
     ledger may lag by), else a run or another rewind moved the pipeline
     since we looked."""
-    head, current = view.position, p.state.position(table)
+    head, current = view.position, pipeline.state.position(table)
     if not view.agrees(current) if not recovering else not (current <= head or current == head.next()):
         raise ConcurrentRunError(
-            f"pipeline {p.spec.name}: the state moved to {current} while rewinding; run the rewind again",
-            pipeline=p.spec.name,
+            f"pipeline {pipeline.spec.name}: the state moved to {current} while rewinding; run the rewind again",
+            pipeline=pipeline.spec.name,
             position=current,
         )
 
 
-def _restore(p: Pipeline, table: DeltaTable, version: int, metadata: CommitMetadata, refuse: Callable[[str], RewindError]) -> int:
+def _restore(pipeline: Pipeline, table: DeltaTable, version: int, metadata: CommitMetadata, refuse: Callable[[str], RewindError]) -> int:
     """RESTORE the state to `version`, committing `metadata`: the rewind's commit point."""
     to_batch = metadata.position.batch_id
     try:
-        with storage_errors(f"pipeline {p.spec.name}: could not rewind the state table to batch {to_batch}", p.state.path):
-            return p.state.restore(table, version, metadata)
+        with storage_errors(f"pipeline {pipeline.spec.name}: could not rewind the state table to batch {to_batch}", pipeline.state.path):
+            return pipeline.state.restore(table, version, metadata)
     except StorageError:
         raise
     except Exception as exc:
         if is_commit_conflict(exc):
             raise ConcurrentRunError(
-                f"pipeline {p.spec.name}: a batch committed while rewinding; run the rewind again", pipeline=p.spec.name
+                f"pipeline {pipeline.spec.name}: a batch committed while rewinding; run the rewind again", pipeline=pipeline.spec.name
             ) from exc
         raise refuse(
-            f"could not restore {p.state.path} to version {version}: {exc}. "
+            f"could not restore {pipeline.state.path} to version {version}: {exc}. "
             f"If old files were vacuumed, batch {to_batch} cannot be restored."
         ) from exc
 
 
 def rewind_target(
-    p: Pipeline, view: LedgerView, table: DeltaTable | None, to_batch: int, identity: SpecIdentity
+    pipeline: Pipeline, view: LedgerView, table: DeltaTable | None, to_batch: int, identity: SpecIdentity
 ) -> tuple[int | None, dict[str, Any]]:
     """The state version a rewind to `to_batch` restores (None: the empty
     state) and the offsets the pipeline then continues from. Raises
@@ -147,12 +147,12 @@ def rewind_target(
     head = view.position
 
     def refuse(message: str) -> RewindError:
-        return RewindError(f"pipeline {p.spec.name}: {message}", pipeline=p.spec.name, path=p.state.path, position=head)
+        return RewindError(f"pipeline {pipeline.spec.name}: {message}", pipeline=pipeline.spec.name, path=pipeline.state.path, position=head)
 
     if to_batch < 0 or to_batch > head.batch_id:
         raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
     if to_batch == 0:
-        return None, p.source.origin.to_dict()
+        return None, pipeline.source.origin.to_dict()
     target = view.committed_row(to_batch)
     if target is None or target.state_version is None:
         raise refuse(f"batch {to_batch} is not in the ledger's lineage")
@@ -174,9 +174,9 @@ def rewind_target(
                 "rewind to batch 0 to recompute everything under this spec, or revert the spec"
             )
     following = view.committed_row(to_batch + 1)
-    version = restorable_version(table, p.state.path, target.state_version, following.state_version if following else None) if table else None
+    version = restorable_version(table, pipeline.state.path, target.state_version, following.state_version if following else None) if table else None
     if table is not None and version is None:
-        oldest = oldest_rewindable(p, view, table)
+        oldest = oldest_rewindable(pipeline, view, table)
         raise refuse(
             f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: a VACUUM "
             f"removed its files, and no maintenance-only version after it kept them. Batches that can be "
@@ -190,21 +190,21 @@ def check_rewind(spec: PipelineSpec, to_batch: int) -> None:
     """Raise `RewindError` if a rewind of `spec` to `to_batch` would be
     refused for its target. Read-only: what the console asks before it
     triggers a rewinding run."""
-    p = Pipeline(spec)
-    rewind_target(p, p.ledger.load(), p.state.open(), to_batch, SpecIdentity.of(spec))
+    pipeline = Pipeline(spec)
+    rewind_target(pipeline, pipeline.ledger.load(), pipeline.state.open(), to_batch, SpecIdentity.of(spec))
 
 def _rewind_ledger_only(
-    p: Pipeline, view: LedgerView, new: Position, identity: SpecIdentity, run_id: str, started: float
+    pipeline: Pipeline, view: LedgerView, new: Position, identity: SpecIdentity, run_id: str, started: float
 ) -> BatchOutcome:
     """A rewind to 0 before any state commit: only a plan was made, so the
     ledger alone records the new epoch (the missing state is its empty state)."""
-    origin = p.source.origin.to_dict()
-    p.source.rewinding(origin)
+    origin = pipeline.source.origin.to_dict()
+    pipeline.source.rewinding(origin)
     row = LedgerRow(
         epoch=new.epoch,
         batch_id=0,
         status=RowStatus.REWOUND,
-        pipeline=p.spec.name,
+        pipeline=pipeline.spec.name,
         start_offsets=origin,
         end_offsets=origin,
         pipeline_id=view.pipeline_id,
@@ -213,12 +213,12 @@ def _rewind_ledger_only(
         run_id=run_id,
         committed_at=utcnow(),
     )
-    with storage_errors(f"pipeline {p.spec.name}: could not record the rewind in the offset ledger", p.ledger.path):
-        if not p.ledger.append(view, row, COMMIT_FENCE):
+    with storage_errors(f"pipeline {pipeline.spec.name}: could not record the rewind in the offset ledger", pipeline.ledger.path):
+        if not pipeline.ledger.append(view, row, COMMIT_FENCE):
             raise ConcurrentRunError(
-                f"pipeline {p.spec.name}: the ledger moved while rewinding; run the rewind again", pipeline=p.spec.name
+                f"pipeline {pipeline.spec.name}: the ledger moved while rewinding; run the rewind again", pipeline=pipeline.spec.name
             )
-    return _rewound(p.spec, view.position, new, origin, None, run_id, started)
+    return _rewound(pipeline.spec, view.position, new, origin, None, run_id, started)
 
 
 def _rewound(

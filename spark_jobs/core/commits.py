@@ -16,15 +16,16 @@ them into a source's own types.
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 from spark_jobs.core.fencing import Position
 from spark_jobs.errors import NewerFormatError
 
-__all__ = ["FORMAT_VERSION", "METADATA_KEY", "BatchRecord", "CommitKind", "CommitMetadata", "StateCommit"]
+__all__ = ["FORMAT_VERSION", "METADATA_KEY", "RECORD_FIELDS", "BatchRecord", "CommitKind", "CommitMetadata", "RecordField", "StateCommit"]
 
 #: The metadata format this code writes, and the newest it reads (2: pipeline
 #: id and spec identity; version 1 commits have neither and are read as such).
@@ -69,6 +70,54 @@ class BatchRecord:
         """These fields alone, to carry them from one record to the other."""
         return {f.name: getattr(self, f.name) for f in fields(BatchRecord)}
 
+    def encoded(self) -> dict[str, Any]:
+        """These fields as JSON values (timestamps as ISO text)."""
+        return {f.name: f.encode(getattr(self, f.name)) for f in RECORD_FIELDS}
+
+    @staticmethod
+    def decoded(data: dict[str, Any]) -> dict[str, Any]:
+        """These fields from JSON values (`encoded`'s, or a ledger row's with
+        its JSON columns parsed); a field an older record lacks reads as None
+        (an empty object where the field is not optional)."""
+        return {f.name: f.decode(data.get(f.name)) for f in RECORD_FIELDS}
+
+
+@dataclass(frozen=True)
+class RecordField:
+    """One `BatchRecord` field and the kind of value it holds, read from its
+    annotation, so that the commit metadata's JSON and the ledger's columns
+    are both derived from the one declaration above."""
+
+    name: str
+    #: `str`, `int`, `datetime` or `dict` (a JSON object).
+    kind: type
+    optional: bool
+
+    def encode(self, value: Any) -> Any:
+        return value.isoformat() if self.kind is datetime and value is not None else value
+
+    def decode(self, value: Any) -> Any:
+        if self.kind is datetime and isinstance(value, str):  # JSON's ISO text; Arrow gives datetimes
+            return datetime.fromisoformat(value)
+        if self.kind is dict and not self.optional:
+            return value or {}
+        return value
+
+
+def _record_fields() -> tuple[RecordField, ...]:
+    hints = get_type_hints(BatchRecord)
+    out = []
+    for f in fields(BatchRecord):
+        hint = hints[f.name]
+        args = hint.__args__ if isinstance(hint, types.UnionType) else (hint,)
+        (kind,) = [get_origin(a) or a for a in args if a is not type(None)]
+        out.append(RecordField(f.name, kind, optional=type(None) in args))
+    return tuple(out)
+
+
+#: The batch record's fields, in declaration order.
+RECORD_FIELDS = _record_fields()
+
 
 @dataclass(frozen=True)
 class CommitMetadata(BatchRecord):
@@ -83,36 +132,17 @@ class CommitMetadata(BatchRecord):
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        return {
             "format_version": self.format_version,
             "kind": str(self.kind),
-            "pipeline": self.pipeline,
             "txn": self.position.encode(),
             "epoch": self.position.epoch,
             "batch_id": self.position.batch_id,
-            "start_offsets": self.start_offsets,
-            "end_offsets": self.end_offsets,
-            "run_id": self.run_id,
-            "pipeline_id": self.pipeline_id,
-            "spec": self.spec,
-            "spec_fingerprint": self.spec_fingerprint,
+            **self.encoded(),
+            "commit_token": self.commit_token,
+            "rewound_from": self.rewound_from,
+            "restored_version": self.restored_version,
         }
-        if self.kind is CommitKind.BATCH:
-            out.update(
-                manifest=self.manifest,
-                attempt=self.attempt,
-                records_in=self.records_in,
-                records_quarantined=self.records_quarantined,
-                interval_start=_iso(self.interval_start),
-                interval_end=_iso(self.interval_end),
-                planned_at=_iso(self.planned_at),
-                duration_ms=self.duration_ms,
-                waiting_after=self.waiting_after,
-                commit_token=self.commit_token,
-            )
-        else:
-            out.update(rewound_from=self.rewound_from, restored_version=self.restored_version)
-        return out
 
     def to_json(self) -> str:
         """The text stored in the commit info."""
@@ -125,24 +155,9 @@ class CommitMetadata(BatchRecord):
         if version > FORMAT_VERSION:
             raise NewerFormatError(f"the state commit {where}", version, FORMAT_VERSION, pipeline=data.get("pipeline"))
         return cls(
+            **cls.decoded(data),
             kind=CommitKind(data["kind"]),
-            pipeline=data["pipeline"],
             position=Position(int(data["epoch"]), int(data["batch_id"])),
-            start_offsets=data.get("start_offsets") or {},
-            end_offsets=data.get("end_offsets") or {},
-            run_id=data.get("run_id"),
-            manifest=data.get("manifest") or {},
-            pipeline_id=data.get("pipeline_id"),
-            spec=data.get("spec"),
-            spec_fingerprint=data.get("spec_fingerprint"),
-            attempt=data.get("attempt"),
-            records_in=data.get("records_in"),
-            records_quarantined=data.get("records_quarantined"),
-            interval_start=_parse_iso(data.get("interval_start")),
-            interval_end=_parse_iso(data.get("interval_end")),
-            planned_at=_parse_iso(data.get("planned_at")),
-            duration_ms=data.get("duration_ms"),
-            waiting_after=data.get("waiting_after"),
             commit_token=data.get("commit_token"),
             rewound_from=data.get("rewound_from"),
             restored_version=data.get("restored_version"),
@@ -165,10 +180,3 @@ class StateCommit:
         m = self.operation_metrics
         return m.get("num_target_rows_inserted", m.get("num_added_rows", 0)) + m.get("num_target_rows_updated", 0)
 
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value else None
-
-
-def _parse_iso(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value) if value else None

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, Field, write_deltalake
 
-from spark_jobs.core.commits import BatchRecord, CommitKind, StateCommit
+from spark_jobs.core.commits import RECORD_FIELDS, BatchRecord, CommitKind, StateCommit
 from spark_jobs.core.delta_io import (
     COMPACTION_WRITER,
     SMALL_FILE_BYTES,
@@ -49,8 +49,6 @@ log = logging.getLogger("microbatch")
 FORMAT_VERSION = 3
 #: Columns added after format 1, added to older ledgers before a write.
 _ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after")
-#: Columns holding JSON objects.
-_JSON_COLUMNS = ("start_offsets", "end_offsets", "manifest", "spec")
 #: Compact the ledger once it has this many data files (two per batch), so
 #: that reading it, which every run does, stays fast after thousands of batches.
 COMPACT_AT_FILES = 64
@@ -66,31 +64,24 @@ class RowStatus(StrEnum):
 #: The columns that place a row in a pipeline's history (the ledger's and the quarantine's).
 POSITION_COLUMNS = [("pipeline", pa.string()), ("epoch", pa.int64()), ("batch_id", pa.int64())]
 
+#: The Arrow type of a batch record's field, by the kind of value it holds
+#: (JSON objects are stored as text).
+_ARROW_TYPES = {str: pa.string(), int: pa.int64(), datetime: pa.timestamp("us", tz="UTC"), dict: pa.string()}
+#: The ledger's columns: a row's position and status, the batch record
+#: (`BatchRecord`, declared once), then what only the ledger keeps.
 SCHEMA = pa.schema(
     [
         *POSITION_COLUMNS,
         ("status", pa.string()),
-        ("start_offsets", pa.string()),
-        ("end_offsets", pa.string()),
-        ("manifest", pa.string()),
-        ("pipeline_id", pa.string()),
-        ("spec", pa.string()),
-        ("spec_fingerprint", pa.string()),
+        *[(f.name, _ARROW_TYPES[f.kind]) for f in RECORD_FIELDS if f.name != "pipeline"],
         ("state_version", pa.int64()),
-        ("run_id", pa.string()),
-        ("attempt", pa.int64()),
-        ("records_in", pa.int64()),
-        ("records_quarantined", pa.int64()),
         ("keys_updated", pa.int64()),
-        ("interval_start", pa.timestamp("us", tz="UTC")),
-        ("interval_end", pa.timestamp("us", tz="UTC")),
-        ("planned_at", pa.timestamp("us", tz="UTC")),
         ("committed_at", pa.timestamp("us", tz="UTC")),
-        ("duration_ms", pa.int64()),
-        ("waiting_after", pa.int64()),
         ("format_version", pa.int64()),
     ]
 )
+#: Columns holding JSON objects.
+_JSON_COLUMNS = tuple(f.name for f in RECORD_FIELDS if f.kind is dict)
 
 
 def utcnow() -> datetime:
@@ -174,8 +165,8 @@ class LedgerRow(BatchRecord):
             raise NewerFormatError(f"the offset ledger {path}", version, FORMAT_VERSION, pipeline=record.get("pipeline"), path=path)
         values = {k: record.get(k) for k in SCHEMA.names}
         for key in _JSON_COLUMNS:
-            values[key] = json.loads(values[key]) if values[key] else ({} if key != "spec" else None)
-        values["status"] = RowStatus(values["status"])
+            values[key] = json.loads(values[key]) if values[key] else None
+        values.update(BatchRecord.decoded(values), status=RowStatus(values["status"]))
         return cls(**values)
 
     @classmethod

@@ -25,7 +25,7 @@ $(STAMP): requirements.lock pyproject.toml | java
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-demo: setup
+demo: setup spark-jars
 	$(BIN)/python -m spark_jobs.demo
 
 # How many of the slowest tests to list (0: all).
@@ -34,10 +34,15 @@ test: setup tools jars
 	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS)
 
 # Pinned JARs fetched once with Maven into ~/.cache/microbatch/jars (nothing
-# downloads at run time): a real Kafka broker for the tests (jars/kafka/pom.xml).
-.PHONY: jars
-jars: setup
-	@command -v mvn >/dev/null 2>&1 || { echo "Maven is required to fetch the pinned JARs: apt-get install maven"; exit 1; }
+# downloads at run time): delta-spark and Spark's Kafka connector, which every
+# Spark session of this project loads (jars/spark/pom.xml), and a real Kafka
+# broker for the tests and the bench (jars/kafka/pom.xml).
+.PHONY: jars spark-jars maven
+maven:
+	@command -v mvn >/dev/null 2>&1 || { echo "Maven is required to fetch the pinned JARs (once, at set-up): apt-get install maven"; exit 1; }
+spark-jars: setup maven
+	@$(BIN)/python jars/fetch.py spark >/dev/null
+jars: spark-jars
 	@$(BIN)/python jars/fetch.py kafka >/dev/null
 
 # tests/docker needs docker-compose (`config` only, no engine), the storage
@@ -74,7 +79,7 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md).
-bench: setup $(FLINK_STAMP)
+bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/continuous.py
 
@@ -116,7 +121,7 @@ LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 # Airflow's task supervisor puts each task (and the Spark JVM it starts) in a
 # process group of its own, which a signal to the standalone's group misses.
 AIRFLOW_STOP_GRACE ?= 30
-airflow: setup
+airflow: setup spark-jars
 	@$(AIRFLOW_ENV) bash -c 'setsid $(BIN)/airflow standalone & session=$$!; \
 	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; pkill -TERM -s $$session; \
 	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do pgrep -s $$session >/dev/null || exit 0; sleep 1; done; \

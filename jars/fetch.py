@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -37,41 +35,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-STAMP = ".complete"
-CACHE_ENV = "MICROBATCH_JARS_CACHE"
 MIN_JAVA = 17  # Kafka 4.x brokers (and Spark 4) need Java 17 or newer
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+# Where a set's folder is, shared with the run-time code that finds it
+# (stdlib only, so it imports before the virtualenv has anything else).
+sys.path.insert(0, str(HERE.parent))
+from spark_jobs.jar_cache import STAMP, cache_dir, complete_dir, pom  # noqa: E402
 
 
 class MissingToolError(RuntimeError):
     """A program the fetch needs (Maven, Java) is absent: the user must install it."""
-
-
-def pom(name: str) -> Path:
-    """The POM that lists the JARs of ``name`` (``jars/<name>/pom.xml``)."""
-    path = HERE / name / "pom.xml"
-    if not path.is_file():
-        known = sorted(p.parent.name for p in HERE.glob("*/pom.xml"))
-        raise ValueError(f"no JAR set named {name!r} (no {path}); known: {', '.join(known) or 'none'}")
-    return path
-
-
-def cache_root() -> Path:
-    """Where fetched folders live; ``MICROBATCH_JARS_CACHE`` moves it (CI caches, read-only homes)."""
-    override = os.environ.get(CACHE_ENV)
-    return Path(override).expanduser() if override else Path.home() / ".cache" / "microbatch" / "jars"
-
-
-def cache_dir(name: str) -> Path:
-    """The folder for the current POM of ``name``: a changed POM gets a new folder, never a mixed one."""
-    digest = hashlib.sha256(pom(name).read_bytes()).hexdigest()[:12]
-    return cache_root() / f"{name}-{digest}"
-
-
-def complete_dir(name: str) -> Path | None:
-    """The folder if a fetch finished (its stamp exists), else None; never touches the network."""
-    folder = cache_dir(name)
-    return folder if (folder / STAMP).is_file() else None
 
 
 def check_tools() -> None:

@@ -22,7 +22,6 @@ data is thrown away with the folder, and a graceful shutdown only costs time).
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 import shutil
 import signal
@@ -33,7 +32,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from types import ModuleType
+
+from spark_jobs.jar_cache import complete_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 60.0
@@ -45,18 +45,9 @@ class KafkaJarsMissing(RuntimeError):
     """The broker's JARs were never fetched: set-up (``python jars/fetch.py kafka``) must run first."""
 
 
-def _fetch_module() -> ModuleType:
-    """jars/fetch.py, loaded by path: ``jars`` is a folder of POMs, not a package of the suite."""
-    spec = importlib.util.spec_from_file_location("microbatch_jars_fetch", ROOT / "jars" / "fetch.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def jar_dir() -> Path:
     """The complete folder of the broker's JARs, or KafkaJarsMissing; never downloads (tests run offline)."""
-    folder = _fetch_module().complete_dir("kafka")
+    folder = complete_dir("kafka")
     if folder is None:
         raise KafkaJarsMissing(
             "the Kafka broker JARs are not fetched; run the test set-up (`make test`) "

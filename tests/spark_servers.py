@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pyspark
 
+from spark_jobs.engine.session import DELTA_SQL, extra_jars
+
 SPARK_HOME = Path(pyspark.__file__).parent
 
 
@@ -121,6 +123,10 @@ def start_connect(work: Path) -> tuple[SparkServer, str]:
          "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
          "--conf", "spark.ui.enabled=false",
          "--conf", "spark.sql.session.timeZone=UTC",
+         # Delta on the server, as the docker image's Connect server has it:
+         # a client's `format("delta")` runs there.
+         "--jars", ",".join(extra_jars()),
+         *[arg for key, value in DELTA_SQL.items() for arg in ("--conf", f"{key}={value}")],
          "spark-internal"],
         env,
         work / "connect.log",

@@ -13,11 +13,13 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from weakref import WeakKeyDictionary
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.engine.driver import DriverLaunch, EarlyDriver
+from spark_jobs.jar_cache import complete_dir
 from spark_jobs.engine.jvm_cache import driver_java_options
 
 if TYPE_CHECKING:
@@ -25,12 +27,25 @@ if TYPE_CHECKING:
 
 #: Set to 0 to start a run's driver JVM only once its batch has work (`launch_driver`).
 EARLY_DRIVER_ENV = "MICROBATCH_EARLY_DRIVER"
+#: A folder of JARs to add to every session instead of the fetched set
+#: (`extra_jars`), or `none` for a session with pyspark's own JARs alone.
+SPARK_JARS_ENV = "MICROBATCH_SPARK_JARS"
+#: What turns Delta's SQL on in a session: its parser and planner rules, and
+#: its catalog for `spark_catalog` (delta-spark's own
+#: `configure_spark_with_delta_pip` sets the same two).
+DELTA_SQL = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
 
 __all__ = [
+    "DELTA_SQL",
     "EARLY_DRIVER_ENV",
+    "SPARK_JARS_ENV",
     "built_once",
     "connect_session",
     "default_session",
+    "extra_jars",
     "launch_driver",
     "redact_master",
     "resolve_master",
@@ -149,6 +164,10 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # have Hadoop checksums, so read them through the raw file system.
         "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     })
+    jars = extra_jars()
+    if jars:
+        options["spark.jars"] = ",".join(jars)
+        options.update(DELTA_SQL)
     if not short_lived:
         # Hash aggregations go straight to Spark's main hash map, without
         # its small first-level map in front: at a batch's tens of
@@ -157,6 +176,23 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # batches (docs/benchmarks.md); a one-batch process keeps the default.
         options["spark.sql.codegen.aggregate.map.twolevel.enabled"] = "false"
     return options
+
+
+def extra_jars() -> list[str]:
+    """The JARs a session adds to pyspark's: delta-spark and Spark's Kafka
+    connector (`jars/spark/pom.xml`), if set-up fetched them; never fetches.
+
+    Through `spark.jars`, so Spark also ships them to a cluster's executors,
+    and they sit behind Spark's own class path: a library both have is
+    Spark's. Empty when they were not fetched (an installed package without
+    its repository): the session is then pyspark's alone, as before, and
+    only what needs delta-spark says so.
+    """
+    folder = os.environ.get(SPARK_JARS_ENV)
+    if folder == "none":
+        return []
+    path = Path(folder) if folder else complete_dir("spark")
+    return sorted(str(jar) for jar in path.glob("*.jar")) if path else []
 
 
 def _shuffle_partitions() -> str:

@@ -7,6 +7,7 @@ Both servers are real JVMs started on loopback from pyspark's own jars
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,6 @@ def connect(tmp_path_factory):
 
 
 def _spark_submit(master: str, *args: str, conf: dict[str, str], work: Path):
-    import subprocess
-
     command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", master]
     for key, value in conf.items():
         command += ["--conf", f"{key}={value}"]
@@ -136,3 +135,38 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
         assert outcome["status"] == "committed" and outcome["records_in"] == 1000, outcome
     lineage = assert_exact(spec_path, mirror=mirror)
     assert len(lineage) == 2
+
+
+_READ_DELTA = """
+import json, sys
+from spark_jobs.engine.session import connect_session, default_session
+master, path = sys.argv[1:]
+spark = connect_session(master) if master.startswith("sc://") else default_session(master)
+rows = spark.read.format("delta").load(path).orderBy("user_id").collect()
+print(json.dumps([[r.user_id, r.events] for r in rows]))
+"""
+
+
+def test_delta_spark_reads_the_state_on_the_cluster_and_over_connect(cluster, connect, tmp_path):
+    """The session's fetched delta-spark JARs reach a cluster's executors
+    (`spark.jars`), and a Connect server started with them serves Delta."""
+    spec_path = write_spec(tmp_path, oracle_spec_dict())
+    write_wave(tmp_path / "landing", 0, files=2, records_per_file=300, users=25)
+    assert json.loads(run_cli("run", str(spec_path), "--json").stdout)["status"] == "committed"
+    state = tmp_path / "lake" / "state"
+    assert_exact(spec_path)
+    expected = sorted([r["user_id"], r["events"]] for r in _state_rows(state))
+    script = tmp_path / "read_delta.py"
+    script.write_text(_READ_DELTA)
+    for master in (cluster, connect):
+        result = subprocess.run([sys.executable, str(script), master, str(state)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, master
+
+
+def _state_rows(path: Path) -> list[dict]:
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.delta_io import read_all, rows_of
+
+    return rows_of(read_all(DeltaTable(str(path))))

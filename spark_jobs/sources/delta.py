@@ -183,6 +183,7 @@ class DeltaSource:
         while last < end and not self._lost(table, last + 1):
             last += 1
         if first <= last:
+            self._check_column_mapping(table)
             if self.read == "changes":
                 self._check_change_feed(table, first, last)
             else:
@@ -300,6 +301,23 @@ class DeltaSource:
                 "pipeline's state: `state.change_feed: true`); versions written before that cannot be read as "
                 "changes (start a new pipeline on the table after it, or read an append-only table with "
                 "`source.read: appends`). Nothing was planned.",
+                path=self.uri,
+            )
+
+    def _check_column_mapping(self, table: DeltaTable) -> None:
+        """A table with column mapping is refused: its Parquet files name
+        columns by id or physical name, which delta-rs 1.6.6 (the reader of a
+        Delta source) cannot read as a change feed and, worse, reads as nulls
+        when it reads the files a version added. Mapping cannot be turned off
+        on a table once a column was renamed or dropped, so the latest
+        version's property decides."""
+        mode = str(table.metadata().configuration.get("delta.columnMapping.mode", "none")).lower()
+        if mode != "none":
+            raise SourceRefusedError(
+                f"source table {self.uri} uses column mapping (delta.columnMapping.mode = {mode}), which this "
+                "project's Delta reader (delta-rs 1.6.6) cannot read exactly. Follow a table without column "
+                "mapping: write the upstream with delta.columnMapping.mode = none, or copy it into one "
+                "(CREATE TABLE ... AS SELECT) and point `source.path` there. Nothing was planned.",
                 path=self.uri,
             )
 

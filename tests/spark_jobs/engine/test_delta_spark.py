@@ -1,0 +1,124 @@
+"""delta-spark and this project's tables (issue 34): what delta-rs writes,
+delta-spark reads as the same rows, and what delta-spark writes with its
+own table features is accepted as a source or refused by name.
+
+Real Spark with the delta-spark JARs that set-up fetched (`jars/spark`),
+real tables in `tmp_path`; nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from deltalake import DeltaTable
+
+from spark_jobs.core.delta_io import read_all, rows_of
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.errors import SourceRefusedError, exit_code
+from tests.conftest import chain_specs, oracle_spec_dict, write_spec
+
+
+def _rows(table) -> list[str]:
+    """Rows as sorted JSON text: an order-free, type-stable comparison."""
+    return sorted(json.dumps(r, sort_keys=True, default=str) for r in rows_of(table))
+
+
+def _by_spark(spark, path: str) -> list[str]:
+    return _rows(spark.read.format("delta").load(path).toArrow())
+
+
+def _by_delta_rs(path: str) -> list[str]:
+    return _rows(read_all(DeltaTable(path)))
+
+
+def test_every_table_this_project_writes_reads_the_same_in_delta_spark(tmp_path, spark, compute):
+    spec_path = write_spec(tmp_path, oracle_spec_dict())
+    spec = load_spec(spec_path)
+    landing = tmp_path / "landing"
+    for wave in range(2):
+        write_wave(landing, wave, files=2, records_per_file=200, users=40, bad_every=37)
+        assert run_batch(spec, RunOptions(run_id=f"r{wave}"), compute_factory=compute).status == "committed"
+    tables = {
+        "state": spec.state_path,
+        "ledger": spec.ledger_path,
+        "quarantine": spec.quarantine_path,
+        "consumed": spec.consumed_path,
+    }
+    for name, path in tables.items():
+        by_rs = _by_delta_rs(path)
+        assert by_rs, f"{name}: the run wrote rows"
+        assert _by_spark(spark, path) == by_rs, f"{name} ({path}) reads differently in delta-spark"
+
+
+def test_a_state_is_read_by_delta_spark_as_of_each_committed_batch(tmp_path, spark, compute):
+    upstream, _ = chain_specs(tmp_path)
+    spec = load_spec(upstream)
+    for wave in range(3):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=100, users=20)
+        assert run_batch(spec, RunOptions(run_id=f"r{wave}"), compute_factory=compute).status == "committed"
+    table = DeltaTable(spec.state_path)
+    for version in range(table.version() + 1):
+        as_of = spark.read.format("delta").option("versionAsOf", version).load(spec.state_path).toArrow()
+        table.load_as_version(version)
+        assert _rows(as_of) == _rows(read_all(table)), f"state version {version}"
+    changes = spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", 1).load(spec.state_path)
+    assert changes.count() > 0, "the change feed chained pipelines read is readable by delta-spark too"
+
+
+_FOLLOW = """
+SELECT k, sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN v
+                   WHEN _change_type IN ('delete', 'update_preimage') THEN -v ELSE 0 END) AS v
+FROM batch GROUP BY k
+"""
+
+
+def _downstream(folder, upstream: str, read: str):
+    transform = _FOLLOW if read == "changes" else "SELECT k, sum(v) AS v FROM batch GROUP BY k"
+    spec = {
+        "name": f"follow_{read}",
+        "source": {"type": "delta", "path": upstream, "read": read},
+        "transform": transform,
+        "state": {"path": f"lake/follow_{read}", "keys": ["k"], "merge": {"v": "sum"}},
+        "checkpoint": f"lake/_checkpoints/follow_{read}",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    return load_spec(write_spec(folder, spec, f"{read}.yaml"))
+
+
+def _upstream(spark, path, properties: dict[str, str]) -> str:
+    props = ", ".join(f"'{k}' = '{v}'" for k, v in {"delta.enableChangeDataFeed": "true", **properties}.items())
+    spark.sql(f"CREATE TABLE delta.`{path}` (k STRING, v BIGINT) USING delta TBLPROPERTIES ({props})")
+    return str(path)
+
+
+def test_a_source_with_deletion_vectors_written_by_delta_spark_is_followed_exactly(tmp_path, spark, compute):
+    up = _upstream(spark, tmp_path / "up", {"delta.enableDeletionVectors": "true"})
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1), ('b', 2), ('c', 3), ('d', 4)")
+    spark.sql(f"DELETE FROM delta.`{up}` WHERE k = 'b'")  # a deletion vector, not a rewrite
+    spark.sql(f"UPDATE delta.`{up}` SET v = 30 WHERE k = 'c'")
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('e', 5)")
+    assert "deletionVectors" in (DeltaTable(up).protocol().reader_features or [])
+    follow = _downstream(tmp_path, up, "changes")
+    while run_batch(follow, RunOptions(run_id="r"), compute_factory=compute).status == "committed":
+        pass
+    upstream_now = {r["k"]: r["v"] for r in rows_of(spark.read.format("delta").load(up).toArrow())}
+    followed = {r["k"]: r["v"] for r in rows_of(read_all(DeltaTable(follow.state_path))) if r["v"] != 0}
+    assert followed == upstream_now == {"a": 1, "c": 30, "d": 4, "e": 5}
+    appends = _downstream(tmp_path, up, "appends")
+    with pytest.raises(SourceRefusedError, match=r"version 2 \(DELETE\) removed or rewrote rows"):
+        run_batch(appends, RunOptions(run_id="r"), compute_factory=compute)
+    assert not DeltaTable.is_deltatable(appends.state_path)
+
+
+@pytest.mark.parametrize("read", ["changes", "appends"])
+def test_a_source_with_column_mapping_is_refused_by_name_before_any_write(tmp_path, spark, compute, read):
+    up = _upstream(spark, tmp_path / "up", {"delta.columnMapping.mode": "name"})
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1)")
+    spark.sql(f"ALTER TABLE delta.`{up}` RENAME COLUMN v TO w")
+    follow = _downstream(tmp_path, up, read)
+    with pytest.raises(SourceRefusedError, match=r"column mapping \(delta.columnMapping.mode = name\)") as caught:
+        run_batch(follow, RunOptions(run_id="r"), compute_factory=compute)
+    assert exit_code(caught.value) == 2
+    assert not DeltaTable.is_deltatable(follow.state_path) and not DeltaTable.is_deltatable(follow.ledger_path)

@@ -164,8 +164,15 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # have Hadoop checksums, so read them through the raw file system.
         "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     })
-    jars = extra_jars()
+    jars = extra_jars() if not short_lived else []
     if jars:
+        # delta-spark for a session that runs many batches or that users
+        # query: `format("delta")`, the change feed and Delta's SQL need the
+        # JARs and the extension and catalog alike (Delta 4 refuses a read
+        # without them). A one-batch process (CLI, Airflow task) reads and
+        # writes Delta through delta-rs and runs no user SQL, and loading
+        # Delta's extension would add about half a second to each of its
+        # starts (docs/benchmarks.md, "Figures behind the code's choices").
         options["spark.jars"] = ",".join(jars)
         options.update(DELTA_SQL)
     if not short_lived:

@@ -38,7 +38,7 @@ RUN pip install --no-cache-dir --no-deps /opt/microbatch
 # Spark line: delta-spark_<spark major.minor>_<scala>), so that Spark-native
 # reads of the state, ledger and quarantine tables work in this image.
 # pip-installed pyspark reads spark-defaults.conf from SPARK_CONF_DIR.
-ARG DELTA_SPARK_PACKAGE=io.delta:delta-spark_4.2_2.13:4.4.1
+ARG DELTA_SPARK_PACKAGE=io.delta:delta-spark_4.2_2.13:4.4.0
 ENV SPARK_CONF_DIR=/opt/microbatch/spark-conf
 COPY --chown=airflow:0 docker/fetch-delta-jars.sh /opt/microbatch/fetch-delta-jars.sh
 RUN /opt/microbatch/fetch-delta-jars.sh spark-submit "${DELTA_SPARK_PACKAGE}" /opt/delta/jars \

@@ -32,7 +32,7 @@ RUN pip install --no-cache-dir --no-deps /opt/microbatch
 
 # The same delta-spark as the Airflow image, for the Connect server (it is
 # the driver of Connect sessions) and for jobs submitted here directly.
-ARG DELTA_SPARK_PACKAGE=io.delta:delta-spark_4.2_2.13:4.4.1
+ARG DELTA_SPARK_PACKAGE=io.delta:delta-spark_4.2_2.13:4.4.0
 COPY docker/fetch-delta-jars.sh /opt/microbatch/fetch-delta-jars.sh
 RUN /opt/microbatch/fetch-delta-jars.sh /opt/spark/bin/spark-submit "${DELTA_SPARK_PACKAGE}" \
         /opt/delta/jars /opt/spark/conf/spark-defaults.conf \

@@ -256,14 +256,21 @@ def test_spark_image_installs_executor_packages_at_the_lock_versions():
         "docker/spark.Dockerfile: install with --constraint requirements.lock so their dependencies match too"
 
 
-def test_delta_jars_match_delta_spark_and_pyspark():
+def test_delta_jars_match_the_fetched_set_and_pyspark():
+    """The images carry the delta-spark of `jars/spark/pom.xml` (what the
+    sessions here load), for pyspark's Spark line; the Python package may be
+    a patch release ahead (4.4.1 was never published for Spark 4.2)."""
     spark_line = ".".join(REQUIREMENTS["pyspark"].split(".")[:2])
-    expected = f"io.delta:delta-spark_{spark_line}_2.13:{REQUIREMENTS['delta-spark']}"
+    pom = (ROOT / "jars" / "spark" / "pom.xml").read_text()
+    (delta,) = re.findall(r"<delta\.version>([^<]+)</delta\.version>", pom)
+    assert f"<artifactId>delta-spark_{spark_line}_2.13</artifactId>" in pom, f"jars/spark/pom.xml: use delta-spark_{spark_line}_2.13"
+    assert delta.split(".")[:2] == REQUIREMENTS["delta-spark"].split(".")[:2], (delta, REQUIREMENTS["delta-spark"])
+    expected = f"io.delta:delta-spark_{spark_line}_2.13:{delta}"
     for dockerfile in (AIRFLOW_DOCKERFILE, SPARK_DOCKERFILE):
         coordinates = re.findall(r"io\.delta:delta-spark\S*", dockerfile.read_text())
         assert coordinates == [expected], (
-            f"{dockerfile.relative_to(ROOT)}: delta coordinates {coordinates}; requirements.txt pins "
-            f"delta-spark=={REQUIREMENTS['delta-spark']} and pyspark=={REQUIREMENTS['pyspark']}, so use {expected}"
+            f"{dockerfile.relative_to(ROOT)}: delta coordinates {coordinates}; jars/spark/pom.xml fetches "
+            f"delta-spark {delta} for pyspark=={REQUIREMENTS['pyspark']}, so use {expected}"
         )
         assert "fetch-delta-jars.sh" in dockerfile.read_text()
 

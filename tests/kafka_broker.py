@@ -240,6 +240,21 @@ class KafkaBroker:
             time.sleep(0.2)
         raise RuntimeError(f"kafka broker did not answer metadata within {timeout:.0f} s\n{self.tail()}")
 
+    def restart(self, timeout: float = READY_TIMEOUT) -> None:
+        """Kill the JVM (as a crash would) and start it again on the same
+        ports and data: its topics and records survive, as on a real host."""
+        self.stop()
+        with open(self.log, "a") as handle:
+            self.process = subprocess.Popen(
+                java_command(jar_dir(), "kafka.Kafka", str(self.workdir / "server.properties")),
+                stdin=subprocess.DEVNULL,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
+        self._wait_ready(timeout)
+
     def tail(self, chars: int = 4000) -> str:
         """The end of the broker's log, for failure messages."""
         try:

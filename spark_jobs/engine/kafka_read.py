@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["MAX_TASK_OFFSETS", "RECORD_SCHEMA", "records", "split"]
+__all__ = ["MAX_TASK_OFFSETS", "RECORD_SCHEMA", "STALL_TIMEOUT_ENV", "records", "split", "stall_timeout"]
 
 #: A range longer than this is read by several tasks.
 MAX_TASK_OFFSETS = 50_000
@@ -38,8 +38,13 @@ MAX_TASK_OFFSETS = 50_000
 #: batch's binary column must stay far below Arrow's 2 GiB per array).
 _CHUNK = 10_000
 _CHUNK_BYTES = 32 * 1024 * 1024
-#: A task fails if its consumer delivers nothing for this long while its range is unfinished.
+#: A task fails if its consumer delivers nothing for this long while its
+#: range is unfinished: long enough to ride out a broker's restart (librdkafka
+#: reconnects by itself), short enough that a broker gone for good fails the
+#: run (exit 1, retried) rather than hanging it. The environment variable
+#: sets it, read on the driver when a batch's read is built.
 STALL_TIMEOUT_S = 120.0
+STALL_TIMEOUT_ENV = "MICROBATCH_STALL_TIMEOUT_S"  # not MICROBATCH_KAFKA_*: those are librdkafka settings
 
 #: Columns of the fetched records: the Kafka columns of the `batch` view, and the raw value.
 RECORD_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in KAFKA_COLUMN_TYPES) + ", value BINARY"
@@ -61,7 +66,15 @@ def records(spark: SparkSession, topic: str, ranges: tuple[tuple[int, int, int],
     """
     _pickle_by_value()
     tasks = split(ranges)
-    return spark.range(0, len(tasks), 1, max(1, len(tasks))).mapInArrow(_fetch(topic, tasks, dict(settings)), RECORD_SCHEMA)
+    fetch = _fetch(topic, tasks, dict(settings), stall_timeout())
+    return spark.range(0, len(tasks), 1, max(1, len(tasks))).mapInArrow(fetch, RECORD_SCHEMA)
+
+
+def stall_timeout() -> float:
+    """Seconds a read task waits for its next record (`STALL_TIMEOUT_ENV`, else `STALL_TIMEOUT_S`)."""
+    import os
+
+    return float(os.environ.get(STALL_TIMEOUT_ENV, STALL_TIMEOUT_S))
 
 
 def _pickle_by_value() -> None:
@@ -73,7 +86,7 @@ def _pickle_by_value() -> None:
 
 
 def _fetch(
-    topic: str, tasks: list[tuple[int, int, int]], settings: dict[str, Any]
+    topic: str, tasks: list[tuple[int, int, int]], settings: dict[str, Any], stall_s: float
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def fetch(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from confluent_kafka import Consumer
@@ -82,14 +95,14 @@ def _fetch(
         try:
             for batch in ids:
                 for task in batch.column(0).to_pylist():
-                    yield from _read_range(consumer, topic, *tasks[task])
+                    yield from _read_range(consumer, topic, *tasks[task], stall_s=stall_s)
         finally:
             consumer.close()
 
     return fetch
 
 
-def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int) -> Iterator[pa.RecordBatch]:
+def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int, *, stall_s: float) -> Iterator[pa.RecordBatch]:
     import time
 
     import pyarrow as pa
@@ -123,8 +136,8 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int)
     while position < end:
         message = consumer.poll(1.0)
         if message is None:
-            if time.monotonic() - last_progress > STALL_TIMEOUT_S:
-                raise OSError(f"cannot read {where} offsets {position}..{end - 1}: no record for {STALL_TIMEOUT_S:.0f} s")
+            if time.monotonic() - last_progress > stall_s:
+                raise OSError(f"cannot read {where} offsets {position}..{end - 1}: no record for {stall_s:.0f} s")
             continue
         if message.error() is not None:
             if _at_end(message, where, partition, position, end):

@@ -395,9 +395,9 @@ def test_a_fetch_whose_offsets_are_gone_fails_instead_of_jumping(kafka, topic):
     settings = {"bootstrap.servers": kafka, "group.id": "t", "auto.offset.reset": "error", "enable.partition.eof": True}
     consumer = kafka_source.KafkaClient(settings).consumer()
     try:
-        assert list(_read_range(consumer, topic, 0, 0, 2))[0].num_rows == 2
+        assert list(_read_range(consumer, topic, 0, 0, 2, stall_s=30))[0].num_rows == 2
         with pytest.raises(OSError, match="retention deleted them"):
-            list(_read_range(consumer, topic, 0, 50, 60))
+            list(_read_range(consumer, topic, 0, 50, 60, stall_s=30))
     finally:
         consumer.close()
 

@@ -6,21 +6,23 @@ deleted and created again, and it answers timestamp lookups
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+from deltalake import DeltaTable
 
 from spark_jobs.core.inspect import status
 from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
-from spark_jobs.errors import EXIT_TERMINAL, SourceChangedError, exit_code
+from spark_jobs.errors import EXIT_TERMINAL, DataLossError, SourceChangedError, SourceError, exit_code
 from spark_jobs.sources import make_source
 from tests.conftest import BatchesLineage
-from tests.spark_jobs.sources.test_kafka import assert_exact, events, produce, run, spec_file
+from tests.spark_jobs.sources.test_kafka import abort_a_transaction, assert_exact, events, produce, run, spec_file
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,9 @@ def broker(tmp_path_factory):
     try:
         started = KafkaBroker.start(tmp_path_factory.mktemp("kafka"))
     except KafkaJarsMissing as exc:
-        pytest.skip(str(exc))
+        pytest.fail(str(exc))  # never skipped: set-up fetches the JARs
     yield started.bootstrap
+    gc.collect()  # clients the tests dropped, before their broker goes (else they log reconnects)
     started.stop()
 
 
@@ -119,3 +122,111 @@ def test_a_record_dated_in_the_future_is_named_where_it_holds_scheduled_runs(bro
     assert f"partition 0 offset 2 is timestamped {stamp}" in note
     # A manual run (no interval) is not held.
     assert make_source(spec).plan(BatchesLineage()).manifest.ranges == ((0, 0, 5),)
+
+
+def test_aborted_transactions_are_never_read_and_committed_ones_once(broker, tmp_path, compute):
+    """The broker writes aborted records and their markers into the log:
+    offsets the read must step over (read_committed), not count."""
+    topic = "transactions"
+    _create(broker, topic, 4)
+    path = spec_file(tmp_path, broker, topic)
+    committed = events(0, 30, bad_every=13)
+    produce(broker, topic, committed[:12], transactional="tx-a")
+    abort_a_transaction(broker, topic, "tx-b")
+    produce(broker, topic, committed[12:], transactional="tx-a")
+    abort_a_transaction(broker, topic, "tx-b")
+    while run(path, compute) == "committed":
+        pass
+    lineage = assert_exact(path, committed)
+    ends = lineage[-1].end_offsets[topic]
+    assert set(ends) == {"0", "1", "2", "3"}
+    assert sum(int(v) for v in ends.values()) > len(committed), "the markers and aborted records hold offsets too"
+
+
+def test_partitions_added_while_the_pipeline_runs_are_read_from_their_start(broker, tmp_path, compute):
+    topic = "growing"
+    _create(broker, topic, 2)
+    path = spec_file(tmp_path, broker, topic)
+    first = events(0, 20, bad_every=7)
+    produce(broker, topic, first, partition_of=lambda i: i % 2)
+    assert run(path, compute) == "committed"
+    admin = AdminClient({"bootstrap.servers": broker})
+    admin.create_partitions([NewPartitions(topic, 4)])[topic].result(30)
+    deadline = time.monotonic() + 30
+    while len(admin.list_topics(topic, timeout=10).topics[topic].partitions) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    second = events(20, 40)
+    produce(broker, topic, second)  # into all four
+    while run(path, compute) == "committed":
+        pass
+    lineage = assert_exact(path, first + second)
+    assert lineage[-1].end_offsets[topic] == {"0": 20, "1": 20, "2": 10, "3": 10}
+
+
+@pytest.mark.parametrize("on_data_loss", ["fail", "skip"])
+def test_records_deleted_before_they_were_read_fail_or_are_recorded_as_skipped(broker, tmp_path, compute, on_data_loss):
+    """`DeleteRecords` moves a partition's log start, exactly as retention
+    does when it deletes a segment: offsets the ledger still needs are gone."""
+    topic = f"retention-{on_data_loss}"
+    _create(broker, topic, 2)
+    path = spec_file(tmp_path, broker, topic, on_data_loss=on_data_loss)
+    values = events(0, 40, bad_every=9)
+    produce(broker, topic, values[:20], partition_of=lambda i: i % 2)
+    assert run(path, compute) == "committed"
+    produce(broker, topic, values[20:], partition_of=lambda i: i % 2)  # offsets 10..19 of each partition
+    admin = AdminClient({"bootstrap.servers": broker})
+    [done] = admin.delete_records([TopicPartition(topic, 1, 14)]).values()
+    assert done.result(30).low_watermark == 14
+    spec = load_spec(path)
+    if on_data_loss == "fail":
+        rows = len(OffsetLedger(spec.ledger_path, spec.name).load().rows)
+        with pytest.raises(DataLossError, match="partition 1 offsets 10..13") as caught:
+            run(path, compute)
+        assert exit_code(caught.value) == EXIT_TERMINAL
+        assert len(OffsetLedger(spec.ledger_path, spec.name).load().rows) == rows, "nothing was written"
+        return
+    while run(path, compute) == "committed":
+        pass
+    lost = {21, 23, 25, 27}  # partition 1's offsets 10..13: the odd records of the second 20
+    lineage = assert_exact(path, [v for i, v in enumerate(values) if i not in lost])
+    assert [(1, 10, 14)] == [tuple(s) for r in lineage for s in r.manifest.get("skipped", [])]
+
+
+def test_the_broker_stopped_mid_batch_fails_retryably_and_the_next_run_is_exact(tmp_path, compute, monkeypatch):
+    """Killed between the plan and the read: once the read's stall timeout
+    passes (shortened here from 120 s), the run fails with a retryable error
+    (exit 1) and commits nothing; once the broker is back, the next run reads
+    the planned range, and the pipeline is exact."""
+    from spark_jobs.core import faults
+    from spark_jobs.engine.kafka_read import STALL_TIMEOUT_ENV
+    from tests.kafka_broker import KafkaBroker
+
+    monkeypatch.setenv(STALL_TIMEOUT_ENV, "8")
+
+    with KafkaBroker.start(tmp_path / "kafka") as own:
+        topic = "stopped"
+        _create(own.bootstrap, topic, 4)
+        path = spec_file(tmp_path / "pipeline", own.bootstrap, topic)
+        values = events(0, 40, bad_every=17)
+        produce(own.bootstrap, topic, values)
+        spec = load_spec(path)
+
+        def stop_broker(point: str) -> None:
+            if point == "after_plan":
+                own.stop()
+
+        faults.set_hook(stop_broker)
+        try:
+            with pytest.raises(SourceError) as caught:
+                run(path, compute)
+        finally:
+            faults.set_hook(None)
+        assert exit_code(caught.value) == 1, caught.value
+        assert not DeltaTable.is_deltatable(spec.state_path), "nothing was committed"
+        planned = OffsetLedger(spec.ledger_path, spec.name).load().rows
+        assert [r.status.value for r in planned] == ["planned"]
+        own.restart()
+        while run(path, compute) == "committed":
+            pass
+        lineage = assert_exact(path, values)
+        assert lineage[0].end_offsets == planned[0].end_offsets, "the planned range was the one read"

@@ -9,12 +9,19 @@ nothing favours the anchor, since the project writes a queryable Delta
 table every batch. Shuffle partitions (the state's partitions) are 8, as in
 the project's sessions; a new checkpoint's setting sticks for its life.
 
+`--kafka SERVERS --topic T` reads a Kafka topic instead of the folder:
+Spark's own Kafka source (spark-sql-kafka, from the JARs set-up fetched,
+`jars/spark/pom.xml`), from the earliest offsets, `read_committed`, the
+values parsed with `from_json` under the same schema, in one AvailableNow
+batch.
+
 Prints one JSON object: seconds from process start to the session, to the
 query's end, and each batch's progress (`durationMs`, rows). `--remote`
 runs the query on a Spark Connect server instead (a warm JVM shared by the
 runs, as the project can use one).
 
     .venv/bin/python bench/anchors/structured_streaming.py --landing L --checkpoint C [--max-files 2]
+    .venv/bin/python bench/anchors/structured_streaming.py --kafka HOST:PORT --topic T --checkpoint C
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ SESSION_CONF = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--landing", required=True)
+    parser.add_argument("--landing")
+    parser.add_argument("--kafka", help="bootstrap servers: read --topic with Spark's Kafka source instead of --landing")
+    parser.add_argument("--topic")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--max-files", type=int, default=2)
     parser.add_argument("--driver-java-options", default="", help="extra JVM flags for the driver (default: none)")
@@ -60,10 +69,25 @@ def main() -> None:
             builder = builder.config(key, value)
         if args.driver_java_options:
             builder = builder.config("spark.driver.extraJavaOptions", args.driver_java_options)
+        if args.kafka:
+            from spark_jobs.engine.session import extra_jars
+
+            builder = builder.config("spark.jars", ",".join(extra_jars()))
         spark = builder.getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
     session_ready = time.time()
-    clicks = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", args.max_files).json(args.landing)
+    if args.kafka:
+        raw = (
+            spark.readStream.format("kafka")
+            .option("kafka.bootstrap.servers", args.kafka)
+            .option("subscribe", args.topic)
+            .option("startingOffsets", "earliest")
+            .option("kafka.isolation.level", "read_committed")
+            .load()
+        )
+        clicks = raw.select(F.from_json(F.col("value").cast("string"), SCHEMA).alias("r")).select("r.*")
+    else:
+        clicks = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", args.max_files).json(args.landing)
     totals = clicks.groupBy("user_id").agg(
         F.count("*").alias("events"), F.sum("amount").alias("amount"), F.max("ts").alias("last_seen")
     )

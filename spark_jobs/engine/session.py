@@ -19,16 +19,16 @@ from weakref import WeakKeyDictionary
 
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.engine.driver import DriverLaunch, EarlyDriver
-from spark_jobs.jar_cache import complete_dir
 from spark_jobs.engine.jvm_cache import driver_java_options
+from spark_jobs.jar_cache import complete_dir
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 #: Set to 0 to start a run's driver JVM only once its batch has work (`launch_driver`).
 EARLY_DRIVER_ENV = "MICROBATCH_EARLY_DRIVER"
-#: A folder of JARs to add to every session instead of the fetched set
-#: (`extra_jars`), or `none` for a session with pyspark's own JARs alone.
+#: A folder of JARs for long-lived sessions instead of the fetched set
+#: (`extra_jars`), or `none` for sessions with pyspark's own JARs alone.
 SPARK_JARS_ENV = "MICROBATCH_SPARK_JARS"
 #: What turns Delta's SQL on in a session: its parser and planner rules, and
 #: its catalog for `spark_catalog` (delta-spark's own
@@ -186,8 +186,9 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
 
 
 def extra_jars() -> list[str]:
-    """The JARs a session adds to pyspark's: delta-spark and Spark's Kafka
-    connector (`jars/spark/pom.xml`), if set-up fetched them; never fetches.
+    """The JARs a long-lived session adds to pyspark's: delta-spark and
+    Spark's Kafka connector (`jars/spark/pom.xml`), if set-up fetched them;
+    never fetches.
 
     Through `spark.jars`, so Spark also ships them to a cluster's executors,
     and they sit behind Spark's own class path: a library both have is

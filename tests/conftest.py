@@ -100,7 +100,7 @@ def upload_folder(folder: Path, uri: str) -> None:
 def spark():
     from spark_jobs.engine.session import default_session
 
-    session = default_session("local[2]", app_name="microbatch-tests", short_lived=False)
+    session = default_session("local[2]", app_name="microbatch-tests", short_lived=False, delta=True)
     yield session
     session.stop()
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: Set to 0 to start a run's driver JVM only once its batch has work (`launch_driver`).
 EARLY_DRIVER_ENV = "MICROBATCH_EARLY_DRIVER"
-#: A folder of JARs for long-lived sessions instead of the fetched set
+#: A folder of JARs for sessions that query Delta instead of the fetched set
 #: (`extra_jars`), or `none` for sessions with pyspark's own JARs alone.
 SPARK_JARS_ENV = "MICROBATCH_SPARK_JARS"
 #: What turns Delta's SQL on in a session: its parser and planner rules, and
@@ -78,6 +78,7 @@ def default_session(
     *,
     short_lived: bool = True,
     early: EarlyDriver | None = None,
+    delta: bool = False,
 ) -> SparkSession:
     """A Spark session tuned for micro-batches.
 
@@ -88,11 +89,13 @@ def default_session(
     for a session that runs many batches. `early`: a driver JVM launched
     ahead of need (`launch_driver`), taken if its settings are this
     session's; else the driver is launched now (and `early` stops its own).
+    `delta`: load delta-spark (`extra_jars`, `DELTA_SQL`), for a session
+    that queries Delta tables with Spark.
     """
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
-    options = session_options(master, app_name, short_lived=short_lived)
+    options = session_options(master, app_name, short_lived=short_lived, delta=delta)
     builder = SparkSession.builder
     for key, value in options.items():
         builder = builder.config(key, value)
@@ -132,7 +135,7 @@ def _has_gateway() -> bool:
     return SparkContext._gateway is not None
 
 
-def session_options(master: str | None, app_name: str, *, short_lived: bool) -> dict[str, str]:
+def session_options(master: str | None, app_name: str, *, short_lived: bool, delta: bool = False) -> dict[str, str]:
     """The Spark configuration of `default_session` (and of its driver's launch)."""
     if master is None and not under_spark_submit():
         master = os.environ.get("MICROBATCH_SPARK_MASTER", "local[*]")
@@ -164,15 +167,16 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
         # have Hadoop checksums, so read them through the raw file system.
         "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     })
-    jars = extra_jars() if not short_lived else []
+    jars = extra_jars() if delta else []
     if jars:
-        # delta-spark for a session that runs many batches or that users
-        # query: `format("delta")`, the change feed and Delta's SQL need the
-        # JARs and the extension and catalog alike (Delta 4 refuses a read
-        # without them). A one-batch process (CLI, Airflow task) reads and
-        # writes Delta through delta-rs and runs no user SQL, and loading
-        # Delta's extension would add about half a second to each of its
-        # starts (docs/benchmarks.md, "Figures behind the code's choices").
+        # delta-spark, for a session that queries Delta with Spark (a
+        # user's, the tests'): `format("delta")`, the change feed and Delta's
+        # SQL need the JARs and the extension and catalog alike (Delta 4
+        # refuses a read without them). The job's own sessions read and
+        # write Delta through delta-rs and do without: Delta's extension made
+        # a one-batch process's start half a second slower and a catch-up's
+        # every batch about a sixth slower (docs/benchmarks.md, "Figures
+        # behind the code's choices").
         options["spark.jars"] = ",".join(jars)
         options.update(DELTA_SQL)
     if not short_lived:
@@ -186,9 +190,9 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool) -> 
 
 
 def extra_jars() -> list[str]:
-    """The JARs a long-lived session adds to pyspark's: delta-spark and
-    Spark's Kafka connector (`jars/spark/pom.xml`), if set-up fetched them;
-    never fetches.
+    """The JARs a session that queries Delta adds to pyspark's: delta-spark
+    and Spark's Kafka connector (`jars/spark/pom.xml`), if set-up fetched
+    them; never fetches.
 
     Through `spark.jars`, so Spark also ships them to a cluster's executors,
     and they sit behind Spark's own class path: a library both have is

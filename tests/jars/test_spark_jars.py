@@ -34,12 +34,13 @@ def test_no_fetched_jar_duplicates_a_library_pyspark_ships():
     assert fetched and not fetched & shipped, f"exclude these in jars/spark/pom.xml: {sorted(fetched & shipped)}"
 
 
-def test_a_long_lived_session_gets_the_jars_and_delta_sql_unless_told_not_to(monkeypatch):
-    options = session_options("local[1]", "t", short_lived=False)
+def test_a_session_that_queries_delta_gets_the_jars_and_delta_sql_and_the_jobs_own_do_not(monkeypatch):
+    options = session_options("local[1]", "t", short_lived=False, delta=True)
     assert options["spark.jars"].split(",") == extra_jars()
     assert {k: options[k] for k in DELTA_SQL} == DELTA_SQL
-    one_batch = session_options("local[1]", "t", short_lived=True)
-    assert "spark.jars" not in one_batch and not DELTA_SQL.keys() & one_batch.keys(), "a one-batch process reads Delta with delta-rs"
+    for short_lived in (True, False):  # a one-batch run, a catch-up
+        own = session_options("local[1]", "t", short_lived=short_lived)
+        assert "spark.jars" not in own and not DELTA_SQL.keys() & own.keys(), "the job reads Delta with delta-rs"
     monkeypatch.setenv(SPARK_JARS_ENV, "none")
-    plain = session_options("local[1]", "t", short_lived=False)
+    plain = session_options("local[1]", "t", short_lived=False, delta=True)
     assert "spark.jars" not in plain and not DELTA_SQL.keys() & plain.keys()

@@ -141,14 +141,14 @@ _READ_DELTA = """
 import json, sys
 from spark_jobs.engine.session import connect_session, default_session
 master, path = sys.argv[1:]
-spark = connect_session(master) if master.startswith("sc://") else default_session(master, short_lived=False)
+spark = connect_session(master) if master.startswith("sc://") else default_session(master, short_lived=False, delta=True)
 rows = spark.read.format("delta").load(path).orderBy("user_id").collect()
 print(json.dumps([[r.user_id, r.events] for r in rows]))
 """
 
 
 def test_delta_spark_reads_the_state_on_the_cluster_and_over_connect(cluster, connect, tmp_path):
-    """A long-lived session's delta-spark JARs reach a cluster's executors
+    """A Delta-querying session's delta-spark JARs reach a cluster's executors
     (`spark.jars`), and a Connect server started with them serves Delta."""
     spec_path = write_spec(tmp_path, oracle_spec_dict())
     write_wave(tmp_path / "landing", 0, files=2, records_per_file=300, users=25)

@@ -82,6 +82,7 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
+	$(BIN)/python bench/delta_read_ways.py
 	$(BIN)/python bench/continuous.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.

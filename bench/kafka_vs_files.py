@@ -89,13 +89,34 @@ def state(path: Path) -> dict:
     return {r["user_id"]: (r["events"], round(r["amount"], 6), r["last_seen"]) for r in rows}
 
 
+def click_lines(landing: Path, records: int) -> list[str]:
+    """`records` click events as 4 JSON-lines files in `landing`, and their lines."""
+    write_wave(landing, 0, files=4, records_per_file=records // 4, users=100_000, seed=11)
+    return [line for f in sorted(landing.rglob("*.json")) for line in f.read_text().splitlines() if line.strip()]
+
+
+def produce_lines(servers: str, topic: str, lines: list[str], *, partitions: int) -> float:
+    """Each line as one record, round-robin over the partitions; seconds taken."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": servers, "linger.ms": 20, "batch.num.messages": 10_000, "log_level": 2})
+    started = time.perf_counter()
+    for i, line in enumerate(lines):
+        while True:
+            try:
+                producer.produce(topic, value=line.encode(), partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    assert producer.flush(60) == 0, "records left unsent"
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--records", type=int, default=100_000)
     args = parser.parse_args()
-
-    from confluent_kafka import Producer
 
     from spark_jobs.core.protocol import RunOptions, run_batch
     from spark_jobs.core.spec import load_spec
@@ -106,20 +127,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="microbatch-kafka-bench-"))
     server, servers = start_cluster()
     try:
-        landing = work / "landing"
-        write_wave(landing, 0, files=4, records_per_file=args.records // 4, users=100_000, seed=11)
-        lines = [line for f in sorted(landing.rglob("*.json")) for line in f.read_text().splitlines() if line.strip()]
-        producer = Producer({"bootstrap.servers": servers, "linger.ms": 20, "batch.num.messages": 10_000, "log_level": 2})
-        started = time.perf_counter()
-        for i, line in enumerate(lines):
-            while True:
-                try:
-                    producer.produce(TOPIC, value=line.encode(), partition=i % 4)
-                    break
-                except BufferError:
-                    producer.poll(0.1)
-        producer.flush(60)
-        produce_s = time.perf_counter() - started
+        lines = click_lines(work / "landing", args.records)
+        produce_s = produce_lines(servers, TOPIC, lines, partitions=4)
         print(f"{len(lines):,} records: 4 files; produced to 4 partitions in {produce_s:.1f} s")
 
         files = spec(work, "from_files", {"type": "files", "path": "landing", "format": "json", "schema": SCHEMA})

@@ -38,9 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from doc_sections import replace_section  # noqa: E402
-from kafka_vs_files import SCHEMA, fresh, spec  # noqa: E402
+from kafka_vs_files import SCHEMA, click_lines, fresh, produce_lines, spec  # noqa: E402
 from run import timed  # noqa: E402
-from spark_jobs.demo.clickstream import write_wave  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Kafka side by side"
@@ -48,8 +47,7 @@ TOPIC = "bench_clicks"
 PARTITIONS = 4
 
 
-def produce(servers: str, lines: list[str]) -> float:
-    from confluent_kafka import Producer
+def create_topic(servers: str) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": servers})  # held: a collected client cancels its requests
@@ -59,17 +57,6 @@ def produce(servers: str, lines: list[str]) -> float:
         if time.monotonic() > deadline:
             raise RuntimeError(f"topic {TOPIC} did not appear")
         time.sleep(0.2)
-    producer = Producer({"bootstrap.servers": servers, "linger.ms": 20, "batch.num.messages": 10_000, "log_level": 2})
-    started = time.perf_counter()
-    for i, line in enumerate(lines):
-        while True:
-            try:
-                producer.produce(TOPIC, value=line.encode(), partition=i % PARTITIONS)
-                break
-            except BufferError:
-                producer.poll(0.1)
-    assert producer.flush(60) == 0, "records left unsent"
-    return time.perf_counter() - started
 
 
 def project(path: Path) -> tuple[float, int]:
@@ -97,10 +84,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="microbatch-kafka-ss-"))
     try:
         with KafkaBroker.start(work / "kafka") as broker:
-            landing = work / "landing"
-            write_wave(landing, 0, files=4, records_per_file=args.records // 4, users=100_000, seed=11)
-            lines = [line for f in sorted(landing.rglob("*.json")) for line in f.read_text().splitlines() if line.strip()]
-            produce_s = produce(broker.bootstrap, lines)
+            lines = click_lines(work / "landing", args.records)
+            create_topic(broker.bootstrap)
+            produce_s = produce_lines(broker.bootstrap, TOPIC, lines, partitions=PARTITIONS)
             print(f"{len(lines):,} records produced to {PARTITIONS} partitions in {produce_s:.1f} s", flush=True)
             path = spec(work, "from_kafka", {"type": "kafka", "bootstrap_servers": broker.bootstrap, "topic": TOPIC,
                                              "format": "json", "schema": SCHEMA})

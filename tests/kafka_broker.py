@@ -196,15 +196,7 @@ class KafkaBroker:
         )
         if fmt.returncode != 0:
             raise RuntimeError(f"kafka storage format failed ({fmt.returncode}):\n{fmt.stdout}{fmt.stderr}")
-        with open(log, "w") as handle:
-            process = subprocess.Popen(
-                java_command(jars, "kafka.Kafka", str(config)),
-                stdin=subprocess.DEVNULL,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                start_new_session=True,  # its own process group, killed as one
-            )
+        process = _run_broker(jars, workdir, log, mode="w")
         broker = cls(process, f"127.0.0.1:{broker_port}", workdir, log)
         try:
             broker._wait_ready(timeout)
@@ -244,15 +236,7 @@ class KafkaBroker:
         """Kill the JVM (as a crash would) and start it again on the same
         ports and data: its topics and records survive, as on a real host."""
         self.stop()
-        with open(self.log, "a") as handle:
-            self.process = subprocess.Popen(
-                java_command(jar_dir(), "kafka.Kafka", str(self.workdir / "server.properties")),
-                stdin=subprocess.DEVNULL,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                start_new_session=True,
-            )
+        self.process = _run_broker(jar_dir(), self.workdir, self.log, mode="a")
         self._wait_ready(timeout)
 
     def tail(self, chars: int = 4000) -> str:
@@ -276,6 +260,19 @@ class KafkaBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _run_broker(jars: Path, workdir: Path, log: Path, *, mode: str) -> subprocess.Popen:
+    """The broker JVM on `workdir`'s server.properties, its output appended to (or replacing) `log`."""
+    with open(log, mode) as handle:
+        return subprocess.Popen(
+            java_command(jars, "kafka.Kafka", str(workdir / "server.properties")),
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            start_new_session=True,  # its own process group, killed as one
+        )
 
 
 def main() -> None:

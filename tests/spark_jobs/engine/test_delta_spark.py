@@ -83,7 +83,6 @@ def _downstream(folder, upstream: str, read: str):
         "state": {"path": f"lake/follow_{read}", "keys": ["k"], "merge": {"v": "sum"}},
         "checkpoint": f"lake/_checkpoints/follow_{read}",
     }
-    folder.mkdir(parents=True, exist_ok=True)
     return load_spec(write_spec(folder, spec, f"{read}.yaml"))
 
 

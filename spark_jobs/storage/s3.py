@@ -60,6 +60,7 @@ __all__ = [
     "region",
     "reset",
     "s3_client",
+    "spark_read_options",
     "use_session",
 ]
 
@@ -171,6 +172,31 @@ def client_settings() -> dict[str, Any]:
         settings["aws_secret_access_key"] = frozen["AWS_SECRET_ACCESS_KEY"]
         settings["aws_session_token"] = frozen.get("AWS_SESSION_TOKEN")
     return settings
+
+
+def spark_read_options() -> dict[str, str]:
+    """Spark's own S3 settings (Hadoop's S3A), for sessions that read this
+    project's tables with delta-spark: the endpoint and region the job's
+    boto3 and delta-rs use, and ``s3://`` locations as the specs write them
+    (Hadoop maps only ``s3a://`` to S3A unless told).
+
+    No credentials: S3A takes them from the same standard chain (the
+    environment, a profile, an instance role) on the driver and on each
+    executor, so no secret enters Spark's configuration, where its UI and
+    event logs would show it. The JARs (hadoop-aws and the AWS SDK modules
+    S3A uses) come with the delta-spark set, `jars/spark/pom.xml`.
+    """
+    options = {
+        "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+        "spark.hadoop.fs.s3a.endpoint.region": region(),
+    }
+    endpoint = endpoint_url()
+    if endpoint:
+        options["spark.hadoop.fs.s3a.endpoint"] = endpoint
+        # MinIO, moto and other servers answer on one host name: the bucket
+        # goes in the path, not in a virtual host name they cannot resolve.
+        options["spark.hadoop.fs.s3a.path.style.access"] = "true"
+    return options
 
 
 def _frozen_credentials() -> dict[str, str]:

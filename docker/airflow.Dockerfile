@@ -3,6 +3,22 @@
 # runs the microbatch job (the Spark driver) in it.
 # Build context: the repository root (see docker-compose.yml).
 
+# The pinned JARs, fetched by the same script from the same POM as `make`
+# does natively (jars/fetch.py, jars/spark/pom.xml: delta-spark and Spark's
+# Kafka connector, minus what Spark ships), so both images and a native run
+# carry the same set. Maven checks every artifact's checksum.
+FROM maven:3.9.11-eclipse-temurin-17 AS jars
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 \
+    && apt-get clean \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY jars jars
+COPY spark_jobs/jar_cache.py spark_jobs/jar_cache.py
+RUN folder="$(MICROBATCH_JARS_CACHE=/tmp/jar-cache python3 jars/fetch.py spark)" \
+    && mkdir -p /opt/microbatch/jars \
+    && cp -r "${folder}" /opt/microbatch/jars/spark
+
 # Same Airflow and Python as requirements.txt / requirements.lock.
 FROM apache/airflow:3.3.2-python3.11
 
@@ -18,8 +34,8 @@ RUN mkdir -p /usr/share/man/man1 \
     && apt-get clean \
     && rm -rf /var/lib/apt/lists/* \
     && ln -s "$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")" /usr/lib/jvm/java-17 \
-    && mkdir -p /opt/microbatch /opt/delta \
-    && chown airflow:0 /opt/microbatch /opt/delta
+    && mkdir -p /opt/microbatch \
+    && chown airflow:0 /opt/microbatch
 ENV JAVA_HOME=/usr/lib/jvm/java-17
 
 # the image's airflow user (uid 50000, group 0)
@@ -34,15 +50,12 @@ COPY --chown=airflow:0 pyproject.toml README.md /opt/microbatch/
 COPY --chown=airflow:0 spark_jobs /opt/microbatch/spark_jobs
 RUN pip install --no-cache-dir --no-deps /opt/microbatch
 
-# delta-spark for Spark 4.2 / Scala 2.13 (Delta 4.x names its artifacts per
-# Spark line: delta-spark_<spark major.minor>_<scala>), so that Spark-native
-# reads of the state, ledger and quarantine tables work in this image.
-# pip-installed pyspark reads spark-defaults.conf from SPARK_CONF_DIR.
-ARG DELTA_SPARK_PACKAGE=io.delta:delta-spark_4.2_2.13:4.4.0
-ENV SPARK_CONF_DIR=/opt/microbatch/spark-conf
-COPY --chown=airflow:0 docker/fetch-delta-jars.sh /opt/microbatch/fetch-delta-jars.sh
-RUN /opt/microbatch/fetch-delta-jars.sh spark-submit "${DELTA_SPARK_PACKAGE}" /opt/delta/jars \
-        "${SPARK_CONF_DIR}/spark-defaults.conf"
+# The JARs for sessions that query Delta (`default_session(delta=True)`,
+# what users' own reads of the state, ledger and quarantine tables use): the
+# job finds them through MICROBATCH_SPARK_JARS, as a native run finds them in
+# ~/.cache/microbatch/jars; the job's own batch sessions do without them.
+COPY --from=jars --chown=airflow:0 /opt/microbatch/jars/spark /opt/microbatch/jars/spark
+ENV MICROBATCH_SPARK_JARS=/opt/microbatch/jars/spark
 
 # DAGs, plugins and the docker example pipeline (docker-compose.yml also
 # mounts docker/pipelines over it, so specs can be edited without a rebuild).

@@ -80,7 +80,7 @@ def test_compose_config_is_valid():
     assert quiet.returncode == 0, f"docker-compose config --quiet failed:\n{quiet.stderr}"
     assert quiet.stdout == ""
     services = _config()["services"]
-    expected = {"postgres", "minio", "minio-init", *AIRFLOW_SERVICES, *SPARK_SERVICES}
+    expected = {"postgres", "minio", "minio-init", "kafka", *AIRFLOW_SERVICES, *SPARK_SERVICES}
     assert expected <= set(services), f"docker/docker-compose.yml lacks services {sorted(expected - set(services))}"
 
 
@@ -256,30 +256,87 @@ def test_spark_image_installs_executor_packages_at_the_lock_versions():
         "docker/spark.Dockerfile: install with --constraint requirements.lock so their dependencies match too"
 
 
-def test_delta_jars_match_the_fetched_set_and_pyspark():
-    """The images carry the delta-spark of `jars/spark/pom.xml` (what the
-    sessions here load), for pyspark's Spark line; the Python package may be
-    a patch release ahead (4.4.1 was never published for Spark 4.2)."""
+def test_images_fetch_the_jars_natively_fetched_with_the_same_script_and_pom():
+    """Both images carry the JAR set `make` fetches here (jars/spark/pom.xml,
+    through jars/fetch.py and Maven's checksums), not a second resolution
+    by Spark's `--packages`: what runs in a container is what was tested."""
     spark_line = ".".join(REQUIREMENTS["pyspark"].split(".")[:2])
     pom = (ROOT / "jars" / "spark" / "pom.xml").read_text()
     (delta,) = re.findall(r"<delta\.version>([^<]+)</delta\.version>", pom)
     assert f"<artifactId>delta-spark_{spark_line}_2.13</artifactId>" in pom, f"jars/spark/pom.xml: use delta-spark_{spark_line}_2.13"
+    # The Python package may be a patch release ahead (4.4.1 was never published for Spark 4.2).
     assert delta.split(".")[:2] == REQUIREMENTS["delta-spark"].split(".")[:2], (delta, REQUIREMENTS["delta-spark"])
-    expected = f"io.delta:delta-spark_{spark_line}_2.13:{delta}"
     for dockerfile in (AIRFLOW_DOCKERFILE, SPARK_DOCKERFILE):
-        coordinates = re.findall(r"io\.delta:delta-spark\S*", dockerfile.read_text())
-        assert coordinates == [expected], (
-            f"{dockerfile.relative_to(ROOT)}: delta coordinates {coordinates}; jars/spark/pom.xml fetches "
-            f"delta-spark {delta} for pyspark=={REQUIREMENTS['pyspark']}, so use {expected}"
-        )
-        assert "fetch-delta-jars.sh" in dockerfile.read_text()
+        text = dockerfile.read_text()
+        name = dockerfile.relative_to(ROOT)
+        assert re.search(r"^COPY jars jars$", text, re.M) and "spark_jobs/jar_cache.py" in text, f"{name}: copy jars/ and jar_cache.py"
+        assert re.search(r"python3 jars/fetch\.py spark\b", text), f"{name}: fetch with jars/fetch.py spark"
+        assert "--packages" not in text and "io.delta:" not in text, f"{name}: no second resolution of the JARs"
+        assert re.search(r"^COPY --from=jars\b.*/opt/microbatch/jars/spark /opt/microbatch/jars/spark$", text, re.M), name
+        maven_java = re.search(r"^FROM maven:\S+-eclipse-temurin-(\d+) AS jars$", text, re.M)
+        assert maven_java and maven_java.group(1) == _min_java(), f"{name}: fetch on Maven with Java {_min_java()}"
+    assert "ENV MICROBATCH_SPARK_JARS=/opt/microbatch/jars/spark" in AIRFLOW_DOCKERFILE.read_text(), \
+        "docker/airflow.Dockerfile: the job finds the JARs through MICROBATCH_SPARK_JARS"
+    spark_text = SPARK_DOCKERFILE.read_text()
+    from spark_jobs.engine.session import DELTA_SQL
+
+    for key, value in DELTA_SQL.items():
+        assert f"{key} {value}" in spark_text, f"docker/spark.Dockerfile: the Connect server needs {key} {value}"
 
 
-def test_the_docker_pipeline_spec_is_valid_and_names_a_defined_connection():
+def test_the_kafka_service_is_the_broker_the_tests_run():
+    (kafka,) = re.findall(r"<kafka\.version>([^<]+)</kafka\.version>", (ROOT / "jars" / "kafka" / "pom.xml").read_text())
+    service = _config()["services"]["kafka"]
+    assert service["image"] == f"apache/kafka:{kafka}", f"docker/docker-compose.yml: kafka image {service['image']}; the tests run {kafka}"
+    env = _env(service)
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller", "one KRaft node, as the tests run it"
+    spec = yaml.safe_load((DOCKER / "pipelines" / "kafka_clicks_s3.yaml").read_text())
+    advertised = env["KAFKA_ADVERTISED_LISTENERS"].split("//", 1)[1]
+    assert spec["source"]["bootstrap_servers"] == advertised, "docker/pipelines/kafka_clicks_s3.yaml reads the compose broker"
+
+
+def test_kafka_example_pipeline_is_the_local_one_on_s3():
+    local = yaml.safe_load((ROOT / "dags" / "pipelines" / "kafka_clicks.yaml").read_text())
+    s3 = yaml.safe_load((DOCKER / "pipelines" / "kafka_clicks_s3.yaml").read_text())
+    assert s3["state"]["path"] == "s3://microbatch/lake/kafka_clicks"
+    assert s3["checkpoint"] == "s3://microbatch/lake/_checkpoints/kafka_clicks"
+    for key in ["transform", "batch"]:
+        assert s3[key] == local[key], f"docker/pipelines/kafka_clicks_s3.yaml: {key} differs from the local spec"
+    assert {k: v for k, v in s3["source"].items() if k != "bootstrap_servers"} == \
+        {k: v for k, v in local["source"].items() if k != "bootstrap_servers"}
+
+
+@pytest.mark.parametrize("spec_file", sorted(p.name for p in (DOCKER / "pipelines").glob("*.yaml")))
+def test_each_docker_pipeline_spec_is_valid_and_names_a_defined_connection(spec_file):
     from microbatch_airflow.airflow_spec import airflow_spec
     from spark_jobs.core.spec import load_spec
 
-    spec = load_spec(DOCKER / "pipelines" / "clicks_per_user_s3.yaml")
-    assert spec.source_path.startswith("s3://microbatch/") and spec.state_path.startswith("s3://microbatch/")
-    compose = (DOCKER / "docker-compose.yml").read_text()
-    assert f"AIRFLOW_CONN_{airflow_spec(spec).spark_conn_id.upper()}:" in compose
+    spec = load_spec(DOCKER / "pipelines" / spec_file)
+    assert spec.state_path.startswith("s3://microbatch/"), f"docker/pipelines/{spec_file}: state outside the bucket"
+    conn_id = airflow_spec(spec).spark_conn_id
+    if conn_id:
+        compose = COMPOSE.read_text()
+        assert f"AIRFLOW_CONN_{conn_id.upper()}:" in compose, f"docker/pipelines/{spec_file}: {conn_id} is not defined in compose"
+
+
+def test_the_connect_server_leaves_cores_for_runs_on_the_cluster():
+    """Connect's sessions are one long-lived application: without a cap it
+    holds every core of the worker, and a task run on `microbatch_spark`
+    (an application of its own) waits for executors forever."""
+    services = _config()["services"]
+    worker = services["spark-worker"]["command"]
+    cores = int(worker[worker.index("--cores") + 1])
+    connect = services["spark-connect"]["command"]
+    settings = dict(connect[i + 1].split("=", 1) for i, arg in enumerate(connect) if arg == "--conf")
+    assert "spark.cores.max" in settings, "docker/docker-compose.yml: cap the Connect server's cores (spark.cores.max)"
+    assert int(settings["spark.cores.max"]) < cores, f"spark.cores.max={settings['spark.cores.max']} leaves none of {cores} cores"
+
+
+def test_every_service_has_a_native_counterpart_for_the_live_topology_test():
+    """tests/test_topology.py runs this stack natively; a service it does not
+    know how to run would silently go untested."""
+    from tests.topology import NATIVE, ONE_SHOT
+
+    services = set(_config()["services"])
+    assert services == set(NATIVE) | set(ONE_SHOT), \
+        f"say in tests/topology.py (NATIVE, ONE_SHOT) how these run natively: {sorted(services ^ (set(NATIVE) | set(ONE_SHOT)))}"

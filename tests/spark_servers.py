@@ -83,9 +83,12 @@ class SparkServer:
             proc.wait(30)
 
 
-def start_cluster(work: Path, cores: int = 2) -> tuple[SparkServer, str]:
-    """A standalone master and worker; returns the server and ``spark://127.0.0.1:port``."""
-    env = spark_env(work)
+def start_cluster(
+    work: Path, cores: int = 2, env: dict[str, str] | None = None, memory: str = "2g"
+) -> tuple[SparkServer, str]:
+    """A standalone master and worker (`env`: more of their environment, which
+    executors inherit); returns the server and ``spark://127.0.0.1:port``."""
+    env = {**spark_env(work), **(env or {})}
     port, ui = free_port(), free_port()
     server = SparkServer()
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
@@ -103,7 +106,7 @@ def start_cluster(work: Path, cores: int = 2) -> tuple[SparkServer, str]:
     server.wait_for(lambda: alive_workers() >= 0, "spark master")
     server.start(
         [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
-         "--memory", "2g", "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
+         "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
         env,
         work / "worker.log",
     )
@@ -111,24 +114,30 @@ def start_cluster(work: Path, cores: int = 2) -> tuple[SparkServer, str]:
     return server, master
 
 
-def start_connect(work: Path) -> tuple[SparkServer, str]:
-    """A Spark Connect server (local[2] behind it); returns the server and ``sc://127.0.0.1:port``."""
-    env = spark_env(work)
-    port = free_port()
+def start_connect(
+    work: Path, *, master: str = "local[2]", conf: dict[str, str] | None = None, env: dict[str, str] | None = None
+) -> tuple[SparkServer, str]:
+    """A Spark Connect server (sessions on `master`, local[2] by default;
+    `conf`: more of its settings, `env`: more of its environment); returns
+    the server and ``sc://127.0.0.1:port``."""
+    settings = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.ui.enabled": "false",
+        "spark.sql.session.timeZone": "UTC",
+        # Delta on the server, as the docker image's Connect server has it:
+        # a client's `format("delta")` runs there.
+        **DELTA_SQL,
+        **(conf or {}),
+        "spark.connect.grpc.binding.port": str(port := free_port()),
+    }
     server = SparkServer()
     server.start(
-        [str(SPARK_HOME / "bin" / "spark-submit"), "--master", "local[2]",
+        [str(SPARK_HOME / "bin" / "spark-submit"), "--master", master,
          "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-         "--conf", f"spark.connect.grpc.binding.port={port}",
-         "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-         "--conf", "spark.ui.enabled=false",
-         "--conf", "spark.sql.session.timeZone=UTC",
-         # Delta on the server, as the docker image's Connect server has it:
-         # a client's `format("delta")` runs there.
          "--jars", ",".join(extra_jars()),
-         *[arg for key, value in DELTA_SQL.items() for arg in ("--conf", f"{key}={value}")],
+         *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")],
          "spark-internal"],
-        env,
+        {**spark_env(work), **(env or {})},
         work / "connect.log",
     )
 

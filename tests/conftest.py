@@ -50,6 +50,33 @@ def pytest_configure(config):
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 
+#: The test files that take minutes (their tests' durations summed, two
+#: processes, 2026-11-26), longest first. pytest-xdist hands whole files to
+#: its processes in collection order (`make test`: `--dist loadfile`), so
+#: these start first and the short files fill in at the end, instead of one
+#: process running a long file alone at the end while the other idles.
+LONG_FILES = (
+    "tests/spark_jobs/test_crash_and_race.py",
+    "tests/plugins/test_airflow_live.py",
+    "tests/spark_jobs/engine/test_engines.py",
+    "tests/spark_jobs/engine/test_delta_spark.py",
+    "tests/spark_jobs/storage/test_s3.py",
+    "tests/test_topology.py",
+    "tests/spark_jobs/test_chaos.py",
+    "tests/spark_jobs/engine/test_native_read.py",
+    "tests/spark_jobs/sources/test_kafka.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long files first (`LONG_FILES`); the rest keep their order, as do the tests within a file."""
+    missing = [name for name in LONG_FILES if not (ROOT / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONG_FILES names files that do not exist: {missing}")
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's S3 server on loopback (a real HTTP S3 API), for the whole session."""

@@ -15,12 +15,18 @@ transform result:
 for ranges of growing size, and once, the first Delta read of a fresh JVM
 (Delta builds its snapshot with a Spark job of generated code).
 
+Both in local mode and on a standalone cluster on loopback (a master and a
+worker running two one-core executors, `tests/spark_servers.py`): there the
+driver's read ships its Arrow rows to the executors over the network, and
+Spark's read spreads the files over two executor processes, as on a real
+cluster, though on the same two cores.
+
 The upstream (delta-rs, change feed on): `--versions` appends of
 `--rows` rows each over 200,000 users, then updates of a tenth of the users
 by MERGE (which writes change data files). Results go to docs/benchmarks.md,
 section "Reading a Delta source".
 
-    .venv/bin/python bench/delta_read_ways.py [--versions 20] [--rows 100000] [--repeat 3]
+    .venv/bin/python bench/delta_read_ways.py [--versions 20] [--rows 100000] [--repeat 3] [--no-cluster] [--master URL]
 """
 
 from __future__ import annotations
@@ -136,11 +142,12 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=20)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-cluster", action="store_true", help="no loopback cluster")
+    parser.add_argument("--master", help="also measure on this cluster (spark://host:port)")
     args = parser.parse_args()
 
-    from spark_jobs.engine.session import default_session
-
     work = Path(tempfile.mkdtemp(prefix="microbatch-delta-read-"))
+    cluster = None
     try:
         uri = str(work / "upstream")
         started = time.perf_counter()
@@ -148,54 +155,87 @@ def main() -> None:
         print(f"upstream: {args.versions} appends of {args.rows:,} rows and their updates in {time.perf_counter() - started:.0f} s", flush=True)
         cold = first_read_s(uri)
         print(f"first Delta read of a fresh session: {cold:.1f} s", flush=True)
-        spark = default_session("local[*]", app_name="delta-read-ways", short_lived=False, delta=True)
         spans = sorted({1, max(1, args.versions // 4), args.versions})
-        figures: dict[int, dict[str, list[float]]] = {}
+        engines = {}
+        if not args.no_cluster:
+            from tests.spark_servers import start_cluster
+
+            cluster, engines["cluster"] = start_cluster(work / "cluster", cores=2)
+            # Two one-core executors on the worker. Given at the driver JVM's
+            # launch, which the local session after it reuses (it ignores the setting).
+            os.environ["PYSPARK_SUBMIT_ARGS"] = "--conf spark.executor.cores=1 pyspark-shell"
+        engines["local"] = "local[*]"
+        if args.master:
+            engines["given"] = args.master
+        figures: dict[tuple[str, int], dict[str, list[float]]] = {}
         rows_in: dict[int, int] = {}
-        try:
-            by_spark(spark, uri, 1, 1)  # warm both paths once
-            by_driver(spark, uri, 1, 1)
-            for span in spans:
-                last = 1 + span - 1 + (span // 5)  # the updates' versions come in between
-                figures[span] = {"driver": [], "spark": []}
-                for _ in range(args.repeat):
-                    for way, read in (("driver", by_driver), ("spark", by_spark)):
-                        t = time.perf_counter()
-                        result, n = read(spark, uri, 1, last)
-                        figures[span][way].append(time.perf_counter() - t)
-                        if n is not None:
-                            rows_in[span] = n
-                            expected = canonical(result)
-                        else:
-                            assert canonical(result) == expected, f"the two reads differ over versions 1..{last}"
-                print(span, {k: [f"{x:.2f}" for x in v] for k, v in figures[span].items()}, flush=True)
-        finally:
-            spark.stop()
-        write_doc(args, spans, figures, rows_in, cold)
+        for engine, master in engines.items():
+            measure(engine, master, uri, spans, args.repeat, figures, rows_in)
+        write_doc(args, engines, spans, figures, rows_in, cold)
     finally:
+        if cluster is not None:
+            cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_doc(args, spans, figures, rows_in, cold: float) -> None:
+def measure(engine: str, master: str, uri: str, spans: list[int], repeat: int, figures: dict, rows_in: dict) -> None:
+    """Both reads over each span, alternately, in one session on `master`."""
+    from spark_jobs.engine.session import default_session
+
+    spark = default_session(master, app_name="delta-read-ways", short_lived=False, delta=True)
+    try:
+        by_spark(spark, uri, 1, 1)  # warm both paths once
+        by_driver(spark, uri, 1, 1)
+        for span in spans:
+            last = 1 + span - 1 + (span // 5)  # the updates' versions come in between
+            times = figures[engine, span] = {"driver": [], "spark": []}
+            for _ in range(repeat):
+                for way, read in (("driver", by_driver), ("spark", by_spark)):
+                    t = time.perf_counter()
+                    result, n = read(spark, uri, 1, last)
+                    times[way].append(time.perf_counter() - t)
+                    if n is not None:
+                        rows_in[span] = n
+                        expected = canonical(result)
+                    else:
+                        assert canonical(result) == expected, f"the two reads differ over versions 1..{last} ({engine})"
+            print(engine, span, {k: [f"{x:.2f}" for x in v] for k, v in times.items()}, flush=True)
+    finally:
+        spark.stop()
+
+
+def write_doc(args, engines: dict[str, str], spans, figures, rows_in, cold: float) -> None:
+    where = {"local": "local mode", "cluster": "standalone cluster, 2 executors of 1 core", "given": args.master}
     lines = [
         SECTION,
         "",
         f"Measured by `bench/delta_read_ways.py` on {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {date.today().isoformat()}. An upstream written by delta-rs with its change "
         f"feed on: {args.versions} appends of {args.rows:,} rows over {USERS:,} users, and after every fifth a MERGE "
-        "updating a tenth of the users. One long-lived session (the kind that loads delta-spark), the two reads in "
-        f"turn, medians of {args.repeat}; both gave the same transform result (checked).",
+        "updating a tenth of the users. Per engine, one long-lived session that loads delta-spark "
+        f"(`default_session(delta=True)`), the two reads in turn, medians of {args.repeat}; both gave the same "
+        "transform result (checked). The cluster runs on loopback on the same two cores (`tests/spark_servers.py`).",
         "",
-        "| appends in the range | change-feed rows | driver (delta-rs, Arrow to Spark) | Spark (`readChangeFeed` on the executors) | Spark / driver |",
-        "|---|---|---|---|---|",
+        "| engine | appends in the range | change-feed rows | driver (delta-rs, Arrow to Spark) | Spark (`readChangeFeed` on the executors) | Spark / driver |",
+        "|---|---|---|---|---|---|",
     ]
-    for span in spans:
-        d, s = statistics.median(figures[span]["driver"]), statistics.median(figures[span]["spark"])
-        lines.append(f"| {span} | {rows_in.get(span, 0):,} | {d:.2f} s | {s:.2f} s | {s / d:.2f} |")
+    ratios = []
+    for engine in sorted(engines, key=list(where).index):
+        for span in spans:
+            d, s = statistics.median(figures[engine, span]["driver"]), statistics.median(figures[engine, span]["spark"])
+            ratios.append(s / d)
+            lines.append(f"| {where[engine]} | {span} | {rows_in.get(span, 0):,} | {d:.2f} s | {s:.2f} s | {s / d:.2f} |")
     lines += [
         "",
         f"The first Delta read of a fresh JVM took {cold:.1f} s (Delta reconstructs the table's snapshot with a Spark "
         "job of generated code); the driver's read needs no JVM warm-up of its own.",
+        "",
+        "Which is used when: the driver's read (delta-rs), for every batch. Spark's read ranged from "
+        f"{min(ratios):.2f} to {max(ratios):.2f} times the driver's here, and it needs delta-spark in the job's "
+        "own sessions, which made every one-batch start and catch-up batch slower (\"Figures behind the code's "
+        "choices\"), plus the first read's snapshot job above. A batch is bounded by `batch.max_versions`, so "
+        "the driver's memory is too. A cluster of many machines would share Spark's read over more disks and "
+        "cores than this one has: `--master spark://...` adds one to this comparison.",
         "",
     ]
     replace_section(DOC, SECTION, lines)

@@ -79,7 +79,9 @@ def _read(spark, path: str, key: str, fields: list[str]) -> dict[str, dict[str, 
 
 
 def test_the_docker_pipelines_run_through_airflow_on_the_native_stack(stack, tmp_path):
-    from pyspark.sql import SparkSession
+    # The Connect client's own class: pyspark's common builder refuses a
+    # remote session in a process that has a local one (the suite's `spark`).
+    from pyspark.sql.connect.session import SparkSession
 
     airflow = stack.airflow
     clicks = _land_clicks(stack, tmp_path / "landing")

@@ -2,9 +2,9 @@
 # Build context: the repository root (see docker-compose.yml).
 
 # The pinned JARs, fetched by the same script from the same POM as `make`
-# does natively (jars/fetch.py, jars/spark/pom.xml: delta-spark and Spark's
-# Kafka connector, minus what Spark ships), so both images and a native run
-# carry the same set. Maven checks every artifact's checksum.
+# does natively (jars/fetch.py, jars/spark/pom.xml: delta-spark, Spark's
+# Kafka connector and Hadoop's S3A, minus what Spark ships), so both images
+# and a native run carry the same set. Maven checks every artifact's checksum.
 FROM maven:3.9.11-eclipse-temurin-17 AS jars
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \

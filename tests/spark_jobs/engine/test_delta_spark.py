@@ -142,3 +142,57 @@ def test_a_source_with_column_mapping_is_refused_by_name_before_any_write(tmp_pa
         run_batch(follow, RunOptions(run_id="r"), compute_factory=compute)
     assert exit_code(caught.value) == 2
     assert not DeltaTable.is_deltatable(follow.state_path) and not DeltaTable.is_deltatable(follow.ledger_path)
+
+
+def _fenced_merge(spark, path: str, version: int, keys) -> list:
+    """A MERGE under Delta's idempotent-DML fence (app id `app`, `version`),
+    with its batch number as the commit's user metadata."""
+    settings = {
+        "spark.databricks.delta.write.txnAppId": "app",
+        "spark.databricks.delta.write.txnVersion": str(version),
+        "spark.databricks.delta.commitInfo.userMetadata": json.dumps({"batch": version}),
+    }
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        spark.createDataFrame([(f"k{i}", 1) for i in keys], "k STRING, d BIGINT").createOrReplaceTempView("fenced_batch")
+        return spark.sql(
+            f"MERGE INTO delta.`{path}` t USING fenced_batch s ON t.k = s.k "
+            "WHEN MATCHED THEN UPDATE SET v = t.v + s.d WHEN NOT MATCHED THEN INSERT (k, v) VALUES (s.k, s.d)"
+        ).collect()
+    finally:
+        for key in settings:
+            spark.conf.unset(key)
+
+
+def test_delta_spark_fenced_merges_with_deletion_vectors_and_what_restore_does_to_the_fence(tmp_path, spark):
+    """What docs/state-at-scale.md relies on, pinned (issue 35): a MERGE with
+    deletion vectors copies no rows; a repeated fence version is skipped
+    without a commit; delta-rs reads the fence, the rows, the change feed and
+    the user metadata; and RESTORE leaves the fence at its newest version, so
+    a replay of a rewound batch under the same app id is silently skipped."""
+    path = str(tmp_path / "state")
+    spark.sql(f"CREATE TABLE delta.`{path}` (k STRING, v BIGINT) USING delta TBLPROPERTIES "
+              "('delta.enableDeletionVectors'='true', 'delta.enableChangeDataFeed'='true')")
+    spark.range(0, 20000).selectExpr("concat('k', id) AS k", "id AS v").repartition(4).write.format("delta").mode("append").save(path)
+
+    assert _fenced_merge(spark, path, 1, range(0, 20000, 200))[0]["num_updated_rows"] == 100
+    metrics = spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").collect()[0]["operationMetrics"]
+    assert int(metrics["numTargetDeletionVectorsAdded"]) > 0 and metrics["numTargetRowsCopied"] == "0"
+    table = DeltaTable(path)
+    assert (table.version(), table.transaction_version("app")) == (2, 1)
+
+    assert _fenced_merge(spark, path, 1, range(0, 20000, 200)) == [], "a repeated fence version is skipped"
+    assert DeltaTable(path).version() == 2, "without a commit"
+    _fenced_merge(spark, path, 2, range(1, 20000, 200))
+    spark.sql(f"RESTORE TABLE delta.`{path}` TO VERSION AS OF 2")
+    restored = DeltaTable(path)
+    assert restored.transaction_version("app") == 2, "RESTORE keeps the newest fence"
+    assert _fenced_merge(spark, path, 2, range(1, 20000, 200)) == [], "so the rewound batch's replay is skipped"
+
+    expected = sum(range(20000)) + 100
+    assert spark.read.format("delta").load(path).selectExpr("sum(v)").collect()[0][0] == expected
+    assert _rows(read_all(DeltaTable(path))) == _by_spark(spark, path), "delta-rs reads a state with deletion vectors"
+    changes = DeltaTable(path).load_cdf(starting_version=2, ending_version=2).read_all()
+    assert changes.num_rows == 200 and set(changes.column("_change_type").to_pylist()) == {"update_preimage", "update_postimage"}
+    assert '{"batch": 1}' in [h.get("userMetadata") for h in DeltaTable(path).history()]

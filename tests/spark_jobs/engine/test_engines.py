@@ -139,17 +139,18 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
 
 _READ_DELTA = """
 import json, sys
-from spark_jobs.engine.session import connect_session, default_session
+from spark_jobs.engine.session import default_session
 master, path = sys.argv[1:]
-spark = connect_session(master) if master.startswith("sc://") else default_session(master, short_lived=False, delta=True)
+spark = default_session(master, short_lived=False, delta=True)
 rows = spark.read.format("delta").load(path).orderBy("user_id").collect()
 print(json.dumps([[r.user_id, r.events] for r in rows]))
 """
 
 
-def test_delta_spark_reads_the_state_on_the_cluster_and_over_connect(cluster, connect, tmp_path):
+def test_delta_spark_reads_the_state_on_the_cluster(cluster, tmp_path):
     """A Delta-querying session's delta-spark JARs reach a cluster's executors
-    (`spark.jars`), and a Connect server started with them serves Delta."""
+    (`spark.jars`). (A Connect server started with them serves Delta too:
+    tests/test_topology.py reads every state through one, on a cluster.)"""
     spec_path = write_spec(tmp_path, oracle_spec_dict())
     write_wave(tmp_path / "landing", 0, files=2, records_per_file=300, users=25)
     assert json.loads(run_cli("run", str(spec_path), "--json").stdout)["status"] == "committed"
@@ -158,10 +159,9 @@ def test_delta_spark_reads_the_state_on_the_cluster_and_over_connect(cluster, co
     expected = sorted([r["user_id"], r["events"]] for r in _state_rows(state))
     script = tmp_path / "read_delta.py"
     script.write_text(_READ_DELTA)
-    for master in (cluster, connect):
-        result = subprocess.run([sys.executable, str(script), master, str(state)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert json.loads(result.stdout.strip().splitlines()[-1]) == expected, master
+    result = subprocess.run([sys.executable, str(script), cluster, str(state)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
 
 
 def _state_rows(path: Path) -> list[dict]:

@@ -249,16 +249,17 @@ FROM batch GROUP BY substr(user_id, -1, 1)
 """
 
 
-def chain_specs(folder: Path) -> tuple[Path, Path]:
+def chain_specs(folder: Path, reader: str = "driver") -> tuple[Path, Path]:
     """Two chained pipelines in `folder`: the oracle pipeline with its change
-    feed on (`upstream.yaml`), and `buckets` reading its changes (`downstream.yaml`)."""
+    feed on (`upstream.yaml`), and `buckets` reading its changes
+    (`downstream.yaml`), by the driver or by Spark (`source.reader`)."""
     base = oracle_spec_dict()
     upstream = write_spec(folder, oracle_spec_dict(state={**base["state"], "change_feed": True}), "upstream.yaml")
     downstream = write_spec(
         folder,
         {
             "name": "buckets",
-            "source": {"type": "delta", "path": "lake/state", "read": "changes"},
+            "source": {"type": "delta", "path": "lake/state", "read": "changes", "reader": reader},
             "transform": DOWNSTREAM_TRANSFORM,
             "state": {"path": "lake/buckets", "keys": ["bucket"], "merge": {"events": "sum", "amount": "sum"}},
             "checkpoint": "lake/_checkpoints/buckets",

@@ -176,6 +176,7 @@ SPEC_RULES: dict[str, FieldRule] = {
     "source.delta.path": FieldRule(Rule.REFUSE, _LOCATION, value=_when("delta", lambda s: s.source_path)),
     "source.delta.read": FieldRule(Rule.REFUSE, "which rows a version gives (changes or appends)", value=_when("delta", lambda s: s.source.read)),
     "source.delta.on_data_loss": FieldRule(Rule.RECORD, "what a later batch does when versions it needs are gone; recorded batches stay as they were", value=_when("delta", lambda s: s.source.on_data_loss)),
+    "source.delta.reader": FieldRule(Rule.FREE, "who reads the versions (the driver or Spark's executors); both read the same rows"),
     "source.kafka.bootstrap_servers": FieldRule(Rule.FREE, "how to reach the cluster; offsets carry the cluster's id, so another cluster is refused"),
     "source.kafka.topic": FieldRule(Rule.REFUSE, _LOCATION, value=_when("kafka", lambda s: s.source.topic)),
     "source.kafka.format": FieldRule(Rule.REFUSE, _PARSE, value=_when("kafka", lambda s: s.source.format)),

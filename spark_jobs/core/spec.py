@@ -242,6 +242,10 @@ class DeltaSourceSpec(_Model):
     #: Versions the pipeline still needs but the table no longer has (its log
     #: was cleaned up): stop (`fail`), or record them as skipped and go on.
     on_data_loss: Literal["fail", "skip"] = "fail"
+    #: Who reads a batch's versions: `driver` (delta-rs, handed to Spark as
+    #: Arrow) or `spark` (delta-spark on the executors, for batches of
+    #: millions of change rows on a cluster: docs/benchmarks.md).
+    reader: Literal["driver", "spark"] = "driver"
 
     @property
     def format(self) -> str:

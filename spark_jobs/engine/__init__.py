@@ -30,11 +30,14 @@ class SparkFactory:
     block stops it if none did (nothing new, a dry run, an error).
     """
 
-    def __init__(self, master: str | None, *, process_ends: bool, early: EarlyDriver | None, short_lived: bool = True) -> None:
+    def __init__(
+        self, master: str | None, *, process_ends: bool, early: EarlyDriver | None, short_lived: bool = True, delta: bool = False
+    ) -> None:
         self._master = master
         self._process_ends = process_ends
         self._early = early
         self._short_lived = short_lived
+        self._delta = delta
 
     def __call__(self) -> Compute:
         from spark_jobs.engine.session import redact_master
@@ -42,7 +45,11 @@ class SparkFactory:
 
         log.info("Spark master: %s", redact_master(self._master))
         return SparkCompute(
-            master=self._master, stop_on_close=not self._process_ends, early=self._early, short_lived=self._short_lived
+            master=self._master,
+            stop_on_close=not self._process_ends,
+            early=self._early,
+            short_lived=self._short_lived,
+            delta=self._delta,
         )
 
     def __enter__(self) -> SparkFactory:
@@ -73,11 +80,13 @@ def compute_factory(
     runs in the factory's `with` block, whose end stops it if unused.
     `short_lived`: the local session runs one batch (JVM flags for a fast
     start, `spark_jobs.engine.jvm_cache`); False for a run of many batches
-    (`catch_up`), whose JVM compiles for the long run.
+    (`catch_up`), whose JVM compiles for the long run. A Delta source read by
+    Spark (`source.reader: spark`) gets a session with delta-spark.
     """
     from spark_jobs.engine.session import launch_driver, resolve_master
 
     resolved = resolve_master(master, spec)
     remote = resolved is not None and resolved.startswith("sc://")
-    early = launch_driver(resolved, short_lived=short_lived) if start_driver and not remote else None
-    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived)
+    delta = spec.source.type == "delta" and spec.source.reader == "spark"
+    early = launch_driver(resolved, short_lived=short_lived, delta=delta) if start_driver and not remote else None
+    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta)

@@ -1,15 +1,28 @@
-"""Read a planned range of an upstream Delta table's versions, as Arrow.
+"""Read a planned range of an upstream Delta table's versions: two readers, the same rows.
 
-Spark cannot read Delta here (delta-spark's JARs cannot be fetched), so the
-driver reads the range with delta-rs and hands Spark an Arrow table: the
-change data feed for ``read: changes`` (delta-rs's `load_cdf`), the files the
-versions added for ``read: appends``. A batch spans at most
-`batch.max_versions` versions, which keeps what the driver holds bounded.
+* The driver's (`read_versions`, `source.reader: driver`, the default):
+  delta-rs reads the range and hands Spark an Arrow table: the change data
+  feed for ``read: changes`` (delta-rs's `load_cdf`), the files the versions
+  added for ``read: appends``. A batch spans at most `batch.max_versions`
+  versions, which keeps what the driver holds bounded. It needs no JVM of
+  its own and no delta-spark, and it is the faster one for the batches
+  chained pipelines make.
+* Spark's (`spark_versions`, `source.reader: spark`): delta-spark reads the
+  range on the executors (`readChangeFeed`, or the files the versions added),
+  so no row passes through the driver. It pays for batches of millions of
+  change rows on a cluster (docs/benchmarks.md, "Reading a Delta source"),
+  and it reads tables with column mapping, which delta-rs cannot.
+
+Both apply the same rule to a change feed (`net_changes`,
+`spark_net_changes`): a row a version removed and added back unchanged is
+no change.
 """
 
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,16 +33,20 @@ from spark_jobs.core.spec import CHANGE_COLUMNS
 from spark_jobs.sources.delta import DeltaManifest, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
-__all__ = ["batch_schema", "net_changes", "read_versions"]
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+__all__ = ["batch_schema", "net_changes", "read_versions", "spark_net_changes", "spark_versions"]
 
 
 def _table(uri: str, version: int | None = None) -> DeltaTable:
     return DeltaTable(uri, version=version, storage_options=delta_storage_options(uri))
 
 
-def batch_schema(uri: str, read: str) -> pa.Schema:
-    """The `batch` view's columns for a Delta source: the table's, plus the feed's for changes."""
-    schema = pa.schema(_table(uri).schema().to_arrow())
+def batch_schema(uri: str, read: str, version: int | None = None) -> pa.Schema:
+    """The `batch` view's columns for a Delta source: the table's (as of
+    `version`, else now), plus the feed's for changes."""
+    schema = pa.schema(_table(uri, version).schema().to_arrow())
     if read == "changes":
         schema = pa.schema(
             [*schema, pa.field(CHANGE_COLUMNS[0], pa.string()), pa.field(CHANGE_COLUMNS[1], pa.int64()),
@@ -49,6 +66,24 @@ def read_versions(manifest: DeltaManifest) -> pa.Table:
         # As `batch_schema` says: plain strings and UTC microseconds, whatever delta-rs hands over.
         return net_changes(rows.cast(pa.schema([_plain(f) for f in rows.schema])))
     return _appended(manifest)
+
+
+def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
+    """`read_versions`, read by delta-spark on the executors (the session
+    must have delta-spark: `default_session(delta=True)`, or a Connect
+    server started with it). Not run: a plan, for the batch's one job."""
+    if manifest.first > manifest.last:
+        return spark.createDataFrame(batch_schema(manifest.uri, manifest.read).empty_table())
+    if manifest.read == "changes":
+        feed = (
+            spark.read.format("delta")
+            .option("readChangeFeed", "true")
+            .option("startingVersion", manifest.first)
+            .option("endingVersion", manifest.last)
+            .load(manifest.uri)
+        )
+        return spark_net_changes(_commit_times_as_logged(feed, manifest))
+    return _spark_appended(spark, manifest)
 
 
 _ADDED = ("insert", "update_postimage")
@@ -103,6 +138,52 @@ def net_changes(rows: pa.Table) -> pa.Table:
     return rows.filter(keep)
 
 
+def spark_net_changes(feed: DataFrame) -> DataFrame:
+    """`net_changes` in Spark: within a version, a removal and an addition of
+    an identical row (nulls equal nulls) cancel, pair by pair; what is left
+    of either kind stays. (Which of several identical rows stay is not
+    defined, as their order is not; the rows left are the same.) A feed
+    with nested or binary columns is passed as it is, as `net_changes` does."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, BinaryType, MapType, StructType
+
+    values = [c for c in feed.columns if c not in (CHANGE_COLUMNS[0], CHANGE_COLUMNS[2])]
+    if any(isinstance(feed.schema[c].dataType, (ArrayType, BinaryType, MapType, StructType)) for c in values):
+        return feed
+    added = F.col(CHANGE_COLUMNS[0]).isin(*_ADDED)
+    # The feed has only these four kinds, so not added means removed.
+    same = Window.partitionBy(*[F.col(f"`{c}`") for c in values])
+    pairs = F.least(F.sum(added.cast("int")).over(same), F.sum((~added).cast("int")).over(same))
+    rank = F.row_number().over(Window.partitionBy(*[F.col(f"`{c}`") for c in values], added).orderBy(F.lit(1)))
+    return (
+        feed.withColumn("__rank", rank)
+        .withColumn("__pairs", pairs)
+        .where(F.col("__rank") > F.col("__pairs"))
+        .drop("__rank", "__pairs")
+    )
+
+
+def _commit_times_as_logged(feed: DataFrame, manifest: DeltaManifest) -> DataFrame:
+    """The feed with each version's `_commit_timestamp` from its log entry's
+    commit info, as delta-rs gives it (and as planning dates versions for a
+    data interval). delta-spark gives the log file's modification time,
+    which may be a few milliseconds off (seen on a RESTORE's commit)."""
+    from pyspark.sql import functions as F
+
+    table_uri = _table(manifest.uri).table_uri
+    logged: list = []
+    for version in range(manifest.first, manifest.last + 1):
+        info = next((a["commitInfo"] for a in version_actions(table_uri, version) or [] if "commitInfo" in a), {})
+        if isinstance(info.get("timestamp"), int):
+            logged += [F.lit(version), F.lit(info["timestamp"])]
+    if not logged:
+        return feed
+    column = CHANGE_COLUMNS[2]
+    as_logged = F.timestamp_millis(F.element_at(F.create_map(*logged), F.col(CHANGE_COLUMNS[1])))
+    return feed.withColumn(column, F.coalesce(as_logged, F.col(column)))
+
+
 def _comparable(kind: pa.DataType) -> bool:
     """Types whose text tells equal values from unequal ones."""
     return not (pa.types.is_nested(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind))
@@ -134,6 +215,9 @@ def _appended(manifest: DeltaManifest) -> pa.Table:
                 continue
             data = pq.read_table(io.BytesIO(read_bytes(f"{root}/{add['path']}")))
             for column, value in (add.get("partitionValues") or {}).items():
+                # The log's value is the row's (delta-spark 4 writes the column into the file as well).
+                if column in data.column_names:
+                    data = data.drop_columns([column])
                 data = data.append_column(column, pa.array([value] * data.num_rows, pa.string()).cast(schema.field(column).type))
             # Columns added to the table after the file was written read as null.
             for field in schema:
@@ -141,3 +225,61 @@ def _appended(manifest: DeltaManifest) -> pa.Table:
                     data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
             parts.append(data.select(schema.names).cast(schema))
     return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def _spark_appended(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
+    """`_appended` by delta-spark: the table as of a version, kept to the
+    files the versions added (matched by path, `_metadata.file_path`).
+
+    The range is read in runs of versions that removed no file, each as of
+    its own last version, where every file the run added is still there.
+    Only an OPTIMIZE removes files in a range the source planned as appends
+    (it refuses removals that change data), and it may have folded files of
+    the versions before it into new ones: those are read as of the version
+    before it, the files it wrote not at all. Columns added along the range
+    read as null in the rows written before them, as the driver's read gives.
+    """
+    from pyspark.sql import functions as F
+
+    table = _table(manifest.uri, manifest.last)
+    runs: list[tuple[int, set[str]]] = []
+    added: set[str] = set()
+    for version in range(manifest.first, manifest.last + 1):
+        actions = version_actions(table.table_uri, version) or []
+        if any("remove" in a for a in actions):
+            if added:
+                runs.append((version - 1, added))
+            added = set()
+            continue
+        added |= {a["add"]["path"] for a in actions if "add" in a and a["add"].get("dataChange", True)}
+    if added:
+        runs.append((manifest.last, added))
+    columns = pa.schema(table.schema().to_arrow()).names
+    # A file's path as Spark gives it, decoded (a literal '+' kept: URIs never mean a space by it).
+    decoded = F.expr("url_decode(replace(_metadata.file_path, '+', '%2B'))")
+    result = None
+    for as_of, paths in runs:
+        read = spark.read.format("delta").option("versionAsOf", as_of).load(manifest.uri)
+        part = read.where(_path_in(decoded, paths))
+        result = part if result is None else result.unionByName(part, allowMissingColumns=True)
+    if result is None:
+        return spark.createDataFrame(batch_schema(manifest.uri, manifest.read).empty_table())
+    return result.select(*[F.col(f"`{c}`") for c in columns])
+
+
+def _path_in(decoded: Column, paths: set[str]) -> Column:
+    """Whether a row's file (its decoded path) is one of `paths` (a log's
+    paths: relative to the table, or absolute URIs; percent-encoded):
+    compared by as many trailing parts as each path has."""
+    from pyspark.sql import functions as F
+
+    by_depth: dict[int, list[str]] = {}
+    for path in paths:
+        plain = unquote(urlparse(path).path if "://" in path else path).strip("/")
+        by_depth.setdefault(plain.count("/") + 1, []).append(plain)
+    parts = F.split(decoded, "/")
+    found = None
+    for depth, tails in by_depth.items():
+        match = F.concat_ws("/", F.slice(parts, -depth, depth)).isin(sorted(tails))
+        found = match if found is None else found | match
+    return found

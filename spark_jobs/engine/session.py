@@ -115,7 +115,9 @@ def default_session(
     return session
 
 
-def launch_driver(master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True) -> EarlyDriver:
+def launch_driver(
+    master: str | None = None, app_name: str = "microbatch", *, short_lived: bool = True, delta: bool = False
+) -> EarlyDriver:
     """Start the driver JVM of this process's `default_session` (one batch, or
     many when not `short_lived`) now, on a thread; the launch's owner is
     returned. None is launched where that session would not start one (under spark-submit; a JVM already running in this
@@ -126,7 +128,7 @@ def launch_driver(master: str | None = None, app_name: str = "microbatch", *, sh
         return EarlyDriver(None)
     if under_spark_submit() or ("pyspark" in sys.modules and _has_gateway()):
         return EarlyDriver(None)
-    return EarlyDriver(DriverLaunch(session_options(master, app_name, short_lived=short_lived)))
+    return EarlyDriver(DriverLaunch(session_options(master, app_name, short_lived=short_lived, delta=delta)))
 
 
 def _has_gateway() -> bool:

@@ -40,8 +40,8 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.engine import delta_read, exact_read, native_read
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
-from spark_jobs.engine.session import built_once, connect_session, default_session, redact_master
-from spark_jobs.errors import ComputeError, SourceError, TransformError, first_line
+from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master
+from spark_jobs.errors import ComputeError, MicrobatchError, SourceError, SourceRefusedError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
 from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest, SourceFile
@@ -136,11 +136,14 @@ class SparkCompute:
         stop_on_close: bool = True,
         early: EarlyDriver | None = None,
         short_lived: bool = True,
+        delta: bool = False,
     ) -> None:
         self._session = session
         self._master = master
         #: The session it starts runs one batch (`default_session`'s flags for a fast start), or many.
         self._short_lived = short_lived
+        #: The session it starts loads delta-spark (a Delta source read by Spark).
+        self._delta = delta
         #: A driver JVM launched ahead of need, for this compute's session to
         #: take; its owner (`SparkFactory`) stops it if none does.
         self._early = early
@@ -168,7 +171,9 @@ class SparkCompute:
                 active = SparkSession.getActiveSession()
                 if active is None:
                     log.info("starting Spark (master %s)", redact_master(self._master))
-                    self._session = default_session(self._master, short_lived=self._short_lived, early=self._early)
+                    self._session = default_session(
+                        self._master, short_lived=self._short_lived, early=self._early, delta=self._delta
+                    )
                 else:
                     self._session = active
                 self._owns_session = active is None
@@ -222,7 +227,7 @@ class SparkCompute:
         """
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
-            empty = self.spark.createDataFrame(reader.columns_on_driver(spec).empty_table())
+            empty = self.spark.createDataFrame(reader.columns_on_driver(spec, batch.manifest).empty_table())
             check_result_columns(spec, self._transform(spec, empty).columns)
             return
         checked = _CHECKED.setdefault(self.spark, set())
@@ -428,21 +433,42 @@ class SparkCompute:
         return bad.toArrow().cast(QUARANTINE_COLUMNS)
 
     def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
-        """A Delta source's batch: its rows come typed, so nothing is quarantined;
-        the driver reads them (see `spark_jobs.engine.delta_read`)."""
+        """A Delta source's batch: its rows come typed, so nothing is
+        quarantined. Read by the driver, or by Spark (`source.reader`): see
+        `spark_jobs.engine.delta_read`."""
+        if spec.source.reader == "spark":
+            return self._versions_by_spark(spec, manifest)
         try:
             rows = delta_read.read_versions(manifest)
         except Exception as exc:
-            raise SourceError(
-                f"pipeline {spec.name}: cannot read versions {manifest.first}..{manifest.last} of source table "
-                f"{manifest.uri}: {first_line(exc)}. If a VACUUM of that table removed their files, the "
-                "versions are lost: rewind to the last committed batch (`microbatch rewind SPEC --to-batch K`) "
-                "and set `source.on_data_loss: skip` only if losing them is acceptable. Nothing was committed.",
+            raise _unreadable_versions(spec, manifest, exc) from exc
+        updates = self._transform(spec, self.spark.createDataFrame(rows)).toArrow()
+        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), rows.num_rows)
+
+    def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
+        """The versions read by delta-spark on the executors, transformed in
+        the same job, their rows counted as it runs (observed metrics)."""
+        from pyspark.sql import functions as F
+
+        try:
+            rows = delta_read.spark_versions(self.spark, manifest)
+            split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
+            query = self._query(spec, rows, split)
+            updates, seen = self._execute(query)
+        except MicrobatchError:
+            raise
+        except Exception as exc:
+            if "DATA_SOURCE_NOT_FOUND" not in str(exc):
+                raise _unreadable_versions(spec, manifest, exc) from exc
+            raise SourceRefusedError(
+                f"pipeline {spec.name}: `source.reader: spark` reads {manifest.uri} with delta-spark, which this "
+                f"Spark session does not have. Fetch its JARs (`make jars`; a run finds them itself, or in "
+                f"${SPARK_JARS_ENV}); on Spark Connect, start the server with them and Delta's SQL extension "
+                "(docker/README.md); or read on the driver (`source.reader: driver`). Nothing was committed.",
                 pipeline=spec.name,
                 path=manifest.uri,
             ) from exc
-        updates = self._transform(spec, self.spark.createDataFrame(rows)).toArrow()
-        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), rows.num_rows)
+        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
 
     # -- internals ------------------------------------------------------------
 
@@ -626,7 +652,7 @@ class _Reader:
     explain: Callable[[PipelineSpec, Any, Exception], Exception] = lambda spec, manifest, exc: exc
     as_planned: Callable[[ComputeResult, Any], ComputeResult] = lambda result, manifest: result
     read_on_driver: Callable[[SparkCompute, PipelineSpec, Any], ComputeResult] | None = None
-    columns_on_driver: Callable[[PipelineSpec], pa.Schema] | None = None
+    columns_on_driver: Callable[[PipelineSpec, Any], pa.Schema] | None = None
 
 
 #: Each source's manifest and how this engine reads it: a source and its
@@ -636,9 +662,25 @@ _READERS: dict[type, _Reader] = {
     KafkaManifest: _Reader(first_read=SparkCompute._read_kafka, explain=_explain_kafka),
     DeltaManifest: _Reader(
         read_on_driver=SparkCompute._process_versions,
-        columns_on_driver=lambda spec: delta_read.batch_schema(spec.source_path, spec.source.read),
+        # Spark reads a column-mapped table's versions with their own names
+        # (a batch never spans a rename: `DeltaSource.plan`), so the batch's
+        # columns are those of its last version; the driver's, the table's now.
+        columns_on_driver=lambda spec, manifest: delta_read.batch_schema(
+            spec.source_path, spec.source.read, manifest.last if spec.source.reader == "spark" and manifest.last >= 0 else None
+        ),
     ),
 }
+
+
+def _unreadable_versions(spec: PipelineSpec, manifest: DeltaManifest, exc: Exception) -> SourceError:
+    return SourceError(
+        f"pipeline {spec.name}: cannot read versions {manifest.first}..{manifest.last} of source table "
+        f"{manifest.uri}: {first_line(exc)}. If a VACUUM of that table removed their files, the "
+        "versions are lost: rewind to the last committed batch (`microbatch rewind SPEC --to-batch K`) "
+        "and set `source.on_data_loss: skip` only if losing them is acceptable. Nothing was committed.",
+        pipeline=spec.name,
+        path=manifest.uri,
+    )
 
 
 def _reader_of(spec: PipelineSpec, batch: BatchRange) -> _Reader:

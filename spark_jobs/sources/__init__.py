@@ -33,6 +33,7 @@ def make_source(spec: PipelineSpec) -> Source:
             read=spec.source.read,
             on_data_loss=spec.source.on_data_loss,
             max_versions=spec.batch.max_versions,
+            reader=spec.source.reader,
             pipeline=spec.name,
             checkpoint=spec.checkpoint_path,
         )

@@ -99,10 +99,20 @@ class DeltaSource:
     unit = "versions"
 
     def __init__(
-        self, uri: str, *, read: str, on_data_loss: str, max_versions: int | None, pipeline: str = "", checkpoint: str = ""
+        self,
+        uri: str,
+        *,
+        read: str,
+        on_data_loss: str,
+        max_versions: int | None,
+        reader: str = "driver",
+        pipeline: str = "",
+        checkpoint: str = "",
     ) -> None:
         self.uri = uri
         self.read = read
+        #: Who reads the batches (`source.reader`): only the driver's reader refuses column mapping.
+        self.reader = reader
         self.on_data_loss = on_data_loss
         self.max_versions = max_versions
         #: Who reads: the position is recorded in the upstream as this pipeline's (`storage.consumers`).
@@ -182,8 +192,11 @@ class DeltaSource:
         last = first - 1
         while last < end and not self._lost(table, last + 1):
             last += 1
+        if first < last and self.reader == "spark" and self.read == "changes":
+            last = self._before_schema_break(table, first, last)
         if first <= last:
-            self._check_column_mapping(table)
+            if self.reader == "driver":
+                self._check_column_mapping(table)
             if self.read == "changes":
                 self._check_change_feed(table, first, last)
             else:
@@ -304,20 +317,41 @@ class DeltaSource:
                 path=self.uri,
             )
 
+    def _before_schema_break(self, table: DeltaTable, first: int, last: int) -> int:
+        """The last version of a batch read by delta-spark's change feed:
+        before the first version after `first` that renamed or dropped a
+        column (column mapping, or an overwrite of the schema). Delta cannot
+        read a feed across one (DELTA_CHANGE_DATA_FEED_INCOMPATIBLE_DATA_SCHEMA)
+        but reads each side with its own columns, so the next batch starts at
+        it, under the new names. Added columns do not break a range."""
+        before = DeltaTable(self.uri, version=first, storage_options=delta_storage_options(self.uri))
+        columns = _column_paths(json.loads(before.schema().to_json()))
+        for version in range(first + 1, last + 1):
+            for action in self._actions(table, version) or []:
+                if "metaData" in action:
+                    now = _column_paths(json.loads(action["metaData"]["schemaString"]))
+                    if not columns <= now:
+                        log.info("source %s: version %d renamed or dropped a column: the batch ends before it", self.uri, version)
+                        return version - 1
+                    columns = now
+        return last
+
     def _check_column_mapping(self, table: DeltaTable) -> None:
-        """A table with column mapping is refused: its Parquet files name
-        columns by id or physical name, which delta-rs 1.6.6 (the reader of a
-        Delta source) cannot read as a change feed and, worse, reads as nulls
-        when it reads the files a version added. Mapping cannot be turned off
+        """A table with column mapping is refused to the driver's reader: its
+        Parquet files name columns by id or physical name, which delta-rs
+        1.6.6 cannot read as a change feed and, worse, reads as nulls when it
+        reads the files a version added (delta-spark, `source.reader: spark`,
+        reads them). Mapping cannot be turned off
         on a table once a column was renamed or dropped, so the latest
         version's property decides."""
         mode = str(table.metadata().configuration.get("delta.columnMapping.mode", "none")).lower()
         if mode != "none":
             raise SourceRefusedError(
                 f"source table {self.uri} uses column mapping (delta.columnMapping.mode = {mode}), which this "
-                "project's Delta reader (delta-rs 1.6.6) cannot read exactly. Follow a table without column "
-                "mapping: write the upstream with delta.columnMapping.mode = none, or copy it into one "
-                "(CREATE TABLE ... AS SELECT) and point `source.path` there. Nothing was planned.",
+                "project's driver reader (delta-rs 1.6.6) cannot read exactly. Read it with delta-spark "
+                "instead (`source.reader: spark`), or follow a table without column mapping: write the "
+                "upstream with delta.columnMapping.mode = none, or copy it into one (CREATE TABLE ... AS "
+                "SELECT) and point `source.path` there. Nothing was planned.",
                 path=self.uri,
             )
 
@@ -334,6 +368,17 @@ class DeltaSource:
                     "use `source.read: changes` to follow updates and deletes. Nothing was planned.",
                     path=self.uri,
                 )
+
+
+def _column_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted names of a Delta schema's columns, nested struct fields included."""
+    paths = set()
+    for field in schema.get("fields", []):
+        path = f"{prefix}{field['name']}"
+        paths.add(path)
+        if isinstance(field.get("type"), dict) and field["type"].get("type") == "struct":
+            paths |= _column_paths(field["type"], f"{path}.")
+    return paths
 
 
 def _feeds(configuration: dict[str, Any]) -> bool:

@@ -47,7 +47,7 @@ def test_chaos_soak(spec_path, seed):
     print(_chaos(spec_path, rounds=30, seed=seed))
 
 
-def _chain_chaos(folder, rounds: int, seed: int) -> dict[str, int]:
+def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
     now and then rewinds the upstream or maintains it (keeping 2 batches).
@@ -55,7 +55,7 @@ def _chain_chaos(folder, rounds: int, seed: int) -> dict[str, int]:
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
-    upstream, downstream = chain_specs(folder)
+    upstream, downstream = chain_specs(folder, reader)
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
@@ -94,7 +94,16 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
     assert counts["maintains"], counts
 
 
+def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
+    """The downstream reads with delta-spark on the executors (`source.reader:
+    spark`): the same kills, rewinds and maintenance, the same exact end."""
+    counts = _chain_chaos(tmp_path, rounds=3, seed=21, reader="spark")
+    print(counts)
+    assert counts["maintains"], counts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [12, 13, 14])
-def test_chain_chaos_soak(tmp_path, seed):
-    print(_chain_chaos(tmp_path, rounds=20, seed=seed))
+@pytest.mark.parametrize("reader", ["driver", "spark"])
+def test_chain_chaos_soak(tmp_path, seed, reader):
+    print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader))

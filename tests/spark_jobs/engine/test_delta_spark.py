@@ -16,9 +16,9 @@ from spark_jobs.core.delta_io import read_all, rows_of
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
-from spark_jobs.errors import SourceRefusedError, exit_code
+from spark_jobs.errors import SourceRefusedError, TransformError, exit_code
 from spark_jobs.storage.s3 import delta_storage_options, spark_read_options
-from tests.conftest import chain_specs, oracle_spec_dict, write_spec
+from tests.conftest import chain_specs, oracle_spec_dict, run_cli, write_spec
 
 
 def _rows(table) -> list[str]:
@@ -95,16 +95,25 @@ FROM batch GROUP BY k
 """
 
 
-def _downstream(folder, upstream: str, read: str):
-    transform = _FOLLOW if read == "changes" else "SELECT k, sum(v) AS v FROM batch GROUP BY k"
+def _downstream(folder, upstream: str, read: str, reader: str = "driver", column: str = "v"):
+    """A pipeline summing `column` of the upstream by `k` into its state's `v`."""
+    transform = (_FOLLOW if read == "changes" else "SELECT k, sum(v) AS v FROM batch GROUP BY k").replace("v", column)
+    name = f"follow_{read}_{reader}"
     spec = {
-        "name": f"follow_{read}",
-        "source": {"type": "delta", "path": upstream, "read": read},
-        "transform": transform,
-        "state": {"path": f"lake/follow_{read}", "keys": ["k"], "merge": {"v": "sum"}},
-        "checkpoint": f"lake/_checkpoints/follow_{read}",
+        "name": name,
+        "source": {"type": "delta", "path": upstream, "read": read, "reader": reader},
+        "transform": transform.replace(f"AS {column}", "AS v"),
+        "state": {"path": f"lake/{name}", "keys": ["k"], "merge": {"v": "sum"}},
+        "checkpoint": f"lake/_checkpoints/{name}",
     }
-    return load_spec(write_spec(folder, spec, f"{read}.yaml"))
+    return load_spec(write_spec(folder, spec, f"{name}.yaml"))
+
+
+def _drain(spec, compute) -> dict:
+    """Run `spec` until nothing is new; its state as {k: v}, zeros left out."""
+    while run_batch(spec, RunOptions(run_id="r"), compute_factory=compute).status == "committed":
+        pass
+    return {r["k"]: r["v"] for r in rows_of(read_all(DeltaTable(spec.state_path))) if r["v"] != 0}
 
 
 def _upstream(spark, path, properties: dict[str, str]) -> str:
@@ -113,27 +122,25 @@ def _upstream(spark, path, properties: dict[str, str]) -> str:
     return str(path)
 
 
-def test_a_source_with_deletion_vectors_written_by_delta_spark_is_followed_exactly(tmp_path, spark, compute):
+@pytest.mark.parametrize("reader", ["driver", "spark"])
+def test_a_source_with_deletion_vectors_written_by_delta_spark_is_followed_exactly(tmp_path, spark, compute, reader):
     up = _upstream(spark, tmp_path / "up", {"delta.enableDeletionVectors": "true"})
     spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1), ('b', 2), ('c', 3), ('d', 4)")
     spark.sql(f"DELETE FROM delta.`{up}` WHERE k = 'b'")  # a deletion vector, not a rewrite
     spark.sql(f"UPDATE delta.`{up}` SET v = 30 WHERE k = 'c'")
     spark.sql(f"INSERT INTO delta.`{up}` VALUES ('e', 5)")
     assert "deletionVectors" in (DeltaTable(up).protocol().reader_features or [])
-    follow = _downstream(tmp_path, up, "changes")
-    while run_batch(follow, RunOptions(run_id="r"), compute_factory=compute).status == "committed":
-        pass
+    followed = _drain(_downstream(tmp_path, up, "changes", reader), compute)
     upstream_now = {r["k"]: r["v"] for r in rows_of(spark.read.format("delta").load(up).toArrow())}
-    followed = {r["k"]: r["v"] for r in rows_of(read_all(DeltaTable(follow.state_path))) if r["v"] != 0}
     assert followed == upstream_now == {"a": 1, "c": 30, "d": 4, "e": 5}
-    appends = _downstream(tmp_path, up, "appends")
+    appends = _downstream(tmp_path, up, "appends", reader)
     with pytest.raises(SourceRefusedError, match=r"version 2 \(DELETE\) removed or rewrote rows"):
         run_batch(appends, RunOptions(run_id="r"), compute_factory=compute)
     assert not DeltaTable.is_deltatable(appends.state_path)
 
 
 @pytest.mark.parametrize("read", ["changes", "appends"])
-def test_a_source_with_column_mapping_is_refused_by_name_before_any_write(tmp_path, spark, compute, read):
+def test_a_source_with_column_mapping_is_refused_to_the_driver_reader_by_name_before_any_write(tmp_path, spark, compute, read):
     up = _upstream(spark, tmp_path / "up", {"delta.columnMapping.mode": "name"})
     spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1)")
     spark.sql(f"ALTER TABLE delta.`{up}` RENAME COLUMN v TO w")
@@ -142,6 +149,41 @@ def test_a_source_with_column_mapping_is_refused_by_name_before_any_write(tmp_pa
         run_batch(follow, RunOptions(run_id="r"), compute_factory=compute)
     assert exit_code(caught.value) == 2
     assert not DeltaTable.is_deltatable(follow.state_path) and not DeltaTable.is_deltatable(follow.ledger_path)
+
+
+def test_a_source_with_column_mapping_is_read_by_spark_across_a_rename(tmp_path, spark, compute):
+    """delta-spark reads what delta-rs cannot: files that name their columns
+    by physical name. Appends come with the names the table has now. A
+    change feed cannot be read across a rename, so a batch ends before it and
+    the next comes with the new names: a transform on the old name fails
+    (exit 2, nothing committed) until the spec follows the rename."""
+    up = _upstream(spark, tmp_path / "up", {"delta.columnMapping.mode": "name"})
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1), ('b', 2)")
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('c', 3)")
+    spark.sql(f"ALTER TABLE delta.`{up}` RENAME COLUMN v TO w")  # version 3
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 10)")
+    assert _drain(_downstream(tmp_path, up, "appends", "spark", column="w"), compute) == {"a": 11, "b": 2, "c": 3}
+    before = _downstream(tmp_path, up, "changes", "spark", column="v")
+    assert run_batch(before, RunOptions(run_id="r"), compute_factory=compute).status == "committed"
+    # The first batch ended before the rename (versions 0..2), else Delta would have refused it.
+    assert {r["k"]: r["v"] for r in rows_of(read_all(DeltaTable(before.state_path)))} == {"a": 1, "b": 2, "c": 3}
+    with pytest.raises(TransformError, match="v") as caught:
+        run_batch(before, RunOptions(run_id="r"), compute_factory=compute)
+    assert exit_code(caught.value) == 2
+    after = _downstream(tmp_path, up, "changes", "spark", column="w")
+    assert _drain(after, compute) == {"a": 11, "b": 2, "c": 3}
+
+
+def test_spark_reader_without_delta_spark_in_the_session_is_refused_by_name(tmp_path, spark):
+    """A run whose session lacks delta-spark (no JARs: MICROBATCH_SPARK_JARS=none)
+    stops with exit 2, naming the setting and what to do, and commits nothing."""
+    up = _upstream(spark, tmp_path / "up", {})
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1)")
+    follow = _downstream(tmp_path, up, "appends", "spark")
+    result = run_cli("run", follow.spec_path, env={"MICROBATCH_SPARK_JARS": "none"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "`source.reader: spark`" in result.stderr and "make jars" in result.stderr, result.stderr[-2000:]
+    assert not DeltaTable.is_deltatable(follow.state_path)
 
 
 def _fenced_merge(spark, path: str, version: int, keys) -> list:

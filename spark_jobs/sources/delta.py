@@ -27,7 +27,10 @@ version reads its log entry and checks its files exist: the cost is the
 batch's, never the table's age.
 
 Planning reads only the table's log (no data, no JVM), so a run with nothing
-new never starts a Spark session.
+new never starts a Spark session. Who then reads the planned versions, the
+driver or Spark's executors, is `source.reader` (`engine/delta_read.py`);
+planning differs for Spark's in two ways: it accepts column mapping, and it
+ends a change-feed batch before a version that renamed or dropped a column.
 """
 
 from __future__ import annotations

@@ -83,12 +83,14 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 	touch $(FLINK_STAMP)
 
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
-# micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md).
+# micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
+# and the state write as the state grows (docs/state-at-scale.md).
 bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
 	$(BIN)/python bench/delta_read_ways.py
 	$(BIN)/python bench/continuous.py
+	$(BIN)/python bench/state_scale.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
 lock:

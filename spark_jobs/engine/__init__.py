@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.compute import Compute
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.engine.driver import EarlyDriver
+    from spark_jobs.engine.idle_hint import IdleHint
 
 __all__ = ["SparkFactory", "compute_factory"]
 
@@ -31,19 +32,30 @@ class SparkFactory:
     """
 
     def __init__(
-        self, master: str | None, *, process_ends: bool, early: EarlyDriver | None, short_lived: bool = True, delta: bool = False
+        self,
+        master: str | None,
+        *,
+        process_ends: bool,
+        early: EarlyDriver | None,
+        short_lived: bool = True,
+        delta: bool = False,
+        hint: IdleHint | None = None,
     ) -> None:
         self._master = master
         self._process_ends = process_ends
         self._early = early
         self._short_lived = short_lived
         self._delta = delta
+        #: Kept for the next run: whether this one found nothing new (it never made a compute).
+        self._hint = hint
+        self._made = False
 
     def __call__(self) -> Compute:
         from spark_jobs.engine.session import redact_master
         from spark_jobs.engine.spark_compute import SparkCompute
 
         log.info("Spark master: %s", redact_master(self._master))
+        self._made = True
         return SparkCompute(
             master=self._master,
             stop_on_close=not self._process_ends,
@@ -55,9 +67,11 @@ class SparkFactory:
     def __enter__(self) -> SparkFactory:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if self._early is not None:
             self._early.close()
+        if self._hint is not None:
+            self._hint.record(idle=kind is None and not self._made)
 
 
 def compute_factory(
@@ -81,12 +95,19 @@ def compute_factory(
     `short_lived`: the local session runs one batch (JVM flags for a fast
     start, `spark_jobs.engine.jvm_cache`); False for a run of many batches
     (`catch_up`), whose JVM compiles for the long run. A Delta source read by
-    Spark (`source.reader: spark`) gets a session with delta-spark.
+    Spark (`source.reader: spark`) gets a session with delta-spark. No JVM is
+    launched early when the source looks as it did when the last run found
+    nothing new (`idle_hint`): such a run stays JVM-free.
     """
+    from spark_jobs.engine.idle_hint import IdleHint
     from spark_jobs.engine.session import launch_driver, resolve_master
 
     resolved = resolve_master(master, spec)
     remote = resolved is not None and resolved.startswith("sc://")
     delta = spec.source.type == "delta" and spec.source.reader == "spark"
+    hint = IdleHint(spec) if start_driver and not remote else None
+    if hint is not None and hint.unchanged():
+        log.info("the source is as the last run, which found nothing new, left it: no early driver launch")
+        start_driver = False
     early = launch_driver(resolved, short_lived=short_lived, delta=delta) if start_driver and not remote else None
-    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta)
+    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta, hint=hint)

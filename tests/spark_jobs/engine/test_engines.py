@@ -137,6 +137,26 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
     assert len(lineage) == 2
 
 
+@pytest.mark.parametrize("engine", ["cluster", "connect"])
+def test_a_chain_read_by_spark_is_exact_on_the_cluster_and_over_connect(request, engine, tmp_path):
+    """`source.reader: spark` on each engine: delta-spark reads the upstream's
+    change feed on the cluster's executors (its JARs shipped by `spark.jars`)
+    or on the Connect server (started with them)."""
+    from tests.conftest import assert_chain_exact, chain_specs
+
+    master = request.getfixturevalue(engine)
+    upstream, downstream = chain_specs(tmp_path, reader="spark")
+    for wave in range(2):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=200, users=30, seed=wave)
+        assert json.loads(run_cli("run", str(upstream), "--json").stdout)["status"] == "committed"
+    for _ in range(5):  # the upstream's versions, at most two a batch (`max_versions`), then nothing new
+        result = run_cli("run", str(downstream), "--master", master, "--json")
+        assert result.returncode == 0, result.stderr[-3000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    assert_chain_exact(upstream, downstream)
+
+
 _READ_DELTA = """
 import json, sys
 from spark_jobs.engine.session import default_session

@@ -1,0 +1,109 @@
+"""Whether a run will likely find nothing new: a hint for launching the driver JVM early.
+
+A one-batch run launches its driver JVM before it plans, so that the JVM
+boots while the run reads the ledger and lists the source
+(`spark_jobs.engine.driver`). A run that then finds nothing new stops the
+JVM unused: 0.83 CPU-s and 0.57 s of wall time each (issue 36), which a
+pipeline polled every minute pays sixty times an hour.
+
+So a run that found nothing new leaves the source's *fingerprint* behind
+(`record`), and the next run compares before launching (`unchanged`): the
+same fingerprint means nothing arrived since that run found nothing, so the
+JVM is not launched early. The run still plans as always, and starts Spark
+if it finds a batch after all (a rewind in between, say): the hint only
+decides whether the JVM boots during planning, never what a run reads.
+
+Fingerprints are what can be read in milliseconds without a network call
+or a library import: a local folder's listing (names, sizes, modification
+times) for a files source, and the newest log entry of a local Delta
+table. Sources on S3 and Kafka topics have none (their listing or
+watermarks cost a network round trip before the launch), and their runs
+launch early as before. Hints live in ``$MICROBATCH_CACHE_DIR/idle`` (by
+default ``~/.cache/microbatch/idle``), one small file per pipeline and
+checkpoint, local to the machine: on another worker the hint is simply
+absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spark_jobs.engine.jvm_cache import CACHE_ENV
+
+if TYPE_CHECKING:
+    from spark_jobs.core.spec import PipelineSpec
+
+__all__ = ["IdleHint"]
+
+log = logging.getLogger("microbatch")
+
+
+class IdleHint:
+    """The fingerprint of one pipeline's source, as its last idle run left it."""
+
+    def __init__(self, spec: PipelineSpec) -> None:
+        key = hashlib.sha256(f"{spec.name}\0{spec.checkpoint_path}\0{spec.source_path}".encode()).hexdigest()[:16]
+        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
+        self._file = root / "idle" / f"{spec.name[:40]}-{key}"
+        #: Taken before the run plans: data landing during the run changes the next run's.
+        self._now = _fingerprint(spec)
+
+    def unchanged(self) -> bool:
+        """Whether the source looks as it did when a run last found nothing new."""
+        if self._now is None:
+            return False
+        try:
+            return self._file.read_text() == self._now
+        except OSError:
+            return False
+
+    def record(self, idle: bool) -> None:
+        """After a run: it found nothing new (`idle`), or it processed or failed (forget the hint)."""
+        try:
+            if idle and self._now is not None:
+                self._file.parent.mkdir(parents=True, exist_ok=True)
+                temporary = self._file.with_name(f".{self._file.name}.{os.getpid()}")
+                temporary.write_text(self._now)
+                temporary.replace(self._file)
+            else:
+                self._file.unlink(missing_ok=True)
+        except OSError as exc:  # a hint only: a read-only home costs early launches, nothing else
+            log.debug("idle hint not kept (%s)", exc)
+
+
+def _fingerprint(spec: PipelineSpec) -> str | None:
+    """A digest of what the source holds, if it can be read locally in milliseconds (see the module docstring)."""
+    if spec.source.type not in ("files", "delta"):
+        return None
+    path = spec.source_path
+    if "://" in path and not path.startswith("file:"):
+        return None
+    local = Path(path.removeprefix("file://"))
+    digest = hashlib.sha256()
+    try:
+        if spec.source.type == "delta":
+            entries = [e.name for e in os.scandir(local / "_delta_log") if e.name.endswith((".json", ".checkpoint.parquet"))]
+            digest.update(max(entries, default="").encode())
+        else:
+            for name, size, mtime in sorted(_walk(local)):
+                digest.update(f"{name}\0{size}\0{mtime}\n".encode())
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _walk(folder: Path):
+    """(relative name, size, mtime in ns) of every file under `folder`."""
+    stack = [folder]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                else:
+                    info = entry.stat()
+                    yield os.path.relpath(entry.path, folder), info.st_size, info.st_mtime_ns

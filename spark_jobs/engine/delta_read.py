@@ -36,7 +36,7 @@ from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-__all__ = ["batch_schema", "net_changes", "read_versions", "spark_net_changes", "spark_versions"]
+__all__ = ["arrow_frame", "batch_schema", "net_changes", "read_versions", "spark_net_changes", "spark_versions"]
 
 
 def _table(uri: str, version: int | None = None) -> DeltaTable:
@@ -53,6 +53,14 @@ def batch_schema(uri: str, read: str, version: int | None = None) -> pa.Schema:
              pa.field(CHANGE_COLUMNS[2], pa.timestamp("us", tz="UTC"))]
         )
     return schema
+
+
+def arrow_frame(spark: SparkSession, rows: pa.Table) -> DataFrame:
+    """`rows` as a Spark DataFrame, with their schema given: Spark Connect
+    cannot infer one from a table without rows (CANNOT_INFER_EMPTY_SCHEMA)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return spark.createDataFrame(rows, schema=from_arrow_schema(rows.schema)) if rows.num_rows == 0 else spark.createDataFrame(rows)
 
 
 def read_versions(manifest: DeltaManifest) -> pa.Table:
@@ -73,7 +81,7 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
     must have delta-spark: `default_session(delta=True)`, or a Connect
     server started with it). Not run: a plan, for the batch's one job."""
     if manifest.first > manifest.last:
-        return spark.createDataFrame(batch_schema(manifest.uri, manifest.read).empty_table())
+        return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     if manifest.read == "changes":
         feed = (
             spark.read.format("delta")
@@ -263,7 +271,7 @@ def _spark_appended(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
         part = read.where(_path_in(decoded, paths))
         result = part if result is None else result.unionByName(part, allowMissingColumns=True)
     if result is None:
-        return spark.createDataFrame(batch_schema(manifest.uri, manifest.read).empty_table())
+        return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     return result.select(*[F.col(f"`{c}`") for c in columns])
 
 

@@ -227,7 +227,7 @@ class SparkCompute:
         """
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
-            empty = self.spark.createDataFrame(reader.columns_on_driver(spec, batch.manifest).empty_table())
+            empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
             check_result_columns(spec, self._transform(spec, empty).columns)
             return
         checked = _CHECKED.setdefault(self.spark, set())
@@ -442,7 +442,7 @@ class SparkCompute:
             rows = delta_read.read_versions(manifest)
         except Exception as exc:
             raise _unreadable_versions(spec, manifest, exc) from exc
-        updates = self._transform(spec, self.spark.createDataFrame(rows)).toArrow()
+        updates = self._transform(spec, delta_read.arrow_frame(self.spark, rows)).toArrow()
         return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), rows.num_rows)
 
     def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:

@@ -137,15 +137,17 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
     assert len(lineage) == 2
 
 
-@pytest.mark.parametrize("engine", ["cluster", "connect"])
-def test_a_chain_read_by_spark_is_exact_on_the_cluster_and_over_connect(request, engine, tmp_path):
+@pytest.mark.parametrize(("engine", "reader"), [("cluster", "spark"), ("connect", "spark"), ("connect", "driver")])
+def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reader, tmp_path):
     """`source.reader: spark` on each engine: delta-spark reads the upstream's
     change feed on the cluster's executors (its JARs shipped by `spark.jars`)
-    or on the Connect server (started with them)."""
+    or on the Connect server (started with them). And the driver's reader
+    over Connect, whose check of the transform over no rows once failed
+    there (Connect cannot infer a schema from an empty table)."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     master = request.getfixturevalue(engine)
-    upstream, downstream = chain_specs(tmp_path, reader="spark")
+    upstream, downstream = chain_specs(tmp_path, reader=reader)
     for wave in range(2):
         write_wave(tmp_path / "landing", wave, files=1, records_per_file=200, users=30, seed=wave)
         assert json.loads(run_cli("run", str(upstream), "--json").stdout)["status"] == "committed"

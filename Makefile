@@ -105,8 +105,10 @@ lock:
 clean:
 	rm -rf $(VENV) .demo .pytest_cache
 
-# Airflow on this machine: SQLite, LocalExecutor, the project's DAGs and
-# plugins, UI and API on http://127.0.0.1:8080 with no login (local use only).
+# Airflow on this machine: its metadata in a PostgreSQL server of its own
+# (dev/postgres.py: kept with the Airflow home, started and stopped with
+# Airflow), LocalExecutor, the project's DAGs and plugins, UI and API on
+# http://127.0.0.1:8080 with no login (local use only).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
@@ -119,6 +121,7 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	PATH=$(CURDIR)/$(BIN):$$PATH
 AIRFLOW_PORT ?= 8080
 LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
+AIRFLOW_DB = $(BIN)/python -m dev.postgres
 
 .PHONY: airflow airflow-cli
 # One Ctrl-C stops everything. `airflow standalone` alone needs two while a
@@ -131,12 +134,16 @@ LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 # process group of its own, which a signal to the standalone's group misses.
 AIRFLOW_STOP_GRACE ?= 30
 airflow: setup spark-jars
-	@$(AIRFLOW_ENV) bash -c 'setsid $(BIN)/airflow standalone & session=$$!; \
+	@url=$$($(AIRFLOW_DB) start $(LOCAL_AIRFLOW_HOME)) || exit 1; \
+	$(AIRFLOW_ENV) AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=$$url bash -c 'setsid $(BIN)/airflow standalone & session=$$!; \
 	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; pkill -TERM -s $$session; \
-	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do pgrep -s $$session >/dev/null || exit 0; sleep 1; done; \
-	    echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; pkill -KILL -s $$session; exit 0; }; \
-	  trap stop INT TERM; wait $$session'
+	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do pgrep -s $$session >/dev/null || break; sleep 1; done; \
+	    if pgrep -s $$session >/dev/null; then echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; pkill -KILL -s $$session; fi; \
+	    $(AIRFLOW_DB) stop $(LOCAL_AIRFLOW_HOME); exit 0; }; \
+	  trap stop INT TERM; wait $$session; $(AIRFLOW_DB) stop $(LOCAL_AIRFLOW_HOME)'
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
+# (It starts the database if `make airflow` is not running, and leaves it running.)
 airflow-cli: setup
-	$(AIRFLOW_ENV) $(BIN)/airflow $(ARGS)
+	@url=$$($(AIRFLOW_DB) start $(LOCAL_AIRFLOW_HOME)) || exit 1; \
+	$(AIRFLOW_ENV) AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=$$url $(BIN)/airflow $(ARGS)

@@ -1,5 +1,6 @@
-"""`make airflow` (Airflow standalone on this machine) stops on one Ctrl-C,
-even while a batch runs: a real `make`, a real `airflow standalone`, a real
+"""`make airflow` (Airflow standalone on this machine, its metadata in a
+PostgreSQL server of its own) stops on one Ctrl-C, database included, even
+while a batch runs: a real `make`, a real `airflow standalone`, a real
 batch in Spark, and SIGINT to make's process group as a terminal sends it.
 (`airflow standalone` alone waited for the running task until a second one.)"""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -14,6 +16,7 @@ import urllib.request
 
 import pytest
 
+from dev.postgres import PostgresServer
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import ROOT, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import free_port
@@ -87,10 +90,17 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
         make.wait(90)
         time.sleep(2)
         assert _alive(str(tmp_path)) == [], "processes outlived one Ctrl-C"
+        assert not PostgresServer.kept(tmp_path / "home", start=False).running(), "the database outlived one Ctrl-C"
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
         for pid in _alive(str(tmp_path)):
             os.kill(int(pid), signal.SIGKILL)
         log.close()
+        database = PostgresServer.kept(tmp_path / "home", start=False)
+        database.stop()
+        kept = database.folder
     assert "stopping Airflow" in (tmp_path / "make.log").read_text()
+    # The metadata was in the home's own PostgreSQL (stopped with Airflow, data kept), not in SQLite.
+    assert (kept / "data" / "PG_VERSION").exists() and not (tmp_path / "home" / "airflow.db").exists()
+    shutil.rmtree(kept, ignore_errors=True)

@@ -41,7 +41,7 @@ PIPELINES = ROOT / "docker" / "pipelines"
 
 #: How each long-running service of the compose file runs here.
 NATIVE = {
-    "postgres": "PostgreSQL from Debian's packages, in a temporary folder (tests/postgres_server.py)",
+    "postgres": "PostgreSQL from Debian's packages, in a temporary folder (dev/postgres.py)",
     "airflow-apiserver": "airflow api-server",
     "airflow-scheduler": "airflow scheduler (LocalExecutor: tasks, so Spark drivers, run under it)",
     "airflow-dag-processor": "airflow dag-processor",

@@ -1,6 +1,6 @@
 """A real Airflow on loopback for end-to-end tests: api-server, scheduler,
 dag-processor and triggerer as separate processes, LocalExecutor, and the
-metadata DB on a PostgreSQL server of its own (tests/postgres_server.py).
+metadata DB on a PostgreSQL server of its own (dev/postgres.py).
 
 Each process runs in its own session so teardown can kill the whole group:
 Airflow's processes rename themselves and fork workers, which a pattern
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from tests.postgres_server import PostgresServer
+from dev.postgres import PostgresServer
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -97,7 +97,7 @@ class LiveAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps(self.passwords))
         # The metadata DB on PostgreSQL, as in production: on SQLite a
-        # command racing the scheduler fails half-written (tests/postgres_server.py).
+        # command racing the scheduler fails half-written (dev/postgres.py).
         try:
             self.database = PostgresServer.start()
             self.database.create_database("airflow")

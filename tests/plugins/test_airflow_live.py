@@ -221,7 +221,7 @@ def test_backfill_processes_each_interval_once(live):
     # Backfilling the same range again re-runs completed intervals: all no-ops.
     live.wait_for_backfills("yearly_clicks")
     # One command, as a user types it: on PostgreSQL nothing makes it fail
-    # half-way and want a retry (tests/postgres_server.py says why SQLite did).
+    # half-way and want a retry (dev/postgres.py says why SQLite did).
     again = live.airflow(*args, "--reprocess-behavior", "completed")
     assert again.returncode == 0, again.stderr[-2000:]
     live.wait_for_backfills("yearly_clicks", timeout=600)  # reprocessing clears and re-runs the same runs

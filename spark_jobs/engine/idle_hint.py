@@ -13,12 +13,15 @@ JVM is not launched early. The run still plans as always, and starts Spark
 if it finds a batch after all (a rewind in between, say): the hint only
 decides whether the JVM boots during planning, never what a run reads.
 
-Fingerprints are what can be read in milliseconds without a network call
-or a library import: a local folder's listing (names, sizes, modification
-times) for a files source, and the newest log entry of a local Delta
-table. Sources on S3 and Kafka topics have none (their listing or
-watermarks cost a network round trip before the launch), and their runs
-launch early as before. Hints live in ``$MICROBATCH_CACHE_DIR/idle`` (by
+Fingerprints (`fingerprint`) are what can be read in a millisecond without
+a network call or a library import: a local folder's listing (names,
+sizes, modification times) for a files source, or the newest log entry of a
+local Delta source, with the newest log entry of the pipeline's local
+ledger (so a rewind, which makes consumed data new again, changes it too).
+Sources on S3 and Kafka topics have none (their listing or watermarks cost
+a network round trip before the launch), and their runs launch early as
+before. The deferrable sensor's trigger uses the same fingerprint between
+its polls (`microbatch_airflow.triggers`). Hints live in ``$MICROBATCH_CACHE_DIR/idle`` (by
 default ``~/.cache/microbatch/idle``), one small file per pipeline and
 checkpoint, local to the machine: on another worker the hint is simply
 absent.
@@ -37,7 +40,7 @@ from spark_jobs.engine.jvm_cache import CACHE_ENV
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["IdleHint"]
+__all__ = ["IdleHint", "fingerprint"]
 
 log = logging.getLogger("microbatch")
 
@@ -50,7 +53,7 @@ class IdleHint:
         root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
         self._file = root / "idle" / f"{spec.name[:40]}-{key}"
         #: Taken before the run plans: data landing during the run changes the next run's.
-        self._now = _fingerprint(spec)
+        self._now = fingerprint(spec)
 
     def unchanged(self) -> bool:
         """Whether the source looks as it did when a run last found nothing new."""
@@ -75,25 +78,40 @@ class IdleHint:
             log.debug("idle hint not kept (%s)", exc)
 
 
-def _fingerprint(spec: PipelineSpec) -> str | None:
-    """A digest of what the source holds, if it can be read locally in milliseconds (see the module docstring)."""
+def fingerprint(spec: PipelineSpec) -> str | None:
+    """A digest of what the source holds and of the ledger's newest entry, if
+    both can be read locally in about a millisecond (see the module docstring); else None."""
     if spec.source.type not in ("files", "delta"):
         return None
-    path = spec.source_path
-    if "://" in path and not path.startswith("file:"):
+    source, ledger = _local(spec.source_path), _local(spec.ledger_path)
+    if source is None or ledger is None:
         return None
-    local = Path(path.removeprefix("file://"))
     digest = hashlib.sha256()
     try:
+        digest.update(_newest_entry(ledger).encode())
         if spec.source.type == "delta":
-            entries = [e.name for e in os.scandir(local / "_delta_log") if e.name.endswith((".json", ".checkpoint.parquet"))]
-            digest.update(max(entries, default="").encode())
+            digest.update(_newest_entry(source).encode())
         else:
-            for name, size, mtime in sorted(_walk(local)):
+            for name, size, mtime in sorted(_walk(source)):
                 digest.update(f"{name}\0{size}\0{mtime}\n".encode())
     except OSError:
         return None
     return digest.hexdigest()
+
+
+def _local(location: str) -> Path | None:
+    if "://" in location and not location.startswith("file:"):
+        return None
+    return Path(location.removeprefix("file://"))
+
+
+def _newest_entry(table: Path) -> str:
+    """The name of a local Delta table's newest log entry ('' before it has one)."""
+    try:
+        names = [e.name for e in os.scandir(table / "_delta_log") if e.name.endswith((".json", ".checkpoint.parquet"))]
+    except FileNotFoundError:
+        return ""
+    return max(names, default="")
 
 
 def _walk(folder: Path):

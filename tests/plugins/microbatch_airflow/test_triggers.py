@@ -30,6 +30,33 @@ def test_fires_when_a_file_lands(spec_path):
     assert event.payload == {"status": "ready", "waiting": 2}
 
 
+def test_between_checks_a_poll_takes_the_fingerprint_and_a_rewind_or_a_file_fires_it(spec_path):
+    """An idle poll reads no ledger (the fingerprint stands for it); what
+    changes the ledger (a rewind makes consumed files new) or the folder
+    (a file lands) makes the next poll check in full, and fire."""
+    from tests.conftest import run_cli
+
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=1, records_per_file=5)
+    assert run_cli("run", str(spec_path)).returncode == 0
+    write_wave(landing, 1, files=1, records_per_file=5)
+    assert run_cli("run", str(spec_path)).returncode == 0
+
+    async def wait_for_event(change):
+        events = NewDataTrigger(str(spec_path), poll_seconds=0.2).run()
+        first = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(1)
+        assert not first.done()  # nothing waits: polls on the fingerprint
+        await asyncio.to_thread(change)
+        return await asyncio.wait_for(first, 20)
+
+    rewound = asyncio.run(wait_for_event(lambda: run_cli("rewind", str(spec_path), "--to-batch", "1")))
+    assert rewound.payload == {"status": "ready", "waiting": 1}, "the rewound batch's file waits again"
+    assert run_cli("run", str(spec_path)).returncode == 0
+    landed = asyncio.run(wait_for_event(lambda: write_wave(landing, 2, files=2, records_per_file=5)))
+    assert landed.payload == {"status": "ready", "waiting": 2}
+
+
 def test_reports_errors_instead_of_spinning(tmp_path):
     async def scenario():
         return await NewDataTrigger(str(tmp_path / "missing.yaml"), poll_seconds=0.1).run().__anext__()

@@ -26,7 +26,8 @@ def _run(spec_path, env) -> tuple[str, str]:
     return json.loads(result.stdout)["status"], result.stderr
 
 
-def test_idle_runs_launch_no_jvm_until_data_lands_and_a_rewind_still_replays(tmp_path):
+def test_idle_runs_launch_no_jvm_until_data_lands_or_a_rewind(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
     env = {**os.environ, "MICROBATCH_CACHE_DIR": str(tmp_path / "cache")}
     spec_path = write_spec(tmp_path, oracle_spec_dict())
     landing = tmp_path / "landing"
@@ -40,9 +41,17 @@ def test_idle_runs_launch_no_jvm_until_data_lands_and_a_rewind_still_replays(tmp
     status, err = _run(spec_path, env)
     assert status == "committed" and SKIPPED not in err, "a file landed: the listing changed"
     assert _run(spec_path, env)[0] == "no_new_data"
-    # A rewind makes consumed files new again without touching the folder:
-    # the hint says idle, and the run still finds and processes the batch.
+    # A rewind makes consumed files new again without touching the folder;
+    # it writes the ledger, whose newest entry is in the fingerprint.
     assert run_cli("rewind", str(spec_path), "--to-batch", "1", env=env).returncode == 0
+    status, err = _run(spec_path, env)
+    assert status == "committed" and SKIPPED not in err
+    assert_exact(spec_path)
+    # And a run that finds a batch while the hint says idle (the hint left by
+    # a run on another copy of the folder, say) still processes it.
+    assert _run(spec_path, env)[0] == "no_new_data"
+    assert run_cli("rewind", str(spec_path), "--to-batch", "1", env=env).returncode == 0
+    IdleHint(load_spec(spec_path)).record(idle=True)
     status, err = _run(spec_path, env)
     assert status == "committed" and SKIPPED in err
     assert_exact(spec_path)

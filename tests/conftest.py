@@ -56,14 +56,15 @@ def pytest_configure(config):
 #: these start first and the short files fill in at the end, instead of one
 #: process running a long file alone at the end while the other idles.
 LONG_FILES = (
-    "tests/spark_jobs/test_crash_and_race.py",
-    "tests/plugins/test_airflow_live.py",
     "tests/spark_jobs/engine/test_engines.py",
-    "tests/spark_jobs/engine/test_delta_spark.py",
-    "tests/spark_jobs/storage/test_s3.py",
-    "tests/test_topology.py",
     "tests/spark_jobs/test_chaos.py",
+    "tests/test_topology.py",
+    "tests/spark_jobs/test_crash_and_race.py",
+    "tests/spark_jobs/storage/test_s3.py",
     "tests/spark_jobs/engine/test_native_read.py",
+    "tests/plugins/test_airflow_live.py",
+    "tests/spark_jobs/engine/test_delta_spark.py",
+    "tests/spark_jobs/engine/test_idle_hint.py",
     "tests/spark_jobs/sources/test_kafka.py",
 )
 

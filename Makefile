@@ -84,13 +84,15 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
-# and the state write as the state grows (docs/state-at-scale.md).
+# the state write as the state grows (docs/state-at-scale.md), and what idle
+# pipelines cost a live Airflow (docs/fleet.md).
 bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
 	$(BIN)/python bench/delta_read_ways.py
 	$(BIN)/python bench/continuous.py
 	$(BIN)/python bench/state_scale.py
+	$(BIN)/python bench/idle_cost.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
 lock:

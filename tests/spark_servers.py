@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -97,13 +98,28 @@ def start_cluster(
         env,
         work / "master.log",
     )
-    master = f"spark://127.0.0.1:{port}"
+    # Where the master really listens, from its log: a port taken between
+    # `free_port` and the bind (another server starting at once) makes Spark
+    # bind the next one, and polling the port we chose then asked another
+    # server (a Spark UI answering HTML: seen in CI).
+    bound: dict[str, int] = {}
+
+    def started() -> bool:
+        log = (work / "master.log").read_text(errors="replace") if (work / "master.log").exists() else ""
+        rpc = re.search(r"Starting Spark master at spark://[^:]+:(\d+)", log)
+        web = re.search(r"MasterWebUI.*started at http://[^:]+:(\d+)", log)
+        if rpc and web:
+            bound.update(rpc=int(rpc.group(1)), web=int(web.group(1)))
+        return bool(bound)
+
+    server.wait_for(started, "spark master")
+    master = f"spark://127.0.0.1:{bound['rpc']}"
 
     def alive_workers() -> int:
-        with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{bound['web']}/json/", timeout=2) as response:
             return int(json.load(response).get("aliveworkers", 0))
 
-    server.wait_for(lambda: alive_workers() >= 0, "spark master")
+    server.wait_for(lambda: alive_workers() >= 0, "spark master's UI")
     server.start(
         [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
          "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],

@@ -112,21 +112,24 @@ def start_cluster(
             bound.update(rpc=int(rpc.group(1)), web=int(web.group(1)))
         return bool(bound)
 
-    server.wait_for(started, "spark master")
-    master = f"spark://127.0.0.1:{bound['rpc']}"
-
     def alive_workers() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{bound['web']}/json/", timeout=2) as response:
             return int(json.load(response).get("aliveworkers", 0))
 
-    server.wait_for(lambda: alive_workers() >= 0, "spark master's UI")
-    server.start(
-        [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
-         "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
-        env,
-        work / "worker.log",
-    )
-    server.wait_for(lambda: alive_workers() == 1, "spark worker")
+    try:
+        server.wait_for(started, "spark master")
+        master = f"spark://127.0.0.1:{bound['rpc']}"
+        server.wait_for(lambda: alive_workers() >= 0, "spark master's UI")
+        server.start(
+            [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
+             "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
+            env,
+            work / "worker.log",
+        )
+        server.wait_for(lambda: alive_workers() == 1, "spark worker")
+    except BaseException:
+        server.stop()  # a fixture that fails to start leaves no JVM behind
+        raise
     return server, master
 
 

@@ -14,6 +14,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from spark_jobs.engine.delta_read import net_changes, read_versions, spark_net_changes, spark_versions
 from spark_jobs.sources.delta import DeltaManifest
+from tests.spark_jobs.sources.test_delta import netting_rows
 
 SCHEMA = pa.schema([("k", pa.string()), ("v", pa.int64())])
 
@@ -61,14 +62,8 @@ def test_spark_netting_pairs_the_same_rows_as_the_drivers(spark):
     """`spark_net_changes` against `net_changes` on the rows their test is
     made of: nulls and NaN equal themselves, another version's row or the
     same change twice stays, a nested table passes as it is."""
-    stamp = pa.array([0] * 8, pa.timestamp("us", tz="UTC"))
-    rows = pa.table({
-        "k": ["a", "a", "b", "b", "c", "c", "x|1:y", "x"],
-        "v": [None, None, float("nan"), float("nan"), 1.0, 1.0, 2.0, 2.0],
-        "_change_type": ["delete", "insert", "update_preimage", "update_postimage", "delete", "delete", "delete", "insert"],
-        "_commit_version": [3, 4, 3, 3, 3, 3, 3, 3],
-        "_commit_timestamp": stamp,
-    })
+    rows = netting_rows((3, 4, 3, 3, 3, 3, 3, 3))
+    stamp = rows.column("_commit_timestamp")
     by_spark = spark_net_changes(spark.createDataFrame(rows)).toArrow()
     assert _rows(by_spark.to_pylist()) == _rows(net_changes(rows).to_pylist())
     assert by_spark.num_rows == 6, "a's pair spans two versions; b's cancels"

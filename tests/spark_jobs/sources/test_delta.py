@@ -313,6 +313,18 @@ def test_a_restore_reads_as_the_changes_it_made_and_nothing_else(tmp_path):
     assert sorted(rows.column("_change_type").to_pylist()) == ["insert", "update_postimage", "update_preimage"]
 
 
+def netting_rows(versions: tuple[int, ...] = (3,) * 8) -> pa.Table:
+    """A feed whose rows test netting: nulls, NaN, texts that would run
+    together, the same change twice (`versions`: each row's version)."""
+    return pa.table({
+        "k": ["a", "a", "b", "b", "c", "c", "x|1:y", "x"],
+        "v": [None, None, float("nan"), float("nan"), 1.0, 1.0, 2.0, 2.0],
+        "_change_type": ["delete", "insert", "update_preimage", "update_postimage", "delete", "delete", "delete", "insert"],
+        "_commit_version": list(versions),
+        "_commit_timestamp": pa.array([0] * 8, pa.timestamp("us", tz="UTC")),
+    })
+
+
 def test_netting_pairs_equal_rows_only_nulls_included_and_passes_nested_tables():
     """Within a version: a removal and an addition of the same row cancel,
     nulls and NaN included; texts that would run together do not; rows of
@@ -320,14 +332,8 @@ def test_netting_pairs_equal_rows_only_nulls_included_and_passes_nested_tables()
     nested column is passed as it is."""
     from spark_jobs.engine.delta_read import net_changes
 
-    stamp = pa.array([0] * 8, pa.timestamp("us", tz="UTC"))
-    rows = pa.table({
-        "k": ["a", "a", "b", "b", "c", "c", "x|1:y", "x"],
-        "v": [None, None, float("nan"), float("nan"), 1.0, 1.0, 2.0, 2.0],
-        "_change_type": ["delete", "insert", "update_preimage", "update_postimage", "delete", "delete", "delete", "insert"],
-        "_commit_version": [3, 3, 3, 3, 3, 3, 3, 3],
-        "_commit_timestamp": stamp,
-    })
+    rows = netting_rows()
+    stamp = rows.column("_commit_timestamp")
     netted = net_changes(rows)
     assert list(zip(netted["k"].to_pylist(), netted["_change_type"].to_pylist())) == [
         ("c", "delete"), ("c", "delete"), ("x|1:y", "delete"), ("x", "insert"),

@@ -123,6 +123,8 @@ class DeltaSource:
         self.checkpoint = checkpoint
         #: Log entries read (a version's entry never changes; one that is gone stays gone).
         self._log: dict[int, list[dict[str, Any]] | None] = {}
+        #: The upstream as of a version (`_as_of`): a past version never changes.
+        self._at: dict[int, DeltaTable] = {}
 
     @property
     def origin(self) -> VersionOffsets:
@@ -272,6 +274,13 @@ class DeltaSource:
             self._log[version] = version_actions(table.table_uri, version)
         return self._log[version]
 
+    def _as_of(self, version: int) -> DeltaTable:
+        """The upstream as of `version`, opened once per source (a batch's
+        checks all ask for its first version)."""
+        if version not in self._at:
+            self._at[version] = DeltaTable(self.uri, version=version, storage_options=delta_storage_options(self.uri))
+        return self._at[version]
+
     def _lost(self, table: DeltaTable, version: int) -> bool:
         """Whether `version` can no longer be read: its log entry is gone, or a
         file it needs (for changes: its change files, or the files it added
@@ -302,7 +311,7 @@ class DeltaSource:
         """Every version of the batch must have been written with the feed on:
         for an earlier one, delta-rs reads each rewritten file as a delete and
         an insert of every row in it."""
-        feed = _feeds(DeltaTable(self.uri, version=first, storage_options=delta_storage_options(self.uri)).metadata().configuration)
+        feed = _feeds(self._as_of(first).metadata().configuration)
         off = None if feed else first
         for version in range(first + 1, last + 1):
             for action in self._actions(table, version) or []:
@@ -327,8 +336,7 @@ class DeltaSource:
         read a feed across one (DELTA_CHANGE_DATA_FEED_INCOMPATIBLE_DATA_SCHEMA)
         but reads each side with its own columns, so the next batch starts at
         it, under the new names. Added columns do not break a range."""
-        before = DeltaTable(self.uri, version=first, storage_options=delta_storage_options(self.uri))
-        columns = _column_paths(json.loads(before.schema().to_json()))
+        columns = _column_paths(json.loads(self._as_of(first).schema().to_json()))
         for version in range(first + 1, last + 1):
             for action in self._actions(table, version) or []:
                 if "metaData" in action:

@@ -281,9 +281,10 @@ def oracle_check(landing: Path, actual: dict[str, Totals]) -> list[str]:
 
 
 def project_totals(spec: Path) -> dict[str, Totals]:
+    from spark_jobs.core.spec import load_spec
     from spark_jobs.demo.clickstream import state_totals
 
-    return state_totals(str(spec.parent / "lake" / "state"))
+    return state_totals(load_spec(spec))
 
 
 def project_latency(work: Path, interval: float, window: float, remote: str | None = None, server: int | None = None) -> dict[str, Any]:

@@ -105,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     maintain.add_argument("--json", action="store_true")
 
+    query = sub.add_parser(
+        "query", help="the state as of its last batch, one row per key (or the SQL that reads it)", parents=[common]
+    )
+    query.add_argument("spec")
+    query.add_argument(
+        "--sql", choices=("delta-rs", "spark"), help="print the query for this engine instead of running it"
+    )
+    query.add_argument("--limit", type=_positive, default=20, metavar="N", help="rows to print (default 20)")
+    query.add_argument("--json", action="store_true")
+
     rewind = sub.add_parser("rewind", help="restore state to a batch and continue from its offsets", parents=[common])
     rewind.add_argument("spec")
     rewind.add_argument("--to-batch", type=_non_negative, required=True, metavar="K")
@@ -230,7 +240,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from spark_jobs.core.spec import load_spec
 
     spec = load_spec(args.spec, storage_roots=args.storage_root)
-    command = {"run": _run, "status": _status, "history": _history, "maintain": _maintain, "rewind": _rewind}
+    command = {"run": _run, "status": _status, "history": _history, "maintain": _maintain, "query": _query, "rewind": _rewind}
     return command[args.command](spec, args)
 
 
@@ -306,6 +316,37 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
     print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
     for table, removed in report.removed_files.items():
         print(f"  {table}: compacted, {removed} unneeded file(s) removed, checkpoint written")
+    return EXIT_OK
+
+
+def _query(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    """The state as users read it: for an appended state, its partial rows folded."""
+    import pyarrow as pa
+
+    from spark_jobs.core.delta_io import open_table
+    from spark_jobs.core.folding import read_state, spark_sql, state_sql
+
+    table = open_table(spec.state_path)
+    if table is None:
+        print(f"pipeline {spec.name}: no state yet at {spec.state_path} (no batch committed)", file=sys.stderr)
+        return EXIT_OK
+    schema = pa.schema(table.schema().to_arrow())
+    if args.sql == "spark":
+        print(spark_sql(spec, schema))
+        return EXIT_OK
+    if args.sql == "delta-rs":
+        print(f"-- register the table at {spec.state_path} as `state` (deltalake.QueryBuilder().register)")
+        print(state_sql(spec.state, schema))
+        return EXIT_OK
+    rows: list[dict[str, Any]] = []
+    for batch in read_state(spec, table):
+        rows += batch.slice(0, args.limit - len(rows)).to_pylist()
+        if len(rows) >= args.limit:
+            break
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return EXIT_OK
+    _table(f"state of {spec.name} (version {table.version()}, first {len(rows)} keys)", schema.names, [list(r.values()) for r in rows])
     return EXIT_OK
 
 

@@ -324,7 +324,7 @@ def assert_exact(spec_file: Path, *, drained: bool = True, mirror: Path | None =
     if drained:
         ready = sorted(str(p.relative_to(source)) for p in source.rglob("*") if p.is_file() and not p.name.startswith("."))
         assert sorted(files) == ready, "not every file was consumed"
-    problems = differences(fold(source / f for f in files), state_totals(spec.state_path))
+    problems = differences(fold(source / f for f in files), state_totals(spec))
     assert not problems, "state differs from the oracle:\n" + "\n".join(problems[:20])
     return lineage
 

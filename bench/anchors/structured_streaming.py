@@ -9,6 +9,11 @@ nothing favours the anchor, since the project writes a queryable Delta
 table every batch. Shuffle partitions (the state's partitions) are 8, as in
 the project's sessions; a new checkpoint's setting sticks for its life.
 
+`--seed DIR` adds a second stream, the Parquet files in DIR (same columns),
+unioned with the landing folder's: a first run over it puts N users into
+the state store, and later runs' batches over the landing folder meet them
+(bench/state_vs_ss.py, users coming back to a large state).
+
 `--kafka SERVERS --topic T` reads a Kafka topic instead of the folder:
 Spark's own Kafka source (spark-sql-kafka, from the JARs set-up fetched,
 `jars/spark/pom.xml`), from the earliest offsets, `read_committed`, the
@@ -50,6 +55,7 @@ def main() -> None:
     parser.add_argument("--topic")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--max-files", type=int, default=2)
+    parser.add_argument("--seed", help="a folder of Parquet files unioned with --landing's (to seed the state)")
     parser.add_argument("--driver-java-options", default="", help="extra JVM flags for the driver (default: none)")
     parser.add_argument("--remote", help="a Spark Connect server (sc://host:port) to run the query on, instead of a JVM of its own")
     args = parser.parse_args()
@@ -88,6 +94,8 @@ def main() -> None:
         clicks = raw.select(F.from_json(F.col("value").cast("string"), SCHEMA).alias("r")).select("r.*")
     else:
         clicks = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", args.max_files).json(args.landing)
+        if args.seed:
+            clicks = clicks.unionByName(spark.readStream.schema(SCHEMA).parquet(args.seed))
     totals = clicks.groupBy("user_id").agg(
         F.count("*").alias("events"), F.sum("amount").alias("amount"), F.max("ts").alias("last_seen")
     )

@@ -111,6 +111,15 @@ def _judge_merge(path: str, old: dict[str, str], new: dict[str, str], *_: Any) -
     return refused, [f"new merge column {c!r} ({r}): old rows hold null" for c, r in new.items() if c not in old]
 
 
+def _judge_layout(path: str, old: str, new: str, *_: Any) -> tuple[list[str], list[str]]:
+    if old == "appended" and new == "merged":
+        return [
+            "state.layout changed from appended to merged: the state holds partial rows, which a MERGE "
+            "would add to again; keep layout: appended, or start a new state path and checkpoint"
+        ], []
+    return [], [f"state.layout changed from {old} to {new}: batches are appended and folded from now on"]
+
+
 def _positional(identity: dict[str, Any], kind: str) -> bool:
     """Whether the source's records are parsed by column position: CSV with
     no header to name the columns (a file's header is checked against the
@@ -191,6 +200,8 @@ SPEC_RULES: dict[str, FieldRule] = {
     "state.keys": FieldRule(Rule.REFUSE, "what a row is: old rows would stop matching", value=lambda s: list(s.state.keys)),
     "state.merge": FieldRule(Rule.REFUSE, "how a batch folds into a row: columns may be added (old rows hold null), not changed or removed", value=lambda s: dict(s.state.merge), judge=_judge_merge),
     "state.change_feed": FieldRule(Rule.RECORD, "turned on, the feed starts with the next batch; turned off, the table keeps writing it", value=lambda s: s.state.change_feed),
+    "state.layout": FieldRule(Rule.REFUSE, "how a batch reaches the state: merged may become appended (a merged state is a folded one), not back", value=lambda s: s.state.layout, judge=_judge_layout),
+    "state.fold_at": FieldRule(Rule.FREE, "when an appended state is folded; folding changes no value"),
     "batch.max_files": FieldRule(Rule.FREE, "how much one batch takes; every record is still taken once"),
     "batch.max_records": FieldRule(Rule.FREE, "how much one batch takes; every record is still taken once"),
     "batch.max_versions": FieldRule(Rule.FREE, "how much one batch takes; every version is still taken once"),

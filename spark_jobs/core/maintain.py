@@ -2,7 +2,7 @@
 
 Every batch adds small files to the state, the ledger and the quarantine, and
 every merge leaves the files it rewrote behind for time travel. `maintain`
-compacts the three tables, VACUUMs them and writes Delta checkpoints, so
+folds an appended state (`spark_jobs.core.folding`), compacts the three tables, VACUUMs them and writes Delta checkpoints, so
 reads stay fast and disk use stays bounded. The one thing it must not take
 away is the rewinds people need: the state's versions of the last
 `maintenance.keep_batches` batches of the lineage (and the current version)
@@ -34,6 +34,7 @@ from deltalake import DeltaTable
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, open_table
 from spark_jobs.core.fencing import Position
+from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
 from spark_jobs.core.ledger import LedgerView, RowStatus
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -85,6 +86,10 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         # and those of the version before each (a rewind's RESTORE reads as
         # the rows it removed and the rows it brought back).
         keep_versions |= set(range(max(unread - 1, 0), state.version() + 1)) if readers else set()
+        if is_appended(spec) and row_counts(state).appended:
+            # An appended state is folded first: one row per key again, and the
+            # VACUUM below removes the partial rows' files once no kept version needs them.
+            fold(spec, state)
         # Compact first, so that the VACUUM removes what the compaction replaced.
         state.optimize.compact()
         if pipeline.state.position(pipeline.state.open()) == view.position:
@@ -182,7 +187,10 @@ def restorable_version(table: DeltaTable, path: str, version: int, next_version:
             v = int(info["version"])
             if v <= version:
                 continue
-            maintenance = not info.get(METADATA_KEY) and str(info.get("operation", "")).upper() in MAINTENANCE_OPERATIONS
+            # A fold keeps every value too (an appended state's rows folded into one per key).
+            maintenance = info.get(FOLD_KEY) or (
+                not info.get(METADATA_KEY) and str(info.get("operation", "")).upper() in MAINTENANCE_OPERATIONS
+            )
             if v > end or not maintenance:
                 break
             candidates.append(v)

@@ -71,6 +71,12 @@ which `status` reads too.
 A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
 status and history (`spark_jobs.core.inspect`) only read.
 
+An appended state (`state.layout: appended`) takes step 4 as an append of
+the batch's rows instead of a MERGE, same fence, same metadata; after step
+5 the run folds it when its partial rows are due (`spark_jobs.core.folding`),
+a commit that changes no value and keeps the fence, so it is no step of the
+protocol: a fold lost or crashed changes nothing.
+
 A process that runs batches back to back (`spark_jobs.core.catch_up`) runs
 these same steps per batch, through an engine that reads the next ranges
 ahead while a batch commits; step 3 gets a read made ahead only if it is of
@@ -95,6 +101,7 @@ from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
+from spark_jobs.core.folding import fold_if_due, is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
 from spark_jobs.core.identity import SpecIdentity, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
@@ -225,6 +232,9 @@ def complete(
     log.debug("committed %s: state version %d, %d keys updated", plan.position, committed.state_version, committed.keys_updated)
     with steps("project"):
         project(pipeline)
+    if is_appended(spec):
+        with steps("fold"):
+            _fold_if_due(pipeline)
     done = Done(Outcome.COMMITTED, f"committed {plan.position}: {plan.batch.describe()}", plan.position, plan.batch)
     return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
@@ -489,6 +499,16 @@ def project(pipeline: Pipeline) -> None:
         pipeline.source.after_commit(lineage)
     except Exception as exc:  # noqa: BLE001 - the batch is committed: releasing files never fails the run
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
+
+
+def _fold_if_due(pipeline: Pipeline) -> None:
+    """After step 5, outside the protocol: an appended state that gathered
+    enough partial rows is folded (`spark_jobs.core.folding`). The batch is
+    committed and recorded, so a fold that fails is logged, never fatal."""
+    try:
+        fold_if_due(pipeline.spec, pipeline.state.open())
+    except Exception as exc:  # noqa: BLE001 - the batch is committed; the next run folds
+        log.warning("the state was not folded this time (%s); a later run or `maintain` folds it", exc)
 
 
 # -- helpers ---------------------------------------------------------------------------

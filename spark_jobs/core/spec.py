@@ -51,7 +51,9 @@ PIPELINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 DEFAULT_MAX_LINE_BYTES = 1024 * 1024
 MERGE_RULES = ("sum", "min", "max", "first", "last")
 #: Columns the job adds to tables it owns; users may not define them.
-RESERVED_COLUMNS = frozenset({"_batch_id"})
+#: The state's column recording the batch that wrote a row.
+BATCH_COLUMN = "_batch_id"
+RESERVED_COLUMNS = frozenset({BATCH_COLUMN})
 
 # Spark SQL atomic types accepted in `source.schema`, mapped to their canonical
 # spelling. Nested types are refused: records are parsed field by field so each
@@ -360,6 +362,15 @@ class StateSpec(_Model):
     #: Write Delta's change data feed (`delta.enableChangeDataFeed`), so that
     #: a downstream pipeline can read this state's changes (`source.type: delta`).
     change_feed: bool = False
+    #: How a batch reaches the state (`spark_jobs.core.folding`). ``merged``:
+    #: a MERGE, one row per key, a cost that grows with the state when keys
+    #: come back. ``appended``: the batch's rows are appended, O(batch), and
+    #: folded into one row per key once they pass `fold_at` of the state;
+    #: read the state through `microbatch query`.
+    layout: Literal["merged", "appended"] = "merged"
+    #: Appended layout: fold when the rows appended since the last fold pass
+    #: this fraction of the rows the fold left.
+    fold_at: float = Field(default=0.1, gt=0, le=10)
 
     @field_validator("keys")
     @classmethod
@@ -382,6 +393,16 @@ class StateSpec(_Model):
                         f"{', '.join(MERGE_RULES)}"
                     )
         return merge
+
+    @model_validator(mode="after")
+    def _appended_has_no_change_feed(self) -> StateSpec:
+        if self.layout == "appended" and self.change_feed:
+            raise ValueError(
+                "layout: appended cannot write a change data feed a downstream pipeline reads: its "
+                "versions hold partial rows, not each key's new value. Chain from a state with "
+                "layout: merged, or drop change_feed"
+            )
+        return self
 
     @model_validator(mode="after")
     def _keys_not_merged(self) -> StateSpec:

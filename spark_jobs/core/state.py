@@ -1,4 +1,5 @@
-"""The keyed state table: one delta-rs MERGE per batch.
+"""The keyed state table: one delta-rs MERGE per batch, or one append
+(`state.layout: appended`, `spark_jobs.core.folding`).
 
 The merge is built only from identifiers the spec validated
 (`spark_jobs.core.spec.IDENTIFIER`), double-quoted for DataFusion, so nothing from
@@ -32,7 +33,8 @@ from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transac
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
-from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.folding import FOLD_KEY, is_appended, state_sql
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
@@ -41,7 +43,6 @@ __all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY",
 
 _E = TypeVar("_E", bound=MicrobatchError)
 
-BATCH_COLUMN = "_batch_id"
 #: Key of the commit info entry that marks a state rewrite widening columns
 #: (`StateTable.align`): the job's own commit, which keeps every value.
 WIDEN_KEY = "microbatch.widen"
@@ -132,6 +133,10 @@ class StateTable:
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
         props = _fenced(metadata)
+        if is_appended(self.spec):
+            # The batch's rows as they are, one per key: O(batch), whatever the state's size.
+            write_deltalake(table, data, mode="append", commit_properties=props)
+            return table.version(), data.num_rows
         if data.num_rows == 0:
             # A MERGE with an empty source makes no commit in delta-rs, which
             # would leave the fence behind and the batch replayed forever
@@ -213,7 +218,8 @@ class StateTable:
                 f"the transform to the types in {self.path}",
             ) from exc
         # Against the state as it is: adding or widening a column keeps its values.
-        check_merge(self.spec, table, aligned)
+        folded = state_sql(self.spec.state, existing) if is_appended(self.spec) else None
+        check_merge(self.spec, table, aligned, folded_sql=folded)
         if added:
             with self._changing_columns(f"adding column(s) {', '.join(f.name for f in added)}"):
                 table.alter.add_columns(added)
@@ -309,7 +315,8 @@ class StateTable:
 
         Maintenance (`MAINTENANCE_OPERATIONS`: OPTIMIZE, VACUUM, table
         properties, ...) keeps the data and is fine, and so do our own
-        rewrites widening a column (`WIDEN_KEY`); anything else by someone
+        rewrites widening a column (`WIDEN_KEY`) or folding an appended
+        state (`FOLD_KEY`); anything else by someone
         else is reported. Costs nothing in the usual case, where our last
         commit is the table's latest version.
         """
@@ -321,7 +328,7 @@ class StateTable:
             version = int(info["version"])
             if version <= since_version or (before_version is not None and version >= before_version):
                 continue
-            if info.get(METADATA_KEY) or info.get(WIDEN_KEY):
+            if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY):
                 continue
             operation = str(info.get("operation", "")).upper()
             if operation not in MAINTENANCE_OPERATIONS:

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, QueryBuilder
 
 from spark_jobs.core.delta_io import arrow
-from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.errors import MergeOverflowError
 
@@ -215,7 +215,7 @@ class Overflow:
         )
 
 
-def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table) -> None:
+def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded_sql: str | None = None) -> None:
     """Refuse, with `MergeOverflowError`, a batch whose merge into `table`'s
     snapshot would commit a wrapped integer, a decimal past its precision, or
     an infinity or NaN.
@@ -223,6 +223,12 @@ def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table) -> Non
     `updates` are in the types the merge will use (`StateTable.align`'s);
     state columns may still be narrower. Only `sum` can overflow: min, max,
     first and last pick one of two values that both fit.
+
+    An appended state (`folded_sql`: the query folding its rows over
+    ``state``) holds partial rows: a key's value is the sum of up to
+    `rows_per_key` of them, and the files' statistics bound that sum; only
+    when they cannot prove the batch safe are the keys' values folded here,
+    which reads the whole state.
     """
     _refuse_non_finite(spec, updates)
     in_state = set(pa.schema(table.schema().to_arrow()).names)
@@ -236,9 +242,12 @@ def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table) -> Non
     if not checks:
         return
     ranges = state_ranges(table, [c.column for c in checks])
+    if folded_sql is not None:
+        most = rows_per_key(table)
+        ranges = {c: None if r is None else (min(r[0], 0) * most, max(r[1], 0) * most) for c, r in ranges.items()}
     unproven = [c for c in checks if not c.within(ranges[c.column])]
     if unproven:
-        found = exact_overflow(table, updates, list(spec.state.keys), unproven)
+        found = exact_overflow(table, updates, list(spec.state.keys), unproven, rows=f"({folded_sql}) AS folded" if folded_sql else "state")
         if found is not None:
             raise found.error(spec)
 
@@ -287,9 +296,30 @@ def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fract
     return ranges
 
 
-def exact_overflow(table: DeltaTable, updates: pa.Table, keys: list[str], checks: list[SumCheck]) -> Overflow | None:
+def rows_per_key(table: DeltaTable) -> int:
+    """At most how many rows an appended state holds for one key: no more
+    than it holds, and no more than the batches its rows come from (a batch
+    appends a key once, a fold leaves one row per key of the batches before
+    those appended since)."""
+    actions = arrow(table.get_add_actions(flatten=True))
+    if actions.num_rows == 0:
+        return 0
+    rows = pc.sum(actions.column("num_records")).as_py() or 0
+    names = (f"min.{BATCH_COLUMN}", f"max.{BATCH_COLUMN}")
+    if not set(names) <= set(actions.column_names):
+        return rows
+    lows, highs = (actions.column(n) for n in names)
+    if lows.null_count or highs.null_count:
+        return rows
+    return min(rows, pc.max(highs).as_py() - pc.min(lows).as_py() + 1)
+
+
+def exact_overflow(
+    table: DeltaTable, updates: pa.Table, keys: list[str], checks: list[SumCheck], rows: str = "state"
+) -> Overflow | None:
     """The first of the batch's keys whose merged sum leaves its column's
-    range, computed exactly; None if there is none.
+    range, computed exactly; None if there is none. `rows`: the state's rows
+    as SQL over ``state`` (an appended state's, folded).
 
     Reads only the state rows past a check's threshold (DataFusion prunes
     files by their statistics) and joins them with the batch here: delta-rs's
@@ -299,7 +329,7 @@ def exact_overflow(table: DeltaTable, updates: pa.Table, keys: list[str], checks
     if not conditions:
         return None
     columns = [*keys, *(c.column for c in checks)]
-    sql = f"SELECT {', '.join(_q(c) for c in columns)} FROM state WHERE {' OR '.join(conditions)}"
+    sql = f"SELECT {', '.join(_q(c) for c in columns)} FROM {rows} WHERE {' OR '.join(conditions)}"
     candidates = arrow(QueryBuilder().register("state", table).execute(sql).read_all())
     if candidates.num_rows == 0:
         return None

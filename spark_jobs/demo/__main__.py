@@ -55,7 +55,7 @@ def check_exact(spec_file: Path) -> None:
     lineage = OffsetLedger(spec.ledger_path, spec.name).load().lineage()
     files = [Path(spec.source_path) / f["name"] for r in lineage for f in r.manifest["files"]]
     expected = fold(files)
-    problems = differences(expected, state_totals(spec.state_path), check_hash=False)
+    problems = differences(expected, state_totals(spec), check_hash=False)
     if problems:
         sys.exit("demo: state differs from the oracle:\n" + "\n".join(problems[:10]))
     events = sum(t.events for t in expected.values())

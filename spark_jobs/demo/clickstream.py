@@ -20,6 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spark_jobs.core.spec import PipelineSpec
 
 __all__ = [
     "BAD_LINES",
@@ -31,6 +35,7 @@ __all__ = [
     "fold",
     "record_hash",
     "state_totals",
+    "totals_of",
     "write_wave",
 ]
 
@@ -137,22 +142,29 @@ def fold(paths: Iterable[str | Path]) -> dict[str, Totals]:
     return out
 
 
-def state_totals(state_path: str) -> dict[str, Totals]:
-    """The state table read back as `Totals` (columns it lacks stay default)."""
-    from spark_jobs.core.delta_io import open_table, read_all
+def state_totals(spec: PipelineSpec) -> dict[str, Totals]:
+    """The state as of its last batch read back as `Totals` (columns it lacks
+    stay default); an appended state's partial rows folded."""
+    from spark_jobs.core.delta_io import open_table
+    from spark_jobs.core.folding import read_state
 
-    table = open_table(state_path)
+    table = open_table(spec.state_path)
     if table is None:
         return {}
-    out = {}
-    for row in read_all(table).to_pylist():
-        out[row["user_id"]] = Totals(
+    return totals_of(row for batch in read_state(spec, table) for row in batch.to_pylist())
+
+
+def totals_of(rows: Iterable[dict]) -> dict[str, Totals]:
+    """State rows (one per user, whoever read them) as `Totals`."""
+    return {
+        row["user_id"]: Totals(
             events=row.get("events") or 0,
             amount=row.get("amount") or 0.0,
             idhash=row.get("idhash") or 0,
             last_seen=row.get("last_seen"),
         )
-    return out
+        for row in rows
+    }
 
 
 def differences(expected: dict[str, Totals], actual: dict[str, Totals], *, check_hash: bool = True) -> list[str]:

@@ -44,6 +44,8 @@ from typing import Any
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
+from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core.folding import FOLD_KEY
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
@@ -200,6 +202,7 @@ class DeltaSource:
         if first < last and self.reader == "spark" and self.read == "changes":
             last = self._before_schema_break(table, first, last)
         if first <= last:
+            self._check_not_appended_state(table, first, last)
             if self.reader == "driver":
                 self._check_column_mapping(table)
             if self.read == "changes":
@@ -346,6 +349,24 @@ class DeltaSource:
                         return version - 1
                     columns = now
         return last
+
+    def _check_not_appended_state(self, table: DeltaTable, first: int, last: int) -> None:
+        """A pipeline's state with `state.layout: appended` is no upstream:
+        its batches append partial rows and its folds rewrite them, so neither
+        its appends nor its changes are the keys' values."""
+        for version in range(first, last + 1):
+            for action in self._actions(table, version) or []:
+                info = action.get("commitInfo") or {}
+                raw = info.get(METADATA_KEY)
+                layout = (json.loads(raw).get("spec") or {}).get("fields", {}).get("state.layout") if raw else None
+                if info.get(FOLD_KEY) or layout == "appended":
+                    raise SourceRefusedError(
+                        f"source table {self.uri} is a pipeline's state with `state.layout: appended` (version "
+                        f"{version}): its versions hold partial rows and folds, not each key's value. Chain from "
+                        "a state with `layout: merged` and `change_feed: true`, or read this state's values with "
+                        "`microbatch query`. Nothing was planned.",
+                        path=self.uri,
+                    )
 
     def _check_column_mapping(self, table: DeltaTable) -> None:
         """A table with column mapping is refused to the driver's reader: its

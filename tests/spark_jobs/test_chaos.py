@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from spark_jobs.demo.clickstream import write_wave
-from tests.conftest import assert_exact, kill_some, run_cli, start_cli
+from tests.conftest import assert_exact, kill_some, oracle_spec_dict, run_cli, start_cli, write_spec
 
 
 def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
@@ -107,3 +107,76 @@ def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
 @pytest.mark.parametrize("reader", ["driver", "spark"])
 def test_chain_chaos_soak(tmp_path, seed, reader):
     print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader))
+
+
+def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
+    """An appended state (`state.layout: appended`, folded every few batches)
+    through overlapping runs killed at random, rewinds and maintenance. At
+    the end, the state as of every batch of the lineage, read by delta-rs
+    (`read_state`) and by delta-spark (the query `microbatch query --sql
+    spark` prints, over that version), equals the oracle of exactly the files
+    the lineage consumed up to that batch."""
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.folding import read_state, spark_sql
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.demo.clickstream import differences, fold, totals_of
+
+    rng = random.Random(seed)
+    spec_path = write_spec(folder, oracle_spec_dict(
+        state={**oracle_spec_dict()["state"], "layout": "appended", "fold_at": 0.001},  # a fold every ~3 batches
+        batch={"max_files": 1},
+    ))
+    landing = folder / "landing"
+    counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
+    for wave in range(rounds):
+        write_wave(landing, wave, files=rng.randint(1, 3), records_per_file=150, users=40, seed=seed, bad_every=41)
+        procs = [start_cli("run", str(spec_path), "--catch-up") for _ in range(2)]
+        for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.6, timeout=300):
+            assert code in (0, -signal.SIGKILL), err
+        if rng.random() < 0.4 or (wave >= rounds - 2 and not counts["rewinds"]):
+            head = json.loads(run_cli("status", str(spec_path), "--json").stdout)["last_batch"]
+            if head > 1:
+                result = run_cli("rewind", str(spec_path), "--to-batch", str(rng.randint(max(head - 3, 1), head - 1)))
+                assert result.returncode == 0, result.stderr[-2000:]
+                counts["rewinds"] += 1
+        if rng.random() < 0.4 or (wave == rounds - 1 and not counts["maintains"]):
+            result = run_cli("maintain", str(spec_path), "--keep-batches", "50")
+            assert result.returncode == 0, result.stderr[-2000:]
+            counts["maintains"] += 1
+    for _ in range(rounds * 6 + 2):  # drain
+        result = run_cli("run", str(spec_path), "--json")
+        assert result.returncode == 0, result.stderr[-2000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    lineage = assert_exact(spec_path)
+    spec = load_spec(spec_path)
+    history = DeltaTable(spec.state_path).history()
+    counts["folds"] = sum(1 for info in history if info.get("microbatch.fold"))
+    consumed: list = []
+    for row in lineage:
+        consumed += [landing / f["name"] for f in row.manifest["files"]]
+        expected = fold(consumed)
+        table = DeltaTable(spec.state_path, version=row.state_version)
+        by_rs = totals_of(r for b in read_state(spec, table) for r in b.to_pylist())
+        problems = differences(expected, by_rs)
+        assert not problems, f"delta-rs, batch {row.batch_id} (state version {row.state_version}):\n" + "\n".join(problems[:10])
+        sql = spark_sql(spec, pa.schema(table.schema().to_arrow()), version=row.state_version)
+        by_spark = totals_of(spark.sql(sql).toArrow().to_pylist())
+        problems = differences(expected, by_spark)
+        assert not problems, f"delta-spark, batch {row.batch_id} (state version {row.state_version}):\n" + "\n".join(problems[:10])
+    counts["batches"] = len(lineage)
+    return counts
+
+
+def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kills_rewinds_and_folds(tmp_path, spark):
+    counts = _appended_chaos(tmp_path, spark, rounds=4, seed=31)
+    print(counts)
+    assert counts["folds"] and counts["maintains"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [32, 33, 34])
+def test_appended_chaos_soak(tmp_path, spark, seed):
+    print(_appended_chaos(tmp_path, spark, rounds=20, seed=seed))

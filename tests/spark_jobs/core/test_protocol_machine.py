@@ -365,7 +365,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert lineage[-1].end_offsets == {"files": len(files)}, "offsets do not count the consumed files"
         paths = [self.landing / f for f in files]
         expected = fold(paths)
-        problems = differences(expected, state_totals(self.spec.state_path))
+        problems = differences(expected, state_totals(self.spec))
         assert not problems, "state differs from the oracle:\n" + "\n".join(problems[:20])
         self._check_quarantine(lineage, paths, expected)
 

@@ -1,0 +1,226 @@
+"""The appended state layout (`state.layout: appended`): append, fold, read by one query.
+
+With `layout: merged` each batch MERGEs into one row per key. When keys come
+back uniformly, every batch touches every file of the state, and a
+copy-on-write MERGE rewrites all of it: the batch's cost grows with the
+state (docs/state-at-scale.md). With `layout: appended`:
+
+1. **A batch appends** its rows (the transform's output, one row per key,
+   tagged with `_batch_id`) in one commit carrying the state fence and the
+   commit metadata, exactly where the MERGE did: the commit point and the
+   protocol do not change, and the write is O(batch).
+2. **Reading the state** as of its last batch is one query (`state_sql`):
+   each merge rule as an aggregate over a key's rows, which is what the
+   MERGEs would have computed one batch at a time (every rule is
+   associative): ``sum`` the sum, ``min``/``max`` themselves, ``first`` the
+   earliest batch's non-null value, ``last`` the latest batch's value (null
+   included). Sums are cast back to the column's type. `microbatch query
+   SPEC` prints it for delta-rs and Spark, and runs it.
+3. **A fold** rewrites the state as that query's result, one row per key, in
+   one commit that changes no value (`fold`). It runs after a batch's commit
+   once the rows appended since the last fold pass `state.fold_at` of the
+   rows that fold left (or of `FOLD_FLOOR_ROWS`, if more), and in `maintain`.
+   Its commit carries the state fence at the position it read and no
+   retries: a batch or a rewind landing first makes the fold fail (and it
+   is simply tried again later), a fold landing first makes the racing batch
+   fail retryably. It is marked `FOLD_KEY`, so the state's history knows it
+   for the job's own.
+
+So a batch costs the same at 100,000 keys and at 100,000,000; a fold costs
+what one MERGE of the whole state costs today, once per `1 / fold_at`
+states' worth of appended rows; readers pay for grouping the partial rows.
+Rewind is unchanged (a RESTORE to the batch's state version: appends and
+folds are versions like any other), and so are VACUUM and the retention
+rules. What an appended state does not offer is a change data feed a
+downstream pipeline reads: its versions hold partial rows, not each key's
+new value (the spec refuses `change_feed: true`, and a Delta source refuses
+such a state as its upstream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+
+from spark_jobs.core.delta_io import is_commit_conflict
+from spark_jobs.core.fencing import STATE_FENCE, transaction_position
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
+from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
+from spark_jobs.core.widen import sql_type
+
+__all__ = [
+    "FOLD_FLOOR_ROWS",
+    "FOLD_KEY",
+    "Folded",
+    "RowCounts",
+    "fold",
+    "fold_if_due",
+    "is_appended",
+    "read_state",
+    "row_counts",
+    "spark_sql",
+    "state_sql",
+]
+
+log = logging.getLogger("microbatch")
+
+#: Key of the commit info entry that marks a fold: the job's own rewrite,
+#: which keeps every value and the fence.
+FOLD_KEY = "microbatch.fold"
+#: `fold_at` is a fraction of at least this many rows: a small state is not
+#: folded every few batches, where a fold would cost more than the reads it saves.
+FOLD_FLOOR_ROWS = 100_000
+#: How far back the state's history is searched for the last fold.
+HISTORY_SEARCH = 1000
+
+Quote = Callable[[str], str]
+
+
+def state_sql(state: StateSpec, schema: pa.Schema, table: str = "state", *, quote: Quote = datafusion_identifier) -> str:
+    """SQL for the state as of its last batch, one row per key, in `schema`'s
+    column order and types, over `table` (a name or a table expression).
+
+    A merged state is its table as it is. `quote` is the engine's identifier
+    quoting (`datafusion_identifier` for delta-rs, `spark_identifier` for Spark).
+    """
+    names = [f.name for f in schema]
+    if state.layout == "merged":
+        return f"SELECT {', '.join(quote(n) for n in names)} FROM {table}"
+    keys = [quote(k) for k in state.keys]
+    partition = ", ".join(keys)
+    windows: list[str] = []
+    columns: list[str] = []
+    batch = quote(BATCH_COLUMN)
+    for i, field in enumerate(schema):
+        name = quote(field.name)
+        rule = state.merge.get(field.name)
+        if field.name in state.keys:
+            columns.append(name)
+        elif field.name == BATCH_COLUMN:
+            columns.append(f"MAX({batch}) AS {batch}")
+        elif rule == "sum":
+            # Engines sum into a wider type (an INT sum is a BIGINT); the fold
+            # keeps the column's type, which the overflow check guarantees holds it.
+            columns.append(f"CAST(SUM({name}) AS {sql_type(field.type)}) AS {name}")
+        elif rule in ("min", "max"):
+            columns.append(f"{rule.upper()}({name}) AS {name}")
+        elif rule == "first":
+            rank = quote(f"__microbatch_first_{i}")
+            windows.append(
+                f"ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY CASE WHEN {name} IS NULL THEN 1 ELSE 0 END, {batch}) AS {rank}"
+            )
+            columns.append(f"MAX(CASE WHEN {rank} = 1 THEN {name} END) AS {name}")
+        elif rule == "last":
+            rank = quote("__microbatch_last")
+            if not any(w.endswith(f" AS {rank}") for w in windows):
+                windows.append(f"ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY {batch} DESC) AS {rank}")
+            columns.append(f"MAX(CASE WHEN {rank} = 1 THEN {name} END) AS {name}")
+        else:
+            raise ValueError(f"column {field.name!r} of the state has no merge rule in the spec")
+    rows = f"(SELECT *, {', '.join(windows)} FROM {table}) AS ranked" if windows else table
+    return f"SELECT {', '.join(columns)} FROM {rows} GROUP BY {partition}"
+
+
+def spark_sql(spec: PipelineSpec, schema: pa.Schema, version: int | None = None) -> str:
+    """`state_sql` for Spark with delta-spark, over the state's path (as of `version`)."""
+    path = spec.state_path.replace("`", "``")
+    as_of = f" VERSION AS OF {int(version)}" if version is not None else ""
+    return state_sql(spec.state, schema, f"delta.`{path}`{as_of}", quote=spark_identifier)
+
+
+def is_appended(spec: PipelineSpec) -> bool:
+    return spec.state.layout == "appended"
+
+
+def read_state(spec: PipelineSpec, table: DeltaTable | None = None) -> pa.RecordBatchReader:
+    """The state as of its last batch, one row per key, streamed through delta-rs."""
+    table = table if table is not None else DeltaTable(spec.state_path)
+    schema = pa.schema(table.schema().to_arrow())
+    rows = pa.RecordBatchReader.from_stream(QueryBuilder().register("state", table).execute(state_sql(spec.state, schema)))
+    # DataFusion may hand strings back as views: the state's own types.
+    return pa.RecordBatchReader.from_batches(schema, (batch.cast(schema) for batch in rows))
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """An appended state's rows: all of them, and how many the last fold left."""
+
+    rows: int
+    #: Rows written by the last fold (0: never folded within `HISTORY_SEARCH` commits).
+    folded: int
+
+    @property
+    def appended(self) -> int:
+        """Rows appended since the last fold (an estimate after a RESTORE past a fold)."""
+        return max(self.rows - self.folded, 0)
+
+    def fold_due(self, fold_at: float) -> bool:
+        return self.appended >= fold_at * max(FOLD_FLOOR_ROWS, self.folded)
+
+
+def row_counts(table: DeltaTable) -> RowCounts:
+    """The state's rows from its log (no data read), and the last fold's rows
+    from its commit, found newest first."""
+    actions = pa.table(table.get_add_actions(flatten=True))
+    rows = int(pa.compute.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
+    searched = 0
+    for limit in (16, HISTORY_SEARCH):
+        for info in table.history(limit)[searched:]:
+            if info.get(FOLD_KEY):
+                return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)))
+        searched = limit
+        if table.version() < limit:
+            break
+    return RowCounts(rows, 0)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A fold's commit: the version it made and the rows before and after."""
+
+    version: int
+    rows_before: int
+    rows_after: int
+
+
+def fold(spec: PipelineSpec, table: DeltaTable) -> Folded | None:
+    """Rewrite `table` (an appended state's snapshot) as one row per key, in
+    one commit that keeps the fence where it is; None if another commit on
+    the state landed first (the fold is then simply due again).
+
+    The folded rows are written as they stream out of the query; the commit
+    lands on the version it read or not at all (no retries: delta-rs lets an
+    overwrite from an older snapshot land over a later append, which would
+    drop that batch).
+    """
+    before = row_counts(table).rows
+    position = transaction_position(table, STATE_FENCE)
+    props = CommitProperties(
+        custom_metadata={FOLD_KEY: json.dumps({"pipeline": spec.name, "rows_before": before, "position": position.encode()})},
+        app_transactions=[Transaction(STATE_FENCE, position.encode())],
+        max_commit_retries=0,
+    )
+    try:
+        write_deltalake(table, read_state(spec, table), mode="overwrite", commit_properties=props)
+    except Exception as exc:
+        if not is_commit_conflict(exc):
+            raise
+        log.info("the state fold lost a race with another commit on %s; it is due again", spec.state_path)
+        return None
+    return Folded(table.version(), before, row_counts(table).rows)
+
+
+def fold_if_due(spec: PipelineSpec, table: DeltaTable | None) -> Folded | None:
+    """Fold an appended state whose appended rows passed `state.fold_at`
+    (after a batch's commit: the batch is durable whatever happens here)."""
+    if table is None or not is_appended(spec) or not row_counts(table).fold_due(spec.state.fold_at):
+        return None
+    folded = fold(spec, table)
+    if folded is not None:
+        log.info("folded the state: %d rows into %d (version %d)", folded.rows_before, folded.rows_after, folded.version)
+    return folded

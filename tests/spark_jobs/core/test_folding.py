@@ -1,0 +1,295 @@
+"""The appended state layout against real Delta tables (no Spark needed):
+its query and its fold give what the MERGEs give, batch after batch."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+
+from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties, transaction_position
+from spark_jobs.core.folding import FOLD_KEY, fold, fold_if_due, read_state, row_counts
+from spark_jobs.core.spec import PipelineSpec, load_spec
+from spark_jobs.core.state import StateTable
+from spark_jobs.errors import MergeOverflowError
+from tests.conftest import commit_updates, oracle_spec_dict, write_spec
+
+RULES = {"s": "sum", "lo": "min", "hi": "max", "f": "first", "l": "last", "when": "max", "tag": "last"}
+
+
+def _spec(folder: Path, layout: str, merge: dict[str, str] = RULES, keys: list[str] | None = None, **state) -> PipelineSpec:
+    spec = oracle_spec_dict()
+    spec["state"] = {"path": "lake/state", "keys": keys or ["k", "region"], "merge": merge, "layout": layout, **state}
+    return load_spec(write_spec(folder, spec))
+
+
+def _batches(count: int, seed: int) -> list[pa.Table]:
+    """Batches of distinct keys (some coming back, some new), nulls in every value column."""
+    rng = random.Random(seed)
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    out = []
+    for _ in range(count):
+        keys = rng.sample([(f"u{i}", r) for i in range(40) for r in ("eu", "us")], 30)
+
+        def maybe(value):
+            return None if rng.random() < 0.2 else value
+
+        out.append(
+            pa.table(
+                {
+                    "k": [k for k, _ in keys],
+                    "region": [r for _, r in keys],
+                    "s": pa.array([maybe(rng.randint(-50, 50)) for _ in keys], pa.int32()),
+                    "lo": pa.array([maybe(rng.uniform(-1, 1)) for _ in keys], pa.float64()),
+                    "hi": pa.array([maybe(rng.randint(0, 10**6)) for _ in keys], pa.int64()),
+                    "f": [maybe(rng.choice("abcdef")) for _ in keys],
+                    "l": [maybe(rng.choice("abcdef")) for _ in keys],
+                    "when": pa.array([maybe(start + timedelta(seconds=rng.randint(0, 10**6))) for _ in keys], pa.timestamp("us", tz="UTC")),
+                    "tag": pa.array([maybe(rng.random() < 0.5) for _ in keys], pa.bool_()),
+                }
+            )
+        )
+    return out
+
+
+def _commit_all(spec: PipelineSpec, batches: list[pa.Table], start: int = 1) -> StateTable:
+    state = StateTable(spec)
+    for i, batch in enumerate(batches, start=start):
+        table = state.open() or state.create(batch)
+        commit_updates(state, table, batch, Position(0, i))
+    return state
+
+
+def _by_key(rows: pa.Table | pa.RecordBatchReader) -> dict[tuple, dict]:
+    table = rows.read_all() if isinstance(rows, pa.RecordBatchReader) else rows
+    return {(r["k"], r["region"]): r for r in table.to_pylist()}
+
+
+def test_the_query_and_the_fold_give_what_the_merges_give(tmp_path):
+    """Every rule, nulls on either side, keys coming back: the merged state,
+    the appended state read by its query, and the appended state folded hold
+    the same values in the same types; the fold keeps the fence."""
+    batches = _batches(12, seed=35)
+    merged = _commit_all(_spec(tmp_path / "m", "merged"), batches)
+    appended_spec = _spec(tmp_path / "a", "appended")
+    appended = _commit_all(appended_spec, batches)
+    expected = read_all(merged.open())
+    table = appended.open()
+    assert table.version() == len(batches)  # one commit a batch, after the create
+    assert row_counts(table).rows == sum(b.num_rows for b in batches)
+    read = read_state(appended_spec, table).read_all()
+    assert read.schema == expected.schema
+    assert _by_key(read) == _by_key(expected)
+
+    folded = fold(appended_spec, table)
+    assert folded is not None and folded.rows_after == expected.num_rows
+    after = read_all(open_table(appended_spec.state_path))
+    assert after.schema == expected.schema
+    assert _by_key(after) == _by_key(expected)
+    assert transaction_position(open_table(appended_spec.state_path), STATE_FENCE) == Position(0, len(batches))
+    assert appended.outside_changes(open_table(appended_spec.state_path), len(batches)) == []
+    info = open_table(appended_spec.state_path).history(1)[0]
+    assert json.loads(info[FOLD_KEY])["position"] == Position(0, len(batches)).encode()
+
+    # Batches after a fold land on the folded rows as on any others.
+    more = _batches(4, seed=36)
+    _commit_all(_spec(tmp_path / "m", "merged"), more, start=len(batches) + 1)
+    _commit_all(appended_spec, more, start=len(batches) + 1)
+    assert _by_key(read_state(appended_spec)) == _by_key(read_all(merged.open()))
+
+
+def test_a_fold_from_a_stale_snapshot_loses_to_the_batch_and_nothing_is_lost(tmp_path):
+    spec = _spec(tmp_path, "appended")
+    batches = _batches(3, seed=1)
+    state = _commit_all(spec, batches[:2])
+    stale = state.open()
+    commit_updates(state, state.open(), batches[2], Position(0, 3))
+    assert fold(spec, stale) is None
+    table = open_table(spec.state_path)
+    assert table.version() == 3 and row_counts(table).rows == sum(b.num_rows for b in batches)
+    merged = _commit_all(_spec(tmp_path / "m", "merged"), batches)
+    assert _by_key(read_state(spec)) == _by_key(read_all(merged.open()))
+
+
+def test_a_batch_racing_a_fold_fails_retryably_and_the_fold_keeps_every_value(tmp_path):
+    """The fold carries the state fence: a batch committing from the snapshot
+    before it conflicts (and is run again), it is not appended twice or lost."""
+    from spark_jobs.core.delta_io import is_commit_conflict
+
+    spec = _spec(tmp_path, "appended")
+    batches = _batches(3, seed=2)
+    state = _commit_all(spec, batches[:2])
+    before_fold = state.open()
+    assert fold(spec, state.open()) is not None
+    with pytest.raises(Exception) as info:
+        commit_updates(state, before_fold, batches[2], Position(0, 3))
+    assert is_commit_conflict(info.value)
+    assert transaction_position(open_table(spec.state_path), STATE_FENCE) == Position(0, 2)
+
+
+def test_a_fold_is_due_once_the_appended_rows_pass_fold_at(tmp_path):
+    spec = _spec(tmp_path, "appended", fold_at=0.0005)  # of the floor's 100,000 rows: 50
+    batches = _batches(2, seed=3)  # 30 rows each
+    state = _commit_all(spec, batches[:1])
+    assert not row_counts(state.open()).fold_due(spec.state.fold_at)
+    assert fold_if_due(spec, state.open()) is None
+    commit_updates(state, state.open(), batches[1], Position(0, 2))
+    counts = row_counts(state.open())
+    assert counts.appended == 60 and counts.fold_due(spec.state.fold_at)
+    folded = fold_if_due(spec, state.open())
+    assert folded is not None
+    after = row_counts(open_table(spec.state_path))
+    assert after.folded == folded.rows_after == after.rows and after.appended == 0
+
+
+def test_an_appended_sum_is_refused_when_its_rows_together_would_overflow(tmp_path):
+    """No row is near the limit; their sum for one key is."""
+    spec = _spec(tmp_path, "appended", merge={"n": "sum"}, keys=["k"])
+    state = StateTable(spec)
+    limit = 2**31 - 1
+    first = pa.table({"k": ["a", "b"], "n": pa.array([limit // 2, 1], pa.int32())})
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    commit_updates(state, state.open(), pa.table({"k": ["a"], "n": pa.array([limit // 2], pa.int32())}), Position(0, 2))
+    with pytest.raises(MergeOverflowError, match=r"key \{'k': 'a'\}: the state holds 2147483646 and the batch adds 5"):
+        commit_updates(state, state.open(), pa.table({"k": ["b", "a"], "n": pa.array([5, 5], pa.int32())}), Position(0, 3))
+    # A batch that stays within the column commits.
+    commit_updates(state, state.open(), pa.table({"k": ["a"], "n": pa.array([1], pa.int32())}), Position(0, 3))
+    assert _by_key_k(read_state(spec)) == {"a": limit, "b": 1}
+
+
+def _by_key_k(rows: pa.RecordBatchReader) -> dict[str, int]:
+    return {r["k"]: r["n"] for r in rows.read_all().to_pylist()}
+
+
+def test_appended_with_a_change_feed_is_refused_naming_the_field(tmp_path):
+    from spark_jobs.errors import SpecError
+
+    spec = oracle_spec_dict()
+    spec["state"] = {**spec["state"], "layout": "appended", "change_feed": True}
+    with pytest.raises(SpecError, match="layout: appended cannot write a change data feed"):
+        load_spec(write_spec(tmp_path, spec))
+
+
+def test_fenced_empty_appended_batch_moves_the_fence(tmp_path):
+    """A batch whose records were all quarantined appends no row, yet moves the fence."""
+    spec = _spec(tmp_path, "appended", merge={"n": "sum"}, keys=["k"])
+    state = StateTable(spec)
+    first = pa.table({"k": ["a"], "n": [1]})
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    version, keys = commit_updates(state, state.open(), first.slice(0, 0), Position(0, 2))
+    assert keys == 0
+    assert transaction_position(open_table(spec.state_path), STATE_FENCE) == Position(0, 2)
+    write_deltalake(spec.state_path, pa.table({"k": ["x"], "n": [1], "_batch_id": [9]}), mode="append",
+                    commit_properties=commit_properties("someone.else", Position(0, 1), {}))
+    assert state.outside_changes(open_table(spec.state_path), version) == [(version + 1, "WRITE")]
+
+
+# -- through the protocol, the CLI and the checks around it ----------------------------
+
+
+def _appended_pipeline(folder: Path, **state) -> Path:
+    spec = oracle_spec_dict(state={**oracle_spec_dict()["state"], "layout": "appended", **state}, batch={"max_files": 1})
+    return write_spec(folder, spec)
+
+
+def _run(spec: PipelineSpec, compute, run_id: str) -> str:
+    from spark_jobs.core.protocol import RunOptions, run_batch
+
+    return run_batch(spec, RunOptions(run_id=run_id), compute_factory=compute).status
+
+
+def test_query_prints_the_folded_state_and_the_sql_for_each_engine(tmp_path, compute):
+    from spark_jobs.demo.clickstream import write_wave
+    from tests.conftest import assert_exact, run_cli
+
+    spec_path = _appended_pipeline(tmp_path)
+    spec = load_spec(spec_path)
+    write_wave(tmp_path / "landing", 0, files=3, records_per_file=60, users=5)
+    for i in range(3):
+        assert _run(spec, compute, f"r{i}") == "committed"
+    assert row_counts(open_table(spec.state_path)).rows > 5  # partial rows: users came back
+    assert_exact(spec_path)
+    shown = run_cli("query", str(spec_path), "--json", "--limit", "100")
+    assert shown.returncode == 0, shown.stderr
+    rows = json.loads(shown.stdout)
+    assert sorted(r["user_id"] for r in rows) == sorted({r["user_id"] for r in read_state(spec).read_all().to_pylist()})
+    assert len(rows) == 5
+    spark_text = run_cli("query", str(spec_path), "--sql", "spark").stdout
+    assert f"FROM delta.`{spec.state_path}`" in spark_text and "GROUP BY `user_id`" in spark_text
+    assert 'GROUP BY "user_id"' in run_cli("query", str(spec_path), "--sql", "delta-rs").stdout
+    assert json.loads(run_cli("query", str(spec_path), "--json", "--limit", "2").stdout).__len__() == 2
+
+
+def test_maintain_folds_and_a_rewind_restores_through_the_fold(tmp_path, compute):
+    """`maintain` folds; VACUUM then removes the partial rows' files, and a
+    rewind to the batch before the fold restores the fold's version (same
+    values), the state staying exact."""
+    from spark_jobs.core.maintain import maintain
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.demo.clickstream import write_wave
+    from tests.conftest import assert_exact
+
+    spec_path = _appended_pipeline(tmp_path)
+    spec = load_spec(spec_path)
+    write_wave(tmp_path / "landing", 0, files=4, records_per_file=60, users=8)
+    for i in range(3):
+        assert _run(spec, compute, f"r{i}") == "committed"
+    maintain(spec, keep_batches=1)
+    table = open_table(spec.state_path)
+    assert any(info.get(FOLD_KEY) for info in table.history(5))
+    counts = row_counts(table)
+    assert counts.appended == 0 and counts.rows == 8
+    assert _run(spec, compute, "r3") == "committed"
+    maintain(spec, keep_batches=1)
+    # Batch 3's own files went with this VACUUM; the fold after it holds its values.
+    assert rewind(spec, 3, "rw").status == "rewound"
+    assert_exact(spec_path, drained=False)
+    assert _run(spec, compute, "r4") == "committed"
+    assert_exact(spec_path)
+
+
+def test_a_state_may_become_appended_but_not_merged_again(tmp_path, compute):
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.demo.clickstream import write_wave
+    from spark_jobs.errors import SpecChangedError
+    from tests.conftest import assert_exact
+
+    merged = oracle_spec_dict(batch={"max_files": 1})
+    spec_path = write_spec(tmp_path, merged)
+    write_wave(tmp_path / "landing", 0, files=3, records_per_file=50, users=6)
+    assert _run(load_spec(spec_path), compute, "r1") == "committed"
+    appended = _appended_pipeline(tmp_path)
+    assert _run(load_spec(appended), compute, "r2") == "committed"
+    assert_exact(appended, drained=False)
+    write_spec(tmp_path, merged)
+    with pytest.raises(SpecChangedError, match="state.layout changed from appended to merged"):
+        run_batch(load_spec(spec_path), RunOptions(run_id="r3"), compute_factory=compute)
+    assert _run(load_spec(_appended_pipeline(tmp_path)), compute, "r3") == "committed"
+    assert_exact(spec_path)
+
+
+def test_an_appended_state_is_refused_as_a_delta_source_naming_the_way_out(tmp_path, compute):
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.demo.clickstream import write_wave
+    from spark_jobs.errors import SourceRefusedError
+
+    upstream = load_spec(_appended_pipeline(tmp_path))
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=50, users=6)
+    assert _run(upstream, compute, "r1") == "committed"
+    downstream = {
+        "name": "follow",
+        "source": {"type": "delta", "path": "lake/state", "read": "appends"},
+        "transform": "SELECT user_id, sum(events) AS events FROM batch GROUP BY user_id",
+        "state": {"path": "lake/follow", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/follow",
+    }
+    spec = load_spec(write_spec(tmp_path, downstream, "follow.yaml"))
+    with pytest.raises(SourceRefusedError, match="state.layout: appended"):
+        run_batch(spec, RunOptions(run_id="f1"), compute_factory=compute)
+    assert open_table(spec.state_path) is None

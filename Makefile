@@ -84,7 +84,8 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
-# the state write as the state grows (docs/state-at-scale.md), and what idle
+# the state write as the state grows (docs/state-at-scale.md) and each state
+# layout beside Structured Streaming as users come back (docs/benchmarks.md), and what idle
 # pipelines cost a live Airflow (docs/fleet.md).
 bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
@@ -92,6 +93,7 @@ bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/delta_read_ways.py
 	$(BIN)/python bench/continuous.py
 	$(BIN)/python bench/state_scale.py
+	$(BIN)/python bench/state_vs_ss.py
 	$(BIN)/python bench/idle_cost.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
-from spark_jobs.core.delta_io import is_commit_conflict
+from spark_jobs.core.delta_io import is_commit_conflict, open_table
 from spark_jobs.core.fencing import STATE_FENCE, transaction_position
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
 from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
@@ -139,7 +139,9 @@ def is_appended(spec: PipelineSpec) -> bool:
 
 def read_state(spec: PipelineSpec, table: DeltaTable | None = None) -> pa.RecordBatchReader:
     """The state as of its last batch, one row per key, streamed through delta-rs."""
-    table = table if table is not None else DeltaTable(spec.state_path)
+    table = table if table is not None else open_table(spec.state_path)
+    if table is None:
+        raise FileNotFoundError(f"pipeline {spec.name}: no state table at {spec.state_path} yet (no batch committed)")
     schema = pa.schema(table.schema().to_arrow())
     rows = pa.RecordBatchReader.from_stream(QueryBuilder().register("state", table).execute(state_sql(spec.state, schema)))
     # DataFusion may hand strings back as views: the state's own types.

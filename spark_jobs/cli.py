@@ -323,9 +323,15 @@ def _query(spec: PipelineSpec, args: argparse.Namespace) -> int:
     """The state as users read it: for an appended state, its partial rows folded."""
     import pyarrow as pa
 
+    from spark_jobs.core.agreement import check_spec
     from spark_jobs.core.delta_io import open_table
     from spark_jobs.core.folding import read_state, spark_sql, state_sql
+    from spark_jobs.core.pipeline import Pipeline
 
+    # The query applies the spec's layout and merge rules: only those the
+    # state was made with (an edited spec a run would refuse is refused here).
+    pipeline = Pipeline(spec)
+    check_spec(pipeline, pipeline.ledger.load())
     table = open_table(spec.state_path)
     if table is None:
         print(f"pipeline {spec.name}: no state yet at {spec.state_path} (no batch committed)", file=sys.stderr)

@@ -10,6 +10,7 @@ runs into exit code 134.
 from __future__ import annotations
 
 import io
+import json
 from array import array
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,7 @@ __all__ = [
     "refreshed",
     "small_files",
     "storage_errors",
+    "version_actions",
 ]
 
 #: Compaction target for the tables every run appends to (ledger, consumed
@@ -317,3 +319,12 @@ def describe_os_error(exc: Exception) -> str:
 def is_commit_conflict(exc: BaseException) -> bool:
     """True for the error delta-rs raises when another commit won the race."""
     return isinstance(exc, CommitFailedError)
+
+
+def version_actions(table_uri: str, version: int) -> list[dict[str, Any]] | None:
+    """The actions of one version's log entry, None if the entry is gone."""
+    try:
+        entry = read_bytes(f"{table_uri.rstrip('/')}/_delta_log/{version:020d}.json").decode()
+    except FileNotFoundError:
+        return None
+    return [json.loads(line) for line in entry.splitlines() if line.strip()]

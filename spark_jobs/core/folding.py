@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
-from spark_jobs.core.delta_io import is_commit_conflict, open_table
+from spark_jobs.core.delta_io import is_commit_conflict, open_table, version_actions
 from spark_jobs.core.fencing import STATE_FENCE, transaction_position
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
 from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
@@ -55,10 +55,13 @@ from spark_jobs.core.widen import sql_type
 
 __all__ = [
     "FOLD_FLOOR_ROWS",
+    "FOLDED_ROWS_KEY",
     "FOLD_KEY",
     "Folded",
     "RowCounts",
+    "carried",
     "fold",
+    "fold_files",
     "fold_if_due",
     "is_appended",
     "read_state",
@@ -75,6 +78,11 @@ FOLD_KEY = "microbatch.fold"
 #: `fold_at` is a fraction of at least this many rows: a small state is not
 #: folded every few batches, where a fold would cost more than the reads it saves.
 FOLD_FLOOR_ROWS = 100_000
+#: Key of the commit info entry of an appended batch: the last fold's version
+#: and the rows it left (JSON), carried forward from commit to commit, so that
+#: `row_counts` finds them in the newest commit instead of reading the history
+#: back to the fold.
+FOLDED_ROWS_KEY = "microbatch.last_fold"
 #: How far back the state's history is searched for the last fold.
 HISTORY_SEARCH = 1000
 
@@ -155,6 +163,8 @@ class RowCounts:
     rows: int
     #: Rows written by the last fold (0: never folded within `HISTORY_SEARCH` commits).
     folded: int
+    #: The last fold's version (None: not found).
+    fold_version: int | None = None
 
     @property
     def appended(self) -> int:
@@ -166,19 +176,40 @@ class RowCounts:
 
 
 def row_counts(table: DeltaTable) -> RowCounts:
-    """The state's rows from its log (no data read), and the last fold's rows
-    from its commit, found newest first."""
+    """The state's rows from its log (no data read), and the last fold's rows:
+    from the newest commit that knows them (a batch's `FOLDED_ROWS_KEY`, or
+    the fold's own commit), found newest first; usually the newest commit."""
     actions = pa.table(table.get_add_actions(flatten=True))
     rows = int(pa.compute.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
     searched = 0
-    for limit in (16, HISTORY_SEARCH):
+    for limit in (1, 16, HISTORY_SEARCH):
         for info in table.history(limit)[searched:]:
             if info.get(FOLD_KEY):
-                return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)))
+                return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)), int(info["version"]))
+            if (carried := info.get(FOLDED_ROWS_KEY)) is not None:
+                last = json.loads(carried)
+                return RowCounts(rows, int(last["rows"]), last["version"])
         searched = limit
         if table.version() < limit:
             break
     return RowCounts(rows, 0)
+
+
+def carried(counts: RowCounts) -> dict[str, str]:
+    """The `FOLDED_ROWS_KEY` entry an appended batch's commit carries forward."""
+    return {FOLDED_ROWS_KEY: json.dumps({"rows": counts.folded, "version": counts.fold_version})}
+
+
+def fold_files(table: DeltaTable, counts: RowCounts) -> frozenset[str]:
+    """The data files of `table`'s snapshot that its last fold wrote: one row
+    per key among them all (the overflow check bounds them apart from the
+    partial rows). Empty when the fold is unknown or none of its files is
+    left (a RESTORE to before it, an OPTIMIZE since)."""
+    if counts.fold_version is None:
+        return frozenset()
+    written = {a["add"]["path"] for a in version_actions(table.table_uri, counts.fold_version) or [] if "add" in a}
+    live = set(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()) if written else set()
+    return frozenset(written & live)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 from deltalake import DeltaTable
 
+from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, open_table
 from spark_jobs.core.fencing import Position
@@ -89,6 +90,10 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         if is_appended(spec) and row_counts(state).appended:
             # An appended state is folded first: one row per key again, and the
             # VACUUM below removes the partial rows' files once no kept version needs them.
+            # Folded under the merge rules the lineage was made with, never
+            # under an edited spec a run would refuse (the fold would bake the
+            # new rules into every key's value).
+            check_spec(pipeline, view)
             fold(spec, state)
         # Compact first, so that the VACUUM removes what the compaction replaced.
         state.optimize.compact()

@@ -505,6 +505,8 @@ def _fold_if_due(pipeline: Pipeline) -> None:
     """After step 5, outside the protocol: an appended state that gathered
     enough partial rows is folded (`spark_jobs.core.folding`). The batch is
     committed and recorded, so a fold that fails is logged, never fatal."""
+    if shutdown.requested():
+        return  # asked to stop: the batch is committed, and a fold may take a minute
     try:
         fold_if_due(pipeline.spec, pipeline.state.open())
     except Exception as exc:  # noqa: BLE001 - the batch is committed; the next run folds

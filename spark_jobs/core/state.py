@@ -33,7 +33,7 @@ from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transac
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
-from spark_jobs.core.folding import FOLD_KEY, is_appended, state_sql
+from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
@@ -132,11 +132,12 @@ class StateTable:
         """
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
-        props = _fenced(metadata)
         if is_appended(self.spec):
             # The batch's rows as they are, one per key: O(batch), whatever the state's size.
+            props = _fenced(metadata, carried(row_counts(table)))
             write_deltalake(table, data, mode="append", commit_properties=props)
             return table.version(), data.num_rows
+        props = _fenced(metadata)
         if data.num_rows == 0:
             # A MERGE with an empty source makes no commit in delta-rs, which
             # would leave the fence behind and the batch replayed forever
@@ -218,8 +219,11 @@ class StateTable:
                 f"the transform to the types in {self.path}",
             ) from exc
         # Against the state as it is: adding or widening a column keeps its values.
-        folded = state_sql(self.spec.state, existing) if is_appended(self.spec) else None
-        check_merge(self.spec, table, aligned, folded_sql=folded)
+        if is_appended(self.spec):
+            check_merge(self.spec, table, aligned, folded_sql=state_sql(self.spec.state, existing),
+                        fold_files=fold_files(table, row_counts(table)))
+        else:
+            check_merge(self.spec, table, aligned)
         if added:
             with self._changing_columns(f"adding column(s) {', '.join(f.name for f in added)}"):
                 table.alter.add_columns(added)
@@ -361,6 +365,6 @@ class StateTable:
         return None
 
 
-def _fenced(metadata: CommitMetadata) -> CommitProperties:
+def _fenced(metadata: CommitMetadata, extra: dict[str, str] | None = None) -> CommitProperties:
     """Commit properties that move the state fence to the commit's position and carry its metadata."""
-    return commit_properties(STATE_FENCE, metadata.position, {METADATA_KEY: metadata.to_json()})
+    return commit_properties(STATE_FENCE, metadata.position, {METADATA_KEY: metadata.to_json(), **(extra or {})})

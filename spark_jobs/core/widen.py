@@ -97,6 +97,9 @@ def sql_type(column_type: pa.DataType) -> str:
     return _SQL_NAMES.get(column_type, str(column_type))
 
 
+#: A column's smallest and largest value, None where unknown.
+Range = tuple[Fraction, Fraction] | None
+
 #: The int64 range, to which delta-rs clamps the statistics of decimals beyond it.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -215,7 +218,9 @@ class Overflow:
         )
 
 
-def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded_sql: str | None = None) -> None:
+def check_merge(
+    spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded_sql: str | None = None, fold_files: frozenset[str] = frozenset()
+) -> None:
     """Refuse, with `MergeOverflowError`, a batch whose merge into `table`'s
     snapshot would commit a wrapped integer, a decimal past its precision, or
     an infinity or NaN.
@@ -225,10 +230,11 @@ def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded
     first and last pick one of two values that both fit.
 
     An appended state (`folded_sql`: the query folding its rows over
-    ``state``) holds partial rows: a key's value is the sum of up to
-    `rows_per_key` of them, and the files' statistics bound that sum; only
-    when they cannot prove the batch safe are the keys' values folded here,
-    which reads the whole state.
+    ``state``) holds partial rows: a key's value is the sum of at most one
+    row of its last fold's files (`fold_files`: one row per key among them)
+    and of up to `rows_per_key` rows of the other files; the files'
+    statistics bound both. Only when that cannot prove the batch safe are the
+    keys' values folded here, which reads the whole state.
     """
     _refuse_non_finite(spec, updates)
     in_state = set(pa.schema(table.schema().to_arrow()).names)
@@ -241,10 +247,15 @@ def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded
                 checks.append(check)
     if not checks:
         return
-    ranges = state_ranges(table, [c.column for c in checks])
-    if folded_sql is not None:
-        most = rows_per_key(table)
-        ranges = {c: None if r is None else (min(r[0], 0) * most, max(r[1], 0) * most) for c, r in ranges.items()}
+    columns = [c.column for c in checks]
+    actions = arrow(table.get_add_actions(flatten=True))
+    if folded_sql is None:
+        ranges = column_ranges(actions, columns)
+    else:
+        in_fold = pc.is_in(actions.column("path"), pa.array(sorted(fold_files), pa.string()))
+        base, partial = actions.filter(in_fold), actions.filter(pc.invert(in_fold))
+        ranges = {c: _sum_range(b, p, rows_per_key(partial)) for (c, b), p in
+                  zip(column_ranges(base, columns).items(), column_ranges(partial, columns).values())}
     unproven = [c for c in checks if not c.within(ranges[c.column])]
     if unproven:
         found = exact_overflow(table, updates, list(spec.state.keys), unproven, rows=f"({folded_sql}) AS folded" if folded_sql else "state")
@@ -252,15 +263,27 @@ def check_merge(spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded
             raise found.error(spec)
 
 
-def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fraction, Fraction] | None]:
+def _sum_range(base: Range, partial: Range, most: int) -> Range:
+    """Where a sum of one row in `base` and up to `most` rows in `partial` lies (None: unknown)."""
+    if base is None or partial is None:
+        return None
+    return (min(base[0], 0) + most * min(partial[0], 0), max(base[1], 0) + most * max(partial[1], 0))
+
+
+def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, Range]:
     """Each column's smallest and largest value in the snapshot, from the
-    data files' statistics in the log (no data read); None where a file has
-    none (a column added after it was written, statistics turned off).
+    data files' statistics in the log (no data read); see `column_ranges`."""
+    return column_ranges(arrow(table.get_add_actions(flatten=True)), columns)
+
+
+def column_ranges(actions: pa.Table, columns: list[str]) -> dict[str, Range]:
+    """Each column's smallest and largest value in the files `actions` adds
+    (a snapshot's add actions, flattened); None where a file has no
+    statistics (a column added after it was written, statistics turned off).
 
     A column holding no value gets (0, 0): it adds nothing to any sum, and
     every `SumCheck` threshold lets zero through.
     """
-    actions = arrow(table.get_add_actions(flatten=True))
     ranges: dict[str, tuple[Fraction, Fraction] | None] = {}
     for column in columns:
         names = [f"min.{column}", f"max.{column}", f"null_count.{column}", "num_records"]
@@ -296,12 +319,12 @@ def state_ranges(table: DeltaTable, columns: list[str]) -> dict[str, tuple[Fract
     return ranges
 
 
-def rows_per_key(table: DeltaTable) -> int:
-    """At most how many rows an appended state holds for one key: no more
-    than it holds, and no more than the batches its rows come from (a batch
-    appends a key once, a fold leaves one row per key of the batches before
-    those appended since)."""
-    actions = arrow(table.get_add_actions(flatten=True))
+def rows_per_key(actions: pa.Table) -> int:
+    """At most how many rows the files `actions` adds hold for one key of an
+    appended state: no more than they hold, and no more than the batches
+    their rows come from (all the rows of one key carry distinct batch ids:
+    a batch appends a key once, and a fold leaves its one row the id of the
+    key's latest batch, before any appended since)."""
     if actions.num_rows == 0:
         return 0
     rows = pc.sum(actions.column("num_records")).as_py() or 0

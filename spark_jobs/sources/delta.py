@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -45,11 +46,12 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core.delta_io import version_actions
 from spark_jobs.core.folding import FOLD_KEY
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
-from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
+from spark_jobs.storage.s3 import delta_storage_options, exists
 
 __all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
 
@@ -184,6 +186,9 @@ class DeltaSource:
         table = self.table()
         latest = table.version()
         after = self._after(lineage, table, latest)
+        if latest > after:
+            # Before registering: a refused upstream must not keep versions for a reader that never reads them.
+            self._check_not_appended_state(table, {after + 1, latest})
         # Before anything is read: from now on the upstream's maintenance
         # keeps the versions after `after` (a first run, or one after a rewind).
         self._register(after, table.metadata().id)
@@ -202,7 +207,7 @@ class DeltaSource:
         if first < last and self.reader == "spark" and self.read == "changes":
             last = self._before_schema_break(table, first, last)
         if first <= last:
-            self._check_not_appended_state(table, first, last)
+            self._check_not_appended_state(table, range(first, last + 1))
             if self.reader == "driver":
                 self._check_column_mapping(table)
             if self.read == "changes":
@@ -350,11 +355,11 @@ class DeltaSource:
                     columns = now
         return last
 
-    def _check_not_appended_state(self, table: DeltaTable, first: int, last: int) -> None:
+    def _check_not_appended_state(self, table: DeltaTable, versions: Iterable[int]) -> None:
         """A pipeline's state with `state.layout: appended` is no upstream:
         its batches append partial rows and its folds rewrite them, so neither
         its appends nor its changes are the keys' values."""
-        for version in range(first, last + 1):
+        for version in versions:
             for action in self._actions(table, version) or []:
                 info = action.get("commitInfo") or {}
                 raw = info.get(METADATA_KEY)
@@ -415,12 +420,3 @@ def _column_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
 
 def _feeds(configuration: dict[str, Any]) -> bool:
     return str(configuration.get("delta.enableChangeDataFeed", "false")).lower() == "true"
-
-
-def version_actions(table_uri: str, version: int) -> list[dict[str, Any]] | None:
-    """The actions of one version's log entry, None if the entry is gone."""
-    try:
-        entry = read_bytes(f"{table_uri.rstrip('/')}/_delta_log/{version:020d}.json").decode()
-    except FileNotFoundError:
-        return None
-    return [json.loads(line) for line in entry.splitlines() if line.strip()]

@@ -163,6 +163,33 @@ def test_an_appended_sum_is_refused_when_its_rows_together_would_overflow(tmp_pa
     assert _by_key_k(read_state(spec)) == {"a": limit, "b": 1}
 
 
+def test_after_a_fold_its_rows_count_once_so_the_bound_proves_a_big_state_safe(tmp_path, monkeypatch):
+    """A key's value is at most one fold row plus its appended rows: a state
+    whose folded totals are near the limit still commits small batches
+    without folding the whole state to check them."""
+    from spark_jobs.core import widen
+
+    spec = _spec(tmp_path, "appended", merge={"n": "sum"}, keys=["k"])
+    state = StateTable(spec)
+    big = pa.table({"k": ["a", "b"], "n": pa.array([2_000_000_000, 5], pa.int32())})
+    commit_updates(state, state.create(big), big, Position(0, 1))
+    for i in range(2, 6):
+        commit_updates(state, state.open(), pa.table({"k": ["b"], "n": pa.array([1], pa.int32())}), Position(0, i))
+    assert fold(spec, state.open()) is not None
+
+    def no_exact_check(*args, **kwargs):
+        raise AssertionError("the statistics should have proved this batch safe")
+
+    monkeypatch.setattr(widen, "exact_overflow", no_exact_check)
+    for i in range(6, 9):
+        commit_updates(state, state.open(), pa.table({"k": ["a", "b"], "n": pa.array([1, 1], pa.int32())}), Position(0, i))
+    assert _by_key_k(read_state(spec)) == {"a": 2_000_000_003, "b": 12}
+    # Near the limit, the exact check decides, and refuses.
+    monkeypatch.undo()
+    with pytest.raises(MergeOverflowError, match="for key {'k': 'a'}"):
+        commit_updates(state, state.open(), pa.table({"k": ["a"], "n": pa.array([200_000_000], pa.int32())}), Position(0, 9))
+
+
 def _by_key_k(rows: pa.RecordBatchReader) -> dict[str, int]:
     return {r["k"]: r["n"] for r in rows.read_all().to_pylist()}
 
@@ -293,3 +320,41 @@ def test_an_appended_state_is_refused_as_a_delta_source_naming_the_way_out(tmp_p
     with pytest.raises(SourceRefusedError, match="state.layout: appended"):
         run_batch(spec, RunOptions(run_id="f1"), compute_factory=compute)
     assert open_table(spec.state_path) is None
+    # Refused before it registered: the upstream's maintenance keeps no version for it.
+    from spark_jobs.storage.consumers import consumers
+
+    assert consumers(upstream.state_path) == []
+
+
+def test_each_batch_carries_the_folded_rows_so_counting_reads_only_the_newest_commit(tmp_path):
+    spec = _spec(tmp_path, "appended")
+    batches = _batches(4, seed=4)
+    state = _commit_all(spec, batches[:2])
+    folded = fold(spec, state.open())
+    commit_updates(state, state.open(), batches[2], Position(0, 3))
+    commit_updates(state, state.open(), batches[3], Position(0, 4))
+    table = open_table(spec.state_path)
+    assert json.loads(table.history(1)[0]["microbatch.last_fold"]) == {"rows": folded.rows_after, "version": folded.version}
+    assert row_counts(table).appended == batches[2].num_rows + batches[3].num_rows
+
+
+def test_maintain_and_query_refuse_a_spec_whose_merge_rules_changed_and_fold_nothing(tmp_path, compute):
+    """A fold under edited merge rules would bake them into every key's value."""
+    from spark_jobs.core.maintain import maintain
+    from spark_jobs.demo.clickstream import write_wave
+    from spark_jobs.errors import SpecChangedError
+    from tests.conftest import run_cli
+
+    spec_path = _appended_pipeline(tmp_path)
+    write_wave(tmp_path / "landing", 0, files=2, records_per_file=60, users=6)
+    for i in range(2):
+        assert _run(load_spec(spec_path), compute, f"r{i}") == "committed"
+    before = open_table(load_spec(spec_path).state_path).version()
+    edited = oracle_spec_dict(state={**oracle_spec_dict()["state"], "layout": "appended"}, batch={"max_files": 1})
+    edited["state"]["merge"] = {**edited["state"]["merge"], "events": "max"}
+    write_spec(tmp_path, edited)
+    with pytest.raises(SpecChangedError, match="merge rule of 'events' changed from sum to max"):
+        maintain(load_spec(spec_path))
+    assert open_table(load_spec(spec_path).state_path).version() == before
+    refused = run_cli("query", str(spec_path))
+    assert refused.returncode == 2 and "merge rule of 'events' changed" in refused.stderr

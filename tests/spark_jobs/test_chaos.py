@@ -94,6 +94,7 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
     assert counts["maintains"], counts
 
 
+@pytest.mark.slow
 def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
     """The downstream reads with delta-spark on the executors (`source.reader:
     spark`): the same kills, rewinds and maintenance, the same exact end."""
@@ -171,7 +172,7 @@ def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
 
 
 def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kills_rewinds_and_folds(tmp_path, spark):
-    counts = _appended_chaos(tmp_path, spark, rounds=4, seed=31)
+    counts = _appended_chaos(tmp_path, spark, rounds=3, seed=31)
     print(counts)
     assert counts["folds"] and counts["maintains"], counts
 

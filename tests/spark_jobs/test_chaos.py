@@ -47,6 +47,23 @@ def test_chaos_soak(spec_path, seed):
     print(_chaos(spec_path, rounds=30, seed=seed))
 
 
+def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: int, rounds: int, *, chance: float, back: int, keep: int) -> None:
+    """Now and then rewind `spec` up to `back` batches, and maintain it keeping `keep` batches.
+
+    Random, but each tried at least once before the drain: the kills'
+    timing changes which draws the generator makes, so no seed can promise it."""
+    if rng.random() < chance or (wave >= rounds - 2 and not counts["rewinds"]):
+        head = json.loads(run_cli("status", str(spec), "--json").stdout)["last_batch"]
+        if head > 1:
+            result = run_cli("rewind", str(spec), "--to-batch", str(rng.randint(max(head - back, 1), head - 1)))
+            assert result.returncode == 0, result.stderr[-2000:]
+            counts["rewinds"] += 1
+    if rng.random() < chance or (wave == rounds - 1 and not counts["maintains"]):
+        result = run_cli("maintain", str(spec), "--keep-batches", str(keep))
+        assert result.returncode == 0, result.stderr[-2000:]
+        counts["maintains"] += 1
+
+
 def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
@@ -64,19 +81,7 @@ def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict
         for code, err in kill_some(procs, rng, counts, within=10.0, chance=0.5, timeout=300):
             # Before the upstream's first commit, its state is not a table yet: retryable.
             assert code in (0, -signal.SIGKILL) or (code == 1 and "does not exist yet" in err), err
-        # Random, but each tried at least once before the drain: the kills'
-        # timing changes which draws the generator makes, so no seed can promise it.
-        if rng.random() < 0.5 or (wave >= rounds - 2 and not counts["rewinds"]):
-            status = json.loads(run_cli("status", str(upstream), "--json").stdout)
-            head = status["last_batch"]
-            if head > 1:
-                result = run_cli("rewind", str(upstream), "--to-batch", str(rng.randint(max(head - 2, 1), head - 1)))
-                assert result.returncode == 0, result.stderr[-2000:]
-                counts["rewinds"] += 1
-        if rng.random() < 0.5 or (wave == rounds - 1 and not counts["maintains"]):
-            result = run_cli("maintain", str(upstream), "--keep-batches", "2")
-            assert result.returncode == 0, result.stderr[-2000:]
-            counts["maintains"] += 1
+        _rewind_or_maintain(upstream, rng, counts, wave, rounds, chance=0.5, back=2, keep=2)
     for spec in (upstream, downstream):
         for _ in range(rounds * 4 + 4):  # drain
             result = run_cli("run", str(spec), "--json")
@@ -136,16 +141,7 @@ def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
         procs = [start_cli("run", str(spec_path), "--catch-up") for _ in range(2)]
         for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.6, timeout=300):
             assert code in (0, -signal.SIGKILL), err
-        if rng.random() < 0.4 or (wave >= rounds - 2 and not counts["rewinds"]):
-            head = json.loads(run_cli("status", str(spec_path), "--json").stdout)["last_batch"]
-            if head > 1:
-                result = run_cli("rewind", str(spec_path), "--to-batch", str(rng.randint(max(head - 3, 1), head - 1)))
-                assert result.returncode == 0, result.stderr[-2000:]
-                counts["rewinds"] += 1
-        if rng.random() < 0.4 or (wave == rounds - 1 and not counts["maintains"]):
-            result = run_cli("maintain", str(spec_path), "--keep-batches", "50")
-            assert result.returncode == 0, result.stderr[-2000:]
-            counts["maintains"] += 1
+        _rewind_or_maintain(spec_path, rng, counts, wave, rounds, chance=0.4, back=3, keep=50)
     for _ in range(rounds * 6 + 2):  # drain
         result = run_cli("run", str(spec_path), "--json")
         assert result.returncode == 0, result.stderr[-2000:]

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import Asset, AssetAlias
+from airflow.sdk import Asset, AssetAlias, AssetWatcher
 
 from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["batches_alias", "new_batches", "state_asset"]
+__all__ = ["batches_alias", "new_batches", "source_asset", "state_asset"]
 
 
 def state_asset(spec: PipelineSpec) -> Asset:
@@ -18,6 +18,24 @@ def state_asset(spec: PipelineSpec) -> Asset:
     location = spec.state_path
     uri = location if "://" in location else Path(location).as_uri()
     return Asset(name=f"microbatch.{spec.name}.state", uri=uri, group="microbatch")
+
+
+def source_asset(spec: PipelineSpec, poll_seconds: float, refire_seconds: float, kafka_conn_id: str | None = None) -> Asset:
+    """New data in the pipeline's source, watched from the triggerer
+    (`airflow.run_on_data`): the DAG schedules on it, so a run exists only
+    once data waits. Named for the pipeline, not the folder: two pipelines
+    may read one source, each at its own offsets."""
+    from microbatch_airflow.triggers import NewDataEventTrigger
+
+    trigger = NewDataEventTrigger(
+        spec_path=spec.spec_path, poll_seconds=poll_seconds, refire_seconds=refire_seconds, kafka_conn_id=kafka_conn_id
+    )
+    return Asset(
+        name=f"microbatch.{spec.name}.new_data",
+        uri=f"microbatch://{spec.name}/new_data",
+        group="microbatch",
+        watchers=[AssetWatcher(name=f"microbatch.{spec.name}.source_watcher", trigger=trigger)],
+    )
 
 
 def batches_alias(spec: PipelineSpec) -> AssetAlias:

@@ -22,7 +22,7 @@ from typing import Any
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param
 
 from microbatch_airflow.airflow_spec import DEFAULT_RETRIES, AirflowSpec, airflow_spec
-from microbatch_airflow.assets import batches_alias, state_asset
+from microbatch_airflow.assets import batches_alias, source_asset, state_asset
 from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
 from spark_jobs.errors import SpecError
@@ -121,11 +121,16 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None, default_
     """The pipeline's DAG. `upstream`: the pipeline whose state table this
     one's Delta source reads; without a schedule of its own, the DAG then
     runs whenever the upstream commits a batch (its state asset).
-    `default_args`: as for any DAG; the spec's `airflow:` block wins."""
+    `default_args`: as for any DAG; the spec's `airflow:` block wins.
+    With `airflow.run_on_data`, the DAG schedules on its source's watcher
+    asset instead: no run exists until data waits."""
     settings = airflow_spec(spec)
     schedule: CronDataIntervalTimetable | list[Asset] | None = None
     if settings.schedule:
         schedule = CronDataIntervalTimetable(settings.schedule, timezone="UTC")
+    elif settings.run_on_data is not None:
+        on_data = settings.run_on_data
+        schedule = [source_asset(spec, on_data.poll_seconds, on_data.refire_seconds, settings.kafka_conn_id)]
     elif upstream is not None:
         schedule = [state_asset(upstream)]
     with DAG(

@@ -1,4 +1,10 @@
-"""`NewDataTrigger`: waits in the triggerer until a pipeline has source data waiting.
+"""Triggers that watch a pipeline's source from the triggerer.
+
+`NewDataTrigger` waits for the deferrable sensor (`wait_for_data`) until
+source data waits, then ends. `NewDataEventTrigger` is an asset watcher
+(`run_on_data`): it never ends, and emits an event each time data is found
+waiting, which the scheduler turns into a DAG run; with nothing arriving
+there is no run at all.
 
 The check (ledger read plus folder listing, no Spark) runs in a thread so the
 triggerer's event loop never blocks on I/O. Between checks, a poll first
@@ -15,9 +21,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+import time
 
-__all__ = ["NewDataTrigger", "waiting"]
+from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
+
+__all__ = ["NewDataEventTrigger", "NewDataTrigger", "waiting"]
 
 
 def waiting(spec_path: str, kafka_conn_id: str | None = None) -> int:
@@ -49,7 +57,7 @@ class NewDataTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        checked: tuple[float, str | None] | None = None  # (spec file's mtime, fingerprint) at the last full check
+        checked: _Fingerprint | None = None  # at the last full check
         while True:
             try:
                 now = await asyncio.to_thread(_fingerprint, self.spec_path)
@@ -65,18 +73,91 @@ class NewDataTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_seconds)
 
 
+class NewDataEventTrigger(BaseEventTrigger):
+    """The watcher of a pipeline's source asset (`airflow.run_on_data`).
+
+    Between full checks a poll takes the fingerprint, as `NewDataTrigger`
+    does. A full check emits an event when data waits and it is news: a
+    file landed, or the waiting count moved (a commit left some behind, a
+    rewind made consumed data new). The ledger moving with the count
+    unchanged is a batch starting, whose commit will be the next news.
+    Events that come while a run is active wait in Airflow's queue until it
+    ends (`max_active_runs=1`), then make one run. Where the source has no
+    fingerprint (S3, Kafka) every poll checks in full, and only a moved
+    count is news. While data waits with no news for `refire_seconds` after
+    the last event (a run that failed for good, say), it emits again. An
+    extra event costs a run that finds nothing; data never waits without
+    one to come.
+
+    A source that cannot be read emits an error event once per distinct
+    message: the run it creates fails with the reason, where people look.
+    """
+
+    def __init__(
+        self, spec_path: str, poll_seconds: float = 30.0, refire_seconds: float = 600.0, kafka_conn_id: str | None = None
+    ) -> None:
+        super().__init__()
+        self.spec_path = spec_path
+        self.poll_seconds = poll_seconds
+        self.refire_seconds = refire_seconds
+        self.kafka_conn_id = kafka_conn_id
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "microbatch_airflow.triggers.NewDataEventTrigger",
+            {
+                "spec_path": self.spec_path,
+                "poll_seconds": self.poll_seconds,
+                "refire_seconds": self.refire_seconds,
+                "kafka_conn_id": self.kafka_conn_id,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        checked: _Fingerprint | None = None  # at the last full check
+        count = 0  # what that check found waiting
+        fired_at = -float("inf")
+        error: str | None = None
+        while True:
+            try:
+                now = await asyncio.to_thread(_fingerprint, self.spec_path)
+                if now is None or now != checked:
+                    before, count = count, await asyncio.to_thread(waiting, self.spec_path, self.kafka_conn_id)
+                    # News: data landed, or the count moved (a commit left
+                    # some, a rewind made some new). A ledger that moved
+                    # alone, with the count unchanged, is a batch starting:
+                    # its commit is the next news.
+                    landed = now is not None and (checked is None or now[2] != checked[2])
+                    checked = now
+                    if count and (count != before or landed):
+                        fired_at = -float("inf")
+                error = None
+                if count and time.monotonic() - fired_at >= self.refire_seconds:
+                    yield TriggerEvent({"status": "ready", "waiting": count, "spec_path": self.spec_path})
+                    fired_at = time.monotonic()
+            except Exception as exc:  # keep watching: the source may come back
+                checked = None
+                if str(exc) != error:
+                    error = str(exc)
+                    yield TriggerEvent({"status": "error", "message": error, "spec_path": self.spec_path})
+            await asyncio.sleep(self.poll_seconds)
+
+
 #: The spec last parsed by `_fingerprint`, by path: (file's mtime, spec).
 _SPECS: dict[str, tuple[float, Any]] = {}
 
+#: (the spec file's mtime, the ledger's newest entry, the source's digest).
+_Fingerprint = tuple[float, str, str]
 
-def _fingerprint(spec_path: str) -> tuple[float, str | None] | None:
+
+def _fingerprint(spec_path: str) -> _Fingerprint | None:
     """The spec file's mtime and its source's fingerprint, None without one
     (then every poll checks in full). The spec is parsed again only when its
     file changed, so an edited spec is checked afresh."""
     import os
 
     from spark_jobs.core.spec import load_spec
-    from spark_jobs.engine.idle_hint import fingerprint
+    from spark_jobs.engine.idle_hint import fingerprint_parts
 
     try:
         mtime = os.stat(spec_path).st_mtime
@@ -85,5 +166,5 @@ def _fingerprint(spec_path: str) -> tuple[float, str | None] | None:
     cached = _SPECS.get(spec_path)
     if cached is None or cached[0] != mtime:
         cached = _SPECS[spec_path] = (mtime, load_spec(spec_path))
-    digest = fingerprint(cached[1])
-    return (mtime, digest) if digest is not None else None
+    parts = fingerprint_parts(cached[1])
+    return (mtime, *parts) if parts is not None else None

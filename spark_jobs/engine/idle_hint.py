@@ -40,7 +40,7 @@ from spark_jobs.engine.jvm_cache import CACHE_ENV
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["IdleHint", "fingerprint"]
+__all__ = ["IdleHint", "fingerprint", "fingerprint_parts"]
 
 log = logging.getLogger("microbatch")
 
@@ -81,6 +81,13 @@ class IdleHint:
 def fingerprint(spec: PipelineSpec) -> str | None:
     """A digest of what the source holds and of the ledger's newest entry, if
     both can be read locally in about a millisecond (see the module docstring); else None."""
+    parts = fingerprint_parts(spec)
+    return None if parts is None else hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def fingerprint_parts(spec: PipelineSpec) -> tuple[str, str] | None:
+    """`fingerprint`'s two halves: (the ledger's newest entry, the source's
+    digest). Apart, a watcher can tell data landing from the ledger moving."""
     if spec.source.type not in ("files", "delta"):
         return None
     source, ledger = _local(spec.source_path), _local(spec.ledger_path)
@@ -88,7 +95,7 @@ def fingerprint(spec: PipelineSpec) -> str | None:
         return None
     digest = hashlib.sha256()
     try:
-        digest.update(_newest_entry(ledger).encode())
+        head = _newest_entry(ledger)
         if spec.source.type == "delta":
             digest.update(_newest_entry(source).encode())
         else:
@@ -96,7 +103,7 @@ def fingerprint(spec: PipelineSpec) -> str | None:
                 digest.update(f"{name}\0{size}\0{mtime}\n".encode())
     except OSError:
         return None
-    return digest.hexdigest()
+    return head, digest.hexdigest()
 
 
 def _local(location: str) -> Path | None:

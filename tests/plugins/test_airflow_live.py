@@ -38,6 +38,11 @@ def live(tmp_path_factory):
     waiting["state"]["path"] = "lake/waiting"
     waiting["checkpoint"] = "lake/_checkpoints/waiting"
     write_spec(pipelines, waiting, "waiting_clicks.yaml")
+    watched = oracle_spec_dict(name="watched_clicks", airflow={"run_on_data": {"poll_seconds": 2}})
+    watched["source"]["path"] = "landing_watched"
+    watched["state"]["path"] = "lake/watched"
+    watched["checkpoint"] = "lake/_checkpoints/watched"
+    write_spec(pipelines, watched, "watched_clicks.yaml")
     console = oracle_spec_dict(name="console_clicks", batch={"max_files": 2})
     console["source"]["path"] = "landing_console"
     console["state"]["path"] = "lake/console"
@@ -64,7 +69,10 @@ def live(tmp_path_factory):
     airflow.start()
     airflow.root = root
     try:
-        for dag_id in ("clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "console_clicks", "stopped_clicks"):
+        for dag_id in (
+            "clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "watched_clicks",
+            "console_clicks", "stopped_clicks",
+        ):
             airflow.wait_for_dag(dag_id)
         yield airflow
     finally:
@@ -257,6 +265,26 @@ def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):
     live.wait_for_runs("waiting_clicks", 2, timeout=400)
     states = {t["task_id"]: t["state"] for t in live.task_instances("waiting_clicks", second)}
     assert states == {"wait_for_data": "skipped", "run_batch": "skipped"}
+
+
+def test_run_on_data_makes_no_run_until_data_lands_then_one_run_per_landing(live):
+    """`airflow.run_on_data`: the triggerer's watcher, not a clock, creates the runs."""
+    import time
+
+    spec_file = live.root / "pipelines" / "watched_clicks.yaml"
+    live.unpause("watched_clicks")
+    time.sleep(12)  # six polls of the watcher with nothing in its folder
+    assert live.runs("watched_clicks") == [], "nothing arrived: no run"
+    write_wave(spec_file.parent / "landing_watched", 0, files=2, records_per_file=30)
+    (run,) = live.wait_for_runs("watched_clicks", 1, timeout=240)
+    assert run["state"] == "success" and run["run_type"] == "asset_triggered", live.logs("watched_clicks")
+    assert assert_exact(spec_file)[-1].batch_id == 1
+    write_wave(spec_file.parent / "landing_watched", 1, files=1, records_per_file=30)
+    runs = live.wait_for_runs("watched_clicks", 2, timeout=240)
+    assert [r["state"] for r in runs] == ["success", "success"], live.logs("watched_clicks")
+    assert assert_exact(spec_file)[-1].batch_id == 2
+    time.sleep(10)
+    assert len(live.runs("watched_clicks")) == 2, "each landing made one run, and the batches starting none"
 
 
 def test_a_broken_spec_does_not_hide_the_other_pipelines(live):

@@ -143,3 +143,24 @@ def test_a_pipeline_reading_another_pipelines_state_is_scheduled_on_its_asset(mo
     assert type(chained.timetable).__name__ == "AssetTriggeredTimetable"
     assert [a.name for a in chained.timetable.asset_condition.objects] == ["microbatch.clicks_per_user.state"]
     assert type(bag.dags["clicks_per_user"].timetable).__name__ == "CronDataIntervalTimetable"
+
+
+def test_run_on_data_schedules_the_dag_on_its_source_watcher_and_refuses_a_clock_beside_it(tmp_path, monkeypatch):
+    write_spec(tmp_path, oracle_spec_dict(airflow={"run_on_data": {"poll_seconds": 5, "refire_seconds": 120}}), "clicks.yaml")
+    both = oracle_spec_dict(name="both", airflow={"run_on_data": {}, "schedule": "@hourly"})
+    write_spec(tmp_path, both, "both.yaml")
+    waiting = oracle_spec_dict(name="waiting", airflow={"run_on_data": {}, "wait_for_data": {}})
+    write_spec(tmp_path, waiting, "waiting.yaml")
+    bag = _dagbag(monkeypatch, tmp_path)
+    dag = bag.dags["clicks"]
+    (asset,) = dag.timetable.asset_condition.objects
+    (watcher,) = asset.watchers
+    assert asset.name == "microbatch.clicks.new_data" and watcher.trigger.serialize() == (
+        "microbatch_airflow.triggers.NewDataEventTrigger",
+        {"spec_path": str(tmp_path / "clicks.yaml"), "poll_seconds": 5.0, "refire_seconds": 120.0, "kafka_conn_id": None},
+    )
+    assert [t.task_id for t in dag.tasks] == ["run_batch"]
+    (errors,) = bag.import_errors.values()
+    assert "both.yaml" in errors and "field `airflow.run_on_data`: a pipeline runs either on a clock" in errors
+    assert "waiting.yaml" in errors and "`airflow.wait_for_data` has nothing to wait for" in errors
+    assert {"both", "waiting"}.isdisjoint(bag.dag_ids)

@@ -99,3 +99,109 @@ def test_waits_for_kafka_records_through_the_operators_connection(tmp_path, monk
         assert event.payload == {"status": "ready", "waiting": 12}
     finally:
         stop_cluster(server)
+
+
+class _Watcher:
+    """A `NewDataEventTrigger` running in a thread of its own, its events
+    collected as they come (the triggerer runs it the same way: forever)."""
+
+    def __init__(self, trigger) -> None:
+        import threading
+
+        self.events: list[dict] = []
+        self._loop = asyncio.new_event_loop()
+        self._task = None
+
+        async def collect():
+            async for event in trigger.run():
+                self.events.append(event.payload)
+
+        def main():
+            self._task = self._loop.create_task(collect())
+            try:
+                self._loop.run_until_complete(self._task)
+            except asyncio.CancelledError:
+                pass
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+
+    def wait_for(self, n: int, timeout: float = 20) -> list[dict]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(self.events) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(self.events) >= n, self.events
+        return self.events
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+
+def test_the_watcher_emits_once_per_news_never_while_idle_and_not_for_a_batch_starting(spec_path):
+    """The watcher behind `run_on_data`: an event when files land, none while
+    nothing changes, none when a batch only starts (the ledger moves, the
+    count does not), one when a commit leaves files behind, none when the
+    last batch drains the source."""
+    import time
+
+    from microbatch_airflow.triggers import NewDataEventTrigger
+    from tests.conftest import run_cli
+
+    landing = spec_path.parent / "landing"
+    watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.2))
+    try:
+        time.sleep(1.5)
+        assert watcher.events == [], "nothing landed: no event"
+        write_wave(landing, 0, files=3, records_per_file=5)
+        assert watcher.wait_for(1) == [{"status": "ready", "waiting": 3, "spec_path": str(spec_path)}]
+        time.sleep(1.5)
+        assert len(watcher.events) == 1, "the same files waiting are no news"
+        assert run_cli("run", str(spec_path), "--max-files", "2").returncode == 0
+        assert [e["waiting"] for e in watcher.wait_for(2)] == [3, 1], "the commit left one file: news"
+        assert run_cli("run", str(spec_path)).returncode == 0
+        time.sleep(1.5)
+        assert [e["waiting"] for e in watcher.events] == [3, 1], "drained: no event, and none for the runs starting"
+        write_wave(landing, 1, files=1, records_per_file=5)
+        assert [e["waiting"] for e in watcher.wait_for(3)] == [3, 1, 1]
+    finally:
+        watcher.stop()
+
+
+def test_the_watcher_emits_again_while_data_waits_with_no_news_and_errors_once_each(spec_path):
+    import time
+
+    from microbatch_airflow.triggers import NewDataEventTrigger
+
+    landing = spec_path.parent / "landing"
+    write_wave(landing, 0, files=1, records_per_file=5)
+    watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1, refire_seconds=0.5))
+    try:
+        assert [e["waiting"] for e in watcher.wait_for(3, timeout=10)][:3] == [1, 1, 1], "a run that failed for good is not the end"
+    finally:
+        watcher.stop()
+    for f in landing.iterdir():
+        f.unlink()
+    landing.rmdir()
+    watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1))
+    try:
+        (event,) = watcher.wait_for(1)
+        assert event["status"] == "error" and "source folder" in event["message"]
+        time.sleep(1)
+        assert len(watcher.events) == 1, "the same error once: its run says why"
+        landing.mkdir()
+        write_wave(landing, 0, files=2, records_per_file=5)
+        assert watcher.wait_for(2)[1] == {"status": "ready", "waiting": 2, "spec_path": str(spec_path)}, "the source came back"
+    finally:
+        watcher.stop()
+
+
+def test_the_watcher_serializes_to_an_importable_path(spec_path):
+    from microbatch_airflow.triggers import NewDataEventTrigger
+
+    path, kwargs = NewDataEventTrigger(str(spec_path), poll_seconds=3, refire_seconds=60).serialize()
+    module, _, name = path.rpartition(".")
+    again = getattr(__import__(module, fromlist=[name]), name)(**kwargs)
+    assert (again.spec_path, again.poll_seconds, again.refire_seconds) == (str(spec_path), 3, 60)

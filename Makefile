@@ -53,7 +53,7 @@ jars: spark-jars
 # tests/docker needs docker-compose (`config` only, no engine), the storage
 # fault tests need strace, the console's browser test needs chromium and the
 # Kafka broker's JARs are fetched with maven, the live Airflow keeps its
-# metadata in PostgreSQL; CI runs as root on Debian, so
+# metadata in PostgreSQL and its Celery profile uses Redis; CI runs as root on Debian, so
 # install what is missing.
 .PHONY: tools
 tools:
@@ -63,6 +63,7 @@ tools:
 	  command -v chromium >/dev/null || missing="$$missing chromium"; \
 	  command -v mvn >/dev/null || missing="$$missing maven"; \
 	  ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || missing="$$missing postgresql"; \
+	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	  if [ -n "$$missing" ]; then \
 	    { [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q $$missing; } \
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \
@@ -111,8 +112,12 @@ clean:
 
 # Airflow on this machine: its metadata in a PostgreSQL server of its own
 # (dev/postgres.py: kept with the Airflow home, started and stopped with
-# Airflow), LocalExecutor, the project's DAGs and plugins, UI and API on
-# http://127.0.0.1:8080 with no login (local use only).
+# Airflow), the project's DAGs and plugins, UI and API on
+# http://127.0.0.1:8080 with no login (local use only). EXECUTOR=local (the
+# default): `airflow standalone`, LocalExecutor. EXECUTOR=celery: the
+# CeleryExecutor with a Redis broker of its own (dev/redis.py) and
+# CELERY_WORKERS workers. One Ctrl-C stops everything, a running batch
+# included (dev/airflow.py says how).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
@@ -126,25 +131,14 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 AIRFLOW_PORT ?= 8080
 LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 AIRFLOW_DB = $(BIN)/python -m dev.postgres
+EXECUTOR ?= local
+CELERY_WORKERS ?= 2
+AIRFLOW_STOP_GRACE ?= 30
 
 .PHONY: airflow airflow-cli
-# One Ctrl-C stops everything. `airflow standalone` alone needs two while a
-# task runs: its scheduler waits for the LocalExecutor's running tasks. So it
-# runs in a session of its own; the first Ctrl-C (or TERM) sends TERM to the
-# whole session (a running batch stops at its next protocol boundary), and
-# whatever still runs after $(AIRFLOW_STOP_GRACE) s is killed, which the
-# commit protocol is built to survive. The session, not the process group:
-# Airflow's task supervisor puts each task (and the Spark JVM it starts) in a
-# process group of its own, which a signal to the standalone's group misses.
-AIRFLOW_STOP_GRACE ?= 30
 airflow: setup spark-jars
-	@url=$$($(AIRFLOW_DB) start $(LOCAL_AIRFLOW_HOME)) || exit 1; \
-	$(AIRFLOW_ENV) AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=$$url bash -c 'setsid $(BIN)/airflow standalone & session=$$!; \
-	  stop() { echo "stopping Airflow (up to $(AIRFLOW_STOP_GRACE) s)"; pkill -TERM -s $$session; \
-	    for _ in $$(seq $(AIRFLOW_STOP_GRACE)); do pgrep -s $$session >/dev/null || break; sleep 1; done; \
-	    if pgrep -s $$session >/dev/null; then echo "still running after $(AIRFLOW_STOP_GRACE) s: killing what is left"; pkill -KILL -s $$session; fi; \
-	    $(AIRFLOW_DB) stop $(LOCAL_AIRFLOW_HOME); exit 0; }; \
-	  trap stop INT TERM; wait $$session; $(AIRFLOW_DB) stop $(LOCAL_AIRFLOW_HOME)'
+	@$(AIRFLOW_ENV) $(BIN)/python -m dev.airflow $(LOCAL_AIRFLOW_HOME) --executor $(EXECUTOR) \
+	  --workers $(CELERY_WORKERS) --grace $(AIRFLOW_STOP_GRACE)
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
 # (It starts the database if `make airflow` is not running, and leaves it running.)

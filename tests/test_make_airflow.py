@@ -1,8 +1,9 @@
-"""`make airflow` (Airflow standalone on this machine, its metadata in a
-PostgreSQL server of its own) stops on one Ctrl-C, database included, even
-while a batch runs: a real `make`, a real `airflow standalone`, a real
-batch in Spark, and SIGINT to make's process group as a terminal sends it.
-(`airflow standalone` alone waited for the running task until a second one.)"""
+"""`make airflow` (Airflow on this machine, its metadata in a PostgreSQL
+server of its own) stops on one Ctrl-C, database included, even while a
+batch runs: a real `make`, a real `airflow standalone` (or, with
+EXECUTOR=celery, the components, two Celery workers and a Redis broker), a
+real batch in Spark, and SIGINT to make's process group as a terminal sends
+it. (`airflow standalone` alone waited for the running task until a second one.)"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import urllib.request
 import pytest
 
 from dev.postgres import PostgresServer
+from dev.redis import RedisServer
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import ROOT, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import free_port
@@ -48,7 +50,18 @@ def _alive(marker: str, command: str = "") -> list[str]:
     return found
 
 
-def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
+def _session_leader(pid: str) -> bytes:
+    """The command line of the leader of `pid`'s session."""
+    session = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[3])
+    with open(f"/proc/{session}/cmdline", "rb") as cmdline:
+        return cmdline.read().replace(b"\0", b" ")
+
+
+# The celery profile's launch in make soak: make test keeps it under 40
+# minutes, and the CeleryExecutor itself runs live in make test
+# (tests/plugins/test_airflow_celery.py).
+@pytest.mark.parametrize("executor", ["local", pytest.param("celery", marks=pytest.mark.slow)])
+def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
     pipelines = tmp_path / "pipelines"
     spec_file = write_spec(pipelines, oracle_spec_dict(name="busy_clicks"), "busy_clicks.yaml")
     write_wave(spec_file.parent / "landing", 0, files=5, records_per_file=20000)
@@ -60,7 +73,8 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
     }
     log = open(tmp_path / "make.log", "w")
     make = subprocess.Popen(
-        ["make", "--no-print-directory", "airflow", f"AIRFLOW_PORT={port}", f"LOCAL_AIRFLOW_HOME={tmp_path / 'home'}"],
+        ["make", "--no-print-directory", "airflow", f"AIRFLOW_PORT={port}", f"LOCAL_AIRFLOW_HOME={tmp_path / 'home'}",
+         f"EXECUTOR={executor}"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
@@ -82,15 +96,19 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
         # What a signal to the standalone's process group alone would miss:
         # Airflow's supervisor runs each task (and so its Spark JVM) in a
         # process group of its own, inside the session `make airflow` made.
-        standalone = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), "standalone")}
+        component = "standalone" if executor == "local" else "celery"
+        runner = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), component)}
         spark = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), "java")}
-        assert standalone and spark and not spark & standalone
+        assert runner and spark and not spark & runner
+        if executor == "celery":  # the batch runs under a Celery worker, not the scheduler
+            assert all(b"celery worker" in _session_leader(pid) for pid in _alive(str(tmp_path), "java"))
 
         os.killpg(make.pid, signal.SIGINT)  # one Ctrl-C
         make.wait(90)
         time.sleep(2)
         assert _alive(str(tmp_path)) == [], "processes outlived one Ctrl-C"
         assert not PostgresServer.kept(tmp_path / "home", start=False).running(), "the database outlived one Ctrl-C"
+        assert not RedisServer.kept(tmp_path / "home", start=False).running(), "the broker outlived one Ctrl-C"
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
@@ -100,6 +118,9 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path):
         database = PostgresServer.kept(tmp_path / "home", start=False)
         database.stop()
         kept = database.folder
+        broker = RedisServer.kept(tmp_path / "home", start=False)
+        broker.stop()
+        shutil.rmtree(broker.folder, ignore_errors=True)
     assert "stopping Airflow" in (tmp_path / "make.log").read_text()
     # The metadata was in the home's own PostgreSQL (stopped with Airflow, data kept), not in SQLite.
     assert (kept / "data" / "PG_VERSION").exists() and not (tmp_path / "home" / "airflow.db").exists()

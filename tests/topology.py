@@ -51,6 +51,11 @@ NATIVE = {
     "spark-connect": "pyspark's bin/spark-submit ...SparkConnectServer, with the compose command's settings",
     "minio": "moto's S3 server (tests/moto_server.py)",
     "kafka": "the Kafka broker of jars/kafka/pom.xml, one KRaft node (tests/kafka_broker.py)",
+    # The `celery` profile: not started by this test, which runs the default
+    # profile; tests/plugins/test_airflow_celery.py runs it live.
+    "redis": "the celery profile: Redis from Debian's packages (dev/redis.py)",
+    "airflow-worker-1": "the celery profile: airflow celery worker (LiveAirflow(executor='celery'))",
+    "airflow-worker-2": "the celery profile: airflow celery worker (LiveAirflow(executor='celery'))",
 }
 #: One-shot services: steps of `Topology.start`.
 ONE_SHOT = {

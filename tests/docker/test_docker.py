@@ -110,7 +110,7 @@ def test_airflow_services_share_one_configuration():
         values = {name: env.get(key) for name, env in envs.items()}
         assert None not in values.values() and len(set(values.values())) == 1, f"{key} differs or is missing: {values}"
     for name, env in envs.items():
-        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name  # unless .env picks the celery profile
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/", name
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql"), name
         assert env["AIRFLOW_CONN_MICROBATCH_SPARK"] == "spark://spark-master:7077", name
@@ -119,6 +119,40 @@ def test_airflow_services_share_one_configuration():
         mounts = [str(v) for v in services[name].get("volumes", [])]
         assert any(m.endswith(f":{env['MICROBATCH_PIPELINES_DIR']}:ro") for m in mounts), \
             f"{name}: MICROBATCH_PIPELINES_DIR is not where docker/pipelines is mounted ({mounts})"
+
+
+CELERY_WORKERS = ["airflow-worker-1", "airflow-worker-2"]
+
+
+def test_the_celery_profile_runs_tasks_on_two_workers_through_redis(tmp_path):
+    """`.env` with the pair COMPOSE_PROFILES=celery and AIRFLOW_EXECUTOR=CeleryExecutor:
+    every Airflow service, the workers included, runs the CeleryExecutor over
+    the profile's Redis, results in the metadata database; each worker is the
+    Spark driver of its tasks under its own host name."""
+    env_file = tmp_path / "celery.env"
+    env_file.write_text(ENV_EXAMPLE.read_text() + "COMPOSE_PROFILES=celery\nAIRFLOW_EXECUTOR=CeleryExecutor\n")
+    result = _compose("config", env_file=env_file)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert services["redis"]["profiles"] == ["celery"] and "--save" in services["redis"]["command"]
+    database = _env(services["airflow-scheduler"])["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].split("://", 1)[1]
+    for name in AIRFLOW_SERVICES + CELERY_WORKERS:
+        env = _env(services[name])
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
+        assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0", name
+        assert env["AIRFLOW__CELERY__RESULT_BACKEND"] == f"db+postgresql+psycopg2://{database}", name
+    names = set()
+    for name in CELERY_WORKERS:
+        worker = services[name]
+        command = worker["command"]
+        assert command[:2] == ["celery", "worker"] and worker["profiles"] == ["celery"], name
+        names.add(command[command.index("--celery-hostname") + 1])
+        assert _env(worker)["SPARK_LOCAL_HOSTNAME"] == worker["hostname"] == name
+        assert {"redis", "postgres", "airflow-init"} <= set(worker["depends_on"]), name
+        assert worker["healthcheck"]["test"][-1] == command[command.index("--celery-hostname") + 1], name
+    assert len(names) == len(CELERY_WORKERS), "two workers on one broker need names of their own"
+    # The example .env names the pair, commented: the default stack stays on the LocalExecutor.
+    assert "# COMPOSE_PROFILES=celery\n# AIRFLOW_EXECUTOR=CeleryExecutor" in ENV_EXAMPLE.read_text()
 
 
 def test_spark_services_get_the_s3_settings():

@@ -1,6 +1,8 @@
 """A real Airflow on loopback for end-to-end tests: api-server, scheduler,
-dag-processor and triggerer as separate processes, LocalExecutor, and the
-metadata DB on a PostgreSQL server of its own (dev/postgres.py).
+dag-processor and triggerer as separate processes, and the metadata DB on a
+PostgreSQL server of its own (dev/postgres.py). The LocalExecutor, or the
+CeleryExecutor (`executor="celery"`) with Celery workers of their own and a
+Redis server as the broker (dev/redis.py).
 
 Each process runs in its own session so teardown can kill the whole group:
 Airflow's processes rename themselves and fork workers, which a pattern
@@ -24,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 from dev.postgres import PostgresServer
+from dev.redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -51,16 +54,24 @@ def _log_line(line: str) -> str:
 
 
 class LiveAirflow:
-    def __init__(self, home: Path, pipelines_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, home: Path, pipelines_dir: Path, port: int | None = None, *, executor: str = "local", workers: int = 2,
+        worker_concurrency: int = 2,
+    ) -> None:
+        assert executor in ("local", "celery"), executor
         self.home = home
         self.port = port or free_port()
+        self.executor = executor
+        #: The processes started, by name: `COMPONENTS`, then each Celery worker.
+        self.components = [*COMPONENTS, *(f"celery-worker-{i}" for i in range(1, workers + 1) if executor == "celery")]
+        self.worker_concurrency = worker_concurrency
         self.env = {
             **os.environ,
             "AIRFLOW_HOME": str(home),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor" if executor == "celery" else "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "4",
             # The suite's in-process Airflow logs at WARNING (tests/conftest.py);
             # these processes must not inherit that: the task log files would
@@ -87,6 +98,7 @@ class LiveAirflow:
         self.env.pop("AIRFLOW__CORE__DAGS_FOLDER_OVERRIDE", None)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.database: PostgresServer | None = None
+        self.broker: RedisServer | None = None
         self.passwords = {"admin": "admin-password", "viewer": "viewer-password"}
         self._tokens: dict[str, str] = {}
 
@@ -102,24 +114,47 @@ class LiveAirflow:
             self.database = PostgresServer.start()
             self.database.create_database("airflow")
             self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.database.url("airflow", driver="postgresql+psycopg2")
+            if self.executor == "celery":
+                self.broker = RedisServer.start()
+                self.env["AIRFLOW__CELERY__BROKER_URL"] = self.broker.url()
+                self.env["AIRFLOW__CELERY__RESULT_BACKEND"] = "db+" + self.database.url("airflow", driver="postgresql+psycopg2")
+                self.env["AIRFLOW__CELERY__WORKER_CONCURRENCY"] = str(self.worker_concurrency)
             migrated = self.airflow("db", "migrate")
             assert migrated.returncode == 0, migrated.stderr[-3000:]
-            for component in COMPONENTS:
+            for component in self.components:
+                command, env = [component], self.env
+                if component.startswith("celery-worker-"):
+                    # Each worker serves its task logs on a port of its own, under a Celery name of its own.
+                    command = ["celery", "worker", "--celery-hostname", f"{component}@%h"]
+                    env = {**self.env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
                 log = open(self.home / f"{component}.log", "wb")
                 self.procs.append(
                     subprocess.Popen(
-                        [str(BIN / "airflow"), component],
-                        env=self.env,
+                        [str(BIN / "airflow"), *command],
+                        env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
                 )
             self.wait(lambda: self._get_or_none("/api/v2/monitor/health", user=None) is not None, 120, "the api-server to answer")
+            if self.executor == "celery":
+                self.wait(self._workers_ready, 120, "the Celery workers to be ready")
         except BaseException:
             self.stop()  # nothing left running: the server, its folder, the components started
             raise
         return self
+
+    def _workers_ready(self) -> bool:
+        """Whether every Celery worker said it is ready; a worker that exited fails at once, with its log."""
+        ready = True
+        for name, proc in zip(self.components, self.procs):
+            if not name.startswith("celery-worker-"):
+                continue
+            log = (self.home / f"{name}.log").read_text(errors="replace")
+            assert proc.poll() is None, f"Celery worker {name} exited ({proc.returncode}):\n{log[-3000:]}"
+            ready = ready and " ready." in log
+        return ready
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -137,13 +172,15 @@ class LiveAirflow:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if self.broker is not None:
+            self.broker.stop()
         if self.database is not None:
             self.database.stop()
 
     def logs(self, dag_id: str | None = None) -> str:
         """The components' logs (their ends), then the whole log of every task
         attempt (of `dag_id`, or of every DAG): what a failure message shows."""
-        parts = [f"--- {c} ---\n" + (self.home / f"{c}.log").read_text(errors="replace")[-4000:] for c in COMPONENTS]
+        parts = [f"--- {c} ---\n" + (self.home / f"{c}.log").read_text(errors="replace")[-4000:] for c in self.components]
         return "\n".join(parts + [self.task_logs(dag_id)])
 
     def task_logs(self, dag_id: str | None = None) -> str:

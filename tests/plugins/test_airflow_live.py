@@ -273,7 +273,7 @@ def test_run_on_data_makes_no_run_until_data_lands_then_one_run_per_landing(live
 
     spec_file = live.root / "pipelines" / "watched_clicks.yaml"
     live.unpause("watched_clicks")
-    time.sleep(12)  # six polls of the watcher with nothing in its folder
+    time.sleep(8)  # four polls of the watcher with nothing in its folder
     assert live.runs("watched_clicks") == [], "nothing arrived: no run"
     write_wave(spec_file.parent / "landing_watched", 0, files=2, records_per_file=30)
     (run,) = live.wait_for_runs("watched_clicks", 1, timeout=240)
@@ -283,7 +283,7 @@ def test_run_on_data_makes_no_run_until_data_lands_then_one_run_per_landing(live
     runs = live.wait_for_runs("watched_clicks", 2, timeout=240)
     assert [r["state"] for r in runs] == ["success", "success"], live.logs("watched_clicks")
     assert assert_exact(spec_file)[-1].batch_id == 2
-    time.sleep(10)
+    time.sleep(6)
     assert len(live.runs("watched_clicks")) == 2, "each landing made one run, and the batches starting none"
 
 

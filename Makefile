@@ -96,6 +96,7 @@ bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/state_scale.py
 	$(BIN)/python bench/state_vs_ss.py
 	$(BIN)/python bench/idle_cost.py
+	$(BIN)/python bench/fleet.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
 lock:

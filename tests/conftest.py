@@ -56,6 +56,7 @@ def pytest_configure(config):
 #: these start first and the short files fill in at the end, instead of one
 #: process running a long file alone at the end while the other idles.
 LONG_FILES = (
+    "tests/plugins/test_airflow_celery.py",
     "tests/spark_jobs/engine/test_engines.py",
     "tests/spark_jobs/test_chaos.py",
     "tests/test_topology.py",

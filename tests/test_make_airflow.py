@@ -57,10 +57,7 @@ def _session_leader(pid: str) -> bytes:
         return cmdline.read().replace(b"\0", b" ")
 
 
-# The celery profile's launch in make soak: make test keeps it under 40
-# minutes, and the CeleryExecutor itself runs live in make test
-# (tests/plugins/test_airflow_celery.py).
-@pytest.mark.parametrize("executor", ["local", pytest.param("celery", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("executor", ["local", "celery"])
 def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
     pipelines = tmp_path / "pipelines"
     spec_file = write_spec(pipelines, oracle_spec_dict(name="busy_clicks"), "busy_clicks.yaml")

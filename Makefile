@@ -117,8 +117,9 @@ clean:
 # http://127.0.0.1:8080 with no login (local use only). EXECUTOR=local (the
 # default): `airflow standalone`, LocalExecutor. EXECUTOR=celery: the
 # CeleryExecutor with a Redis broker of its own (dev/redis.py) and
-# CELERY_WORKERS workers. One Ctrl-C stops everything, a running batch
-# included (dev/airflow.py says how).
+# CELERY_WORKERS workers. ENGINE=connect: one Spark Connect server that
+# every task uses as a thin client, instead of a JVM in each task. One
+# Ctrl-C stops everything, a running batch included (dev/airflow.py says how).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
@@ -134,12 +135,15 @@ LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 AIRFLOW_DB = $(BIN)/python -m dev.postgres
 EXECUTOR ?= local
 CELERY_WORKERS ?= 2
+ENGINE ?= local
+CONNECT_PORT ?= 15002
 AIRFLOW_STOP_GRACE ?= 30
 
 .PHONY: airflow airflow-cli
 airflow: setup spark-jars
 	@$(AIRFLOW_ENV) $(BIN)/python -m dev.airflow $(LOCAL_AIRFLOW_HOME) --executor $(EXECUTOR) \
-	  --workers $(CELERY_WORKERS) --grace $(AIRFLOW_STOP_GRACE)
+	  --workers $(CELERY_WORKERS) --engine $(ENGINE) --connect-port $(CONNECT_PORT) \
+	  --grace $(AIRFLOW_STOP_GRACE)
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
 # (It starts the database if `make airflow` is not running, and leaves it running.)

@@ -11,7 +11,9 @@ For each fleet size N (`--sizes`), in one run:
    `--duration` seconds in which each active pipeline (all but
    `--idle-share` of them) gets a file every `--interval` seconds, the
    landings spread evenly over the interval; then up to `--drain` seconds
-   for the last files to be committed.
+   for the last files to be committed. Once per `--engines`: `local`, a
+   driver JVM in each task; `connect`, one shared Spark Connect server
+   whose thin clients the tasks are (`make airflow ENGINE=connect`).
 2. **The anchor.** Structured Streaming with N queries in one driver over
    the same kind of folders and the same landing schedule
    (`anchors/structured_streaming_fleet.py`: `ProcessingTime` at the
@@ -40,7 +42,8 @@ specs and for 1,000 specs one of which is broken (the other 999 listed).
 Writes docs/fleet.md's "The fleet benchmark" section and
 docs/fleet_latency.png.
 
-    .venv/bin/python bench/fleet.py [--sizes 10,50,100] [--interval 120] [--duration 360] [--poll 10]
+    .venv/bin/python bench/fleet.py [--sizes 50,100,200] [--interval 300] [--duration 300] [--poll 10]
+        [--engines local,connect] [--no-anchor] [--merge-log EARLIER_RUN.log]
 """
 
 from __future__ import annotations
@@ -86,35 +89,37 @@ def _stat(pid: str) -> list[str] | None:
         return None
 
 
-def tree_cpu(sessions: set[int]) -> float:
-    """CPU seconds of every live process of `sessions`, with what each has
-    reaped (cutime, cstime): ended tasks and JVMs count too."""
+def tree_pss(sessions: set[int]) -> int:
+    """Proportional set size (shared pages split among their sharers) of
+    every process of `sessions`; a process keeps its session when it is
+    orphaned, so a JVM outliving its task still counts."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         fields = _stat(pid)
-        if fields and int(fields[3]) in sessions:
-            total += sum(int(f) for f in fields[11:15])
-    return total / TICK
-
-
-def tree_rss(sessions: set[int]) -> int:
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        fields = _stat(pid)
-        if fields and int(fields[3]) in sessions:
-            total += int(fields[21]) * PAGE
+        if not fields or int(fields[3]) not in sessions:
+            continue
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
     return total
 
 
 def machine_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of all cores since boot."""
+    """(busy, total) jiffies of all cores since boot. CPU is counted for the
+    whole machine: an engine's processes cannot all be followed (a task's
+    JVM outlives it, and what init reaps leaves no trace), and the
+    metadata database is Airflow's cost too. Nothing else runs meanwhile."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]
     return sum(values) - idle, sum(values)
 
 
 class Sampler(threading.Thread):
-    """Peak RSS of the trees of `sessions`, every 2 s."""
+    """Peak PSS of the trees of `sessions`, every 2 s."""
 
     def __init__(self, sessions: set[int]) -> None:
         super().__init__(daemon=True)
@@ -124,7 +129,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(2):
-            self.peak = max(self.peak, tree_rss(self.sessions))
+            self.peak = max(self.peak, tree_pss(self.sessions))
 
     def stop(self) -> int:
         self._done.set()
@@ -220,8 +225,13 @@ def committed_files(spec_path: Path) -> dict[str, tuple[float, int, str | None, 
     return found
 
 
-def run_project(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "local") -> dict[str, Any]:
+    """`engine`: "local", a driver JVM in each task; "connect", one Spark
+    Connect server (`dev/airflow.py`'s, as `make airflow ENGINE=connect`
+    starts it) whose thin clients the tasks are."""
+    from dev.airflow import _signal_sessions, _start_connect
     from idle_cost import running_watchers
+    from tests.plugins.live_airflow import free_port
 
     folder = work / "pipelines"
     names = make_specs(folder, n, args.poll)
@@ -232,27 +242,33 @@ def run_project(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         live.env.pop(key, None)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
-    live.start()
-    sessions = {p.pid for p in live.procs}
+    server = None
     try:
+        if engine == "connect":
+            server, url = _start_connect(work, free_port())
+            live.env["MICROBATCH_SPARK_MASTER"] = url
+        live.start()
+        sessions = {p.pid for p in live.procs} | ({server.pid} if server is not None else set())
         for name in names:
             live.wait_for_dag(name, timeout=900)
         for name in names:
             live.unpause(name)
         live.wait(lambda: running_watchers(live) == n, 900, "every watcher to run in the triggerer")
         time.sleep(args.poll * 2)
-        cpu0, busy0 = tree_cpu(sessions), machine_busy()
+        busy0 = machine_busy()
         time.sleep(args.idle)
-        cpu1, busy1 = tree_cpu(sessions), machine_busy()
+        busy1 = machine_busy()
         idle_runs = sum(len(live.runs(name)) for name in names)
+        window_start = time.time()
         sampler = Sampler(sessions)
         sampler.start()
         plan = schedule(active, args.interval, args.duration)
         landed = run_landings(folder / "landing", plan)
         window_end = time.time()
-        cpu2, busy2 = tree_cpu(sessions), machine_busy()
+        busy2 = machine_busy()
         spec_of = {name: folder / f"{name}.yaml" for name in names}
-        waiting_at_end = sum(1 for (name, file) in landed if file not in committed_files(spec_of[name]))
+        at_end = {name: committed_files(spec_of[name]) for name in active}
+        waiting_at_end = sum(1 for (name, file) in landed if file not in at_end[name])
         deadline = time.time() + args.drain
         while time.time() < deadline:
             done = {name: committed_files(spec_of[name]) for name in active}
@@ -279,12 +295,17 @@ def run_project(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             to_queued.append(queued - at)
             to_planned.append(planned - queued)
             to_committed.append(committed - planned)
-        empty_runs = sum(1 for r in runs.values() if r["state"] == "success") - sum(len({v[1] for v in done[name].values()}) for name in active)
+        committing = {v[2] for name in active for v in done[name].values()}
+        empty_runs = sum(1 for run_id, r in runs.items() if r["state"] == "success" and run_id not in committing)
     finally:
         live.stop()
+        if server is not None:
+            _signal_sessions([server.pid], 9)
+            server.wait()
     minutes = args.duration / 60
     return {
         "n": n,
+        "engine": engine,
         "active": len(active),
         "files": len(landed),
         "missing": missing,
@@ -296,10 +317,12 @@ def run_project(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "to_committed": (pct(to_committed, 0.5), pct(to_committed, 0.95)),
         "idle_runs": idle_runs,
         "empty_runs": empty_runs,
-        "idle_cpu_per_hour": (cpu1 - cpu0) * 3600 / args.idle,
-        "cpu_per_batch": (cpu2 - cpu1) / max(batches_in_window, 1),
         "busy_idle": (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]),
         "busy": (busy2[0] - busy1[0]) / (busy2[1] - busy1[1]),
+        "cpu_idle_s": (busy1[0] - busy0[0]) / TICK,
+        "idle_s": args.idle,
+        "cpu_window_s": (busy2[0] - busy1[0]) / TICK,
+        "window_s": window_end - window_start,
         "batches_per_minute": batches_in_window / minutes,
         "files_per_minute": len(landed) / minutes,
         "waiting_at_end": waiting_at_end,
@@ -334,13 +357,21 @@ def run_anchor(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     seen: dict[tuple[str, str], float] = {}
     ready = threading.Event()
 
+    failures: list[str] = []
+
     def read() -> None:
         for line in process.stdout:
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                failures.append(f"not a record: {line!r}")
+                continue
             if "ready" in record:
                 ready.set()
             elif "probe" in record:
                 seen.setdefault((record["query"], record["probe"]), record["at"])
+            elif "failed" in record:
+                failures.append(f"queries failed: {record}")
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -348,20 +379,24 @@ def run_anchor(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if not ready.wait(900):
             raise RuntimeError(f"the anchor's {n} queries did not start: {(work / 'anchor.log').read_text()[-3000:]}")
         time.sleep(args.poll * 2)
-        cpu0, busy0 = tree_cpu(sessions), machine_busy()
+        busy0 = machine_busy()
         time.sleep(args.idle)
-        cpu1, busy1 = tree_cpu(sessions), machine_busy()
+        busy1 = machine_busy()
         sampler = Sampler(sessions)
         sampler.start()
         plan = schedule(active, args.interval, args.duration)
+        window_start = time.time()
         landed = run_landings(landings, plan)
-        cpu2, busy2 = tree_cpu(sessions), machine_busy()
+        window_end = time.time()
+        busy2 = machine_busy()
         probe_of = {(name, file): f"probe-{int(file[8:13]):05d}" for name, file in landed}
         waiting_at_end = sum(1 for key in landed if (key[0], probe_of[key]) not in seen)
         deadline = time.time() + args.drain
         while time.time() < deadline and any((key[0], probe_of[key]) not in seen for key in landed):
             time.sleep(2)
         peak = sampler.stop()
+        if failures:
+            raise RuntimeError(f"the anchor failed: {failures[:3]}\n{(work / 'anchor.log').read_text()[-3000:]}")
     finally:
         stop.touch()
         try:
@@ -378,10 +413,12 @@ def run_anchor(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "p50": pct(latencies, 0.5),
         "p95": pct(latencies, 0.95),
         "max": max(latencies, default=float("nan")),
-        "idle_cpu_per_hour": (cpu1 - cpu0) * 3600 / args.idle,
-        "cpu_window": cpu2 - cpu1,
         "busy_idle": (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]),
         "busy": (busy2[0] - busy1[0]) / (busy2[1] - busy1[1]),
+        "cpu_idle_s": (busy1[0] - busy0[0]) / TICK,
+        "idle_s": args.idle,
+        "cpu_window_s": (busy2[0] - busy1[0]) / TICK,
+        "window_s": window_end - window_start,
         "files_per_minute": len(landed) / minutes,
         "waiting_at_end": waiting_at_end,
         "peak_gb": peak / 1e9,
@@ -422,48 +459,70 @@ def parse_time(n: int, work: Path, broken: bool) -> dict[str, Any]:
 # -- report ----------------------------------------------------------------------
 
 
+ENGINE_LABEL = {"local": "project, a JVM a task", "connect": "project, one Connect server"}
+
+
+def machine_cpu(result: dict, args: argparse.Namespace) -> tuple[float, float]:
+    """(CPU-s per file landed, CPU-s per hour while idle), the machine's.
+    Results printed before these fields existed carry the busy shares only:
+    times the cores and the window's nominal length."""
+    cores = os.cpu_count()
+    window = result.get("cpu_window_s", result["busy"] * cores * args.duration)
+    idle = result.get("cpu_idle_s", result["busy_idle"] * cores * args.idle)
+    return window / max(result["files"], 1), idle * 3600 / result.get("idle_s", args.idle)
+
+
 def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], parses: dict[str, dict]) -> None:
+    cores = os.cpu_count()
     lines = [
         SECTION,
         "",
-        f"Measured by `bench/fleet.py` on {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"{date.today().isoformat()}, one run. Each active pipeline ({100 - args.idle_share * 100:.0f}% of N; the rest stay idle) "
+        f"Measured by `bench/fleet.py` on {platform.machine()}, {cores} cores, Python {platform.python_version()}, "
+        f"{date.today().isoformat()}. Each active pipeline ({100 - args.idle_share * 100:.0f}% of N; the rest stay idle) "
         f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly. "
         f"The project: `run_on_data` polling every {args.poll:.0f} s, a live Airflow (LocalExecutor, {args.parallelism} task "
-        "slots, PostgreSQL, Airflow's default loop settings), a task and a driver JVM per batch. The anchor: Structured "
-        f"Streaming, N queries in one driver (`ProcessingTime` every {args.poll:.0f} s, RocksDB, a sink that writes nothing).",
+        "slots, PostgreSQL, Airflow's default loop settings), a task per batch, its Spark either a driver JVM in the task "
+        "or one shared Spark Connect server (`make airflow ENGINE=connect`). The anchor: Structured Streaming, N queries in "
+        f"one driver (`ProcessingTime` every {args.poll:.0f} s, RocksDB, a sink that writes nothing).",
         "",
-        "| N | engine | files landed | latency p50 | p95 | max | waiting at window's end | batches/min | CPU-s per batch | cores busy | CPU-s per hour while idle (all; per pipeline) | peak memory |",
+        "| N | engine | files landed | latency p50 | p95 | max | waiting at window's end | batches/min | CPU-s per file | cores busy | CPU-s per hour while idle (N pipelines; per pipeline) | peak memory (PSS) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mine, theirs in zip(ours, anchor or [None] * len(ours)):
-        lines.append(
-            f"| {mine['n']} | project | {mine['files']} ({mine['missing']} not committed) | {mine['p50']:.1f} s | {mine['p95']:.1f} s | "
-            f"{mine['max']:.1f} s | {mine['waiting_at_end']} | {mine['batches_per_minute']:.1f} | {mine['cpu_per_batch']:.1f} | "
-            f"{mine['busy'] * os.cpu_count():.2f} | {mine['idle_cpu_per_hour']:.0f}; {mine['idle_cpu_per_hour'] / mine['n']:.1f} | {mine['peak_gb']:.1f} GB |"
-        )
-        if theirs:
+    for n in sorted({r["n"] for r in ours + anchor}):
+        for mine in sorted((r for r in ours if r["n"] == n), key=lambda r: list(ENGINE_LABEL).index(r.get("engine", "local"))):
             lines.append(
-                f"| {theirs['n']} | Structured Streaming | {theirs['files']} ({theirs['missing']} not seen) | {theirs['p50']:.1f} s | "
+                f"| {n} | {ENGINE_LABEL[mine.get('engine', 'local')]} | {mine['files']} ({mine['missing']} not committed) | "
+                f"{mine['p50']:.1f} s | {mine['p95']:.1f} s | {mine['max']:.1f} s | {mine['waiting_at_end']} | "
+                f"{mine['batches_per_minute']:.1f} | {machine_cpu(mine, args)[0]:.1f} | "
+                f"{mine['busy'] * cores:.2f} | {machine_cpu(mine, args)[1]:.0f}; {machine_cpu(mine, args)[1] / n:.1f} | {mine['peak_gb']:.1f} GB |"
+            )
+        for theirs in (r for r in anchor if r["n"] == n):
+            lines.append(
+                f"| {n} | Structured Streaming | {theirs['files']} ({theirs['missing']} not seen) | {theirs['p50']:.1f} s | "
                 f"{theirs['p95']:.1f} s | {theirs['max']:.1f} s | {theirs['waiting_at_end']} | | "
-                f"{theirs['cpu_window'] / max(theirs['files'], 1):.1f} per file | {theirs['busy'] * os.cpu_count():.2f} | "
-                f"{theirs['idle_cpu_per_hour']:.0f}; {theirs['idle_cpu_per_hour'] / theirs['n']:.1f} | {theirs['peak_gb']:.1f} GB |"
+                f"{machine_cpu(theirs, args)[0]:.1f} | {theirs['busy'] * cores:.2f} | "
+                f"{machine_cpu(theirs, args)[1]:.0f}; {machine_cpu(theirs, args)[1] / n:.1f} | {theirs['peak_gb']:.1f} GB |"
             )
     lines += [
         "",
-        "Where a file's time goes in the project, p50 / p95: from landing to its DAG run queued (the watcher's "
-        "poll, the triggerer, the scheduler making the run), from queued to the batch planned (the scheduler "
-        "starting the task, the task process and its imports), and from planned to committed (the batch, its "
-        "JVM included); and the runs that found nothing:",
+        "CPU is the machine's, all processes (Airflow's components, PostgreSQL, tasks, JVMs, the Connect server; the "
+        "anchor's driver; this script's landings): CPU-s per file is the landing window's over the files landed, and "
+        "while idle it is what N pipelines with nothing arriving cost, Airflow's own fixed cost included (what one "
+        "idle pipeline adds is in \"An idle pipeline\" above). Peak memory: the engine's processes' proportional set "
+        "size, sampled every 2 s. Where a file's time goes in the "
+        "project, p50 / p95: from landing to its DAG run queued (the watcher's poll, the triggerer, the scheduler "
+        "making the run), from queued to the batch planned (the scheduler starting the task, the task process and "
+        "its imports), and from planned to committed (the batch, its JVM or Connect session included); and the runs "
+        "that found nothing:",
         "",
-        "| N | landed to run queued | queued to planned | planned to committed | runs that found nothing | runs while idle |",
-        "|---|---|---|---|---|---|",
+        "| N | engine | landed to run queued | queued to planned | planned to committed | runs that found nothing | runs while idle |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for mine in ours:
+    for mine in sorted(ours, key=lambda r: (r["n"], list(ENGINE_LABEL).index(r.get("engine", "local")))):
         lines.append(
-            f"| {mine['n']} | {mine['to_queued'][0]:.1f} / {mine['to_queued'][1]:.1f} s | {mine['to_planned'][0]:.1f} / "
-            f"{mine['to_planned'][1]:.1f} s | {mine['to_committed'][0]:.1f} / {mine['to_committed'][1]:.1f} s | "
-            f"{mine['empty_runs']} | {mine['idle_runs']} |"
+            f"| {mine['n']} | {ENGINE_LABEL[mine.get('engine', 'local')]} | {mine['to_queued'][0]:.1f} / {mine['to_queued'][1]:.1f} s | "
+            f"{mine['to_planned'][0]:.1f} / {mine['to_planned'][1]:.1f} s | {mine['to_committed'][0]:.1f} / "
+            f"{mine['to_committed'][1]:.1f} s | {mine['empty_runs'] if mine['empty_runs'] >= 0 else 'n/a'} | {mine['idle_runs']} |"
         )
     lines += [
         "",
@@ -474,7 +533,7 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
     ]
     for label, parse in parses.items():
         lines.append(f"| {label} | {parse['seconds']:.2f} s | {parse['dags']} | {parse['errors']} |")
-    lines += ["", f"![latency from a file landing to its batch committed]({PLOT.name})", ""]
+    lines += ["", f"![latency from a file landing to its batch committed, and cores busy]({PLOT.name})", ""]
     if not DOC.exists():
         DOC.write_text("# A fleet of pipelines on one Airflow (issue 36)\n\nFigures from `bench/` scripts, each from one run.\n")
     replace_section(DOC, SECTION, lines)
@@ -488,12 +547,16 @@ def plot(ours: list[dict], anchor: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for rows, label, marker in ((ours, "project (run_on_data, a task per batch)", "o"), (anchor, "Structured Streaming (N queries, one driver)", "s")):
+    series = [([r for r in ours if r.get("engine", "local") == engine], ENGINE_LABEL[engine], marker)
+              for engine, marker in (("local", "o"), ("connect", "^"))]
+    series.append((anchor, "Structured Streaming, N queries in one driver", "s"))
+    for rows, label, marker in series:
+        rows = sorted(rows, key=lambda r: r["n"])
         if not rows:
             continue
         sizes = [r["n"] for r in rows]
-        left.plot(sizes, [r["p50"] for r in rows], marker=marker, label=f"{label}, p50")
-        left.plot(sizes, [r["p95"] for r in rows], marker=marker, linestyle="--", label=f"{label}, p95")
+        line = left.plot(sizes, [r["p50"] for r in rows], marker=marker, label=f"{label}, p50")[0]
+        left.plot(sizes, [r["p95"] for r in rows], marker=marker, linestyle="--", color=line.get_color(), label=f"{label}, p95")
         right.plot(sizes, [r["busy"] * os.cpu_count() for r in rows], marker=marker, label=label)
     left.set_xlabel("pipelines (N)")
     left.set_ylabel("file landed to committed (s)")
@@ -506,34 +569,63 @@ def plot(ours: list[dict], anchor: list[dict]) -> None:
     fig.savefig(PLOT, dpi=110)
 
 
+def earlier_results(log: Path) -> tuple[list[dict], list[dict]]:
+    """The results an earlier run of this script printed (`project {...}`,
+    `anchor {...}` lines), to report beside this run's: sizes or engines
+    measured apart, each still in one run with its anchor."""
+    found: dict[tuple[str, int, str], dict] = {}  # the newest result per (kind, N, engine)
+    for line in log.read_text().splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind in ("project", "anchor") and rest.startswith("{"):
+            try:
+                result = json.loads(rest)
+            except ValueError:  # printed as a Python dict, before results were JSON
+                result = eval(rest, {"__builtins__": {}}, {"nan": float("nan"), "inf": float("inf")})
+            found[(kind, result["n"], result.get("engine", "local"))] = result
+    return ([r for (kind, _, _), r in found.items() if kind == "project"],
+            [r for (kind, _, _), r in found.items() if kind == "anchor"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10,50,100")
-    parser.add_argument("--interval", type=float, default=120)
-    parser.add_argument("--duration", type=float, default=360)
-    parser.add_argument("--idle", type=float, default=120)
-    parser.add_argument("--drain", type=float, default=300)
+    parser.add_argument("--sizes", default="50,100,200")
+    parser.add_argument("--interval", type=float, default=300)
+    parser.add_argument("--duration", type=float, default=300)
+    parser.add_argument("--idle", type=float, default=45)
+    parser.add_argument("--drain", type=float, default=200)
     parser.add_argument("--poll", type=float, default=10)
     parser.add_argument("--idle-share", type=float, default=0.1)
     parser.add_argument("--parallelism", type=int, default=4)
+    parser.add_argument("--engines", default="local,connect", help="the project's engines: local (a JVM a task), connect (one server)")
     parser.add_argument("--no-anchor", action="store_true")
+    parser.add_argument("--merge-log", type=Path, action="append", default=[],
+                        help="report an earlier run's results (its printed lines) beside this run's; it must have had the same "
+                             "settings (repeatable; the newest result per size and engine wins)")
+    parser.add_argument("--report-only", action="store_true", help="measure nothing: report the --merge-log results")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    ours, anchor, parses = [], [], {}
+    ours, anchor = [], []
+    for log in args.merge_log:
+        earlier = earlier_results(log)
+        ours = [r for r in ours if (r["n"], r.get("engine", "local")) not in {(e["n"], e.get("engine", "local")) for e in earlier[0]}]
+        anchor = [r for r in anchor if r["n"] not in {e["n"] for e in earlier[1]}]
+        ours, anchor = ours + earlier[0], anchor + earlier[1]
+    sizes = [] if args.report_only else [int(s) for s in args.sizes.split(",")]
+    parses: dict[str, dict] = {}
     for n in sizes:
-        for kind, runner, out in (("project", run_project, ours), ("anchor", run_anchor, anchor)):
-            if kind == "anchor" and args.no_anchor:
-                continue
+        runs = [("project", lambda n, a, w, e=engine: run_project(n, a, w, e), ours) for engine in args.engines.split(",") if engine]
+        if not args.no_anchor:
+            runs.append(("anchor", run_anchor, anchor))
+        for kind, runner, out in runs:
             work = Path(tempfile.mkdtemp(prefix=f"microbatch-fleet-{kind}-{n}-"))
             try:
                 result = runner(n, args, work)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             out.append(result)
-            print(kind, {k: v for k, v in result.items() if k != "latencies"}, flush=True)
+            print(kind, json.dumps({k: v for k, v in result.items() if k != "latencies"}), flush=True)
     work = Path(tempfile.mkdtemp(prefix="microbatch-fleet-parse-"))
     try:
-        for n in sizes:
+        for n in sorted({r["n"] for r in ours + anchor}):
             parses[str(n)] = parse_time(n, work, broken=False)
         parses["1000, one broken"] = parse_time(1000, work, broken=True)
     finally:

@@ -10,15 +10,24 @@ with the Airflow home. Two profiles:
   the components (api-server, scheduler, dag-processor, triggerer) are
   started one by one, since standalone would not run Celery.
 
+Either profile can share one Spark engine among its tasks (`--engine
+connect`): a Spark Connect server of its own (pyspark's, with the project's
+JAR set and Delta's SQL extension), which every task then uses as a thin
+client (``MICROBATCH_SPARK_MASTER=sc://...``, under a spec's own
+`engine.master` and a DAG's `spark_conn_id`): one JVM for the fleet
+instead of one a task (docs/fleet.md says which to pick when).
+
 One Ctrl-C (or TERM) stops everything. Each process runs in a session of
 its own, and the stop signals whole sessions: Airflow's task supervisor puts
 each task (and the Spark JVM it starts) in a process group of its own, which
 a signal to the component's group misses, while the session holds them. A
 running batch gets TERM and stops at its next protocol boundary; whatever
 still runs after `--grace` seconds is killed, which the commit protocol is
-built to survive. Then the broker and the database stop, their data kept.
+built to survive. Then the engine, the broker and the database stop (the
+database keeps its data; the broker keeps none: the scheduler queues again
+what it does not see run).
 
-    python -m dev.airflow HOME [--executor celery] [--workers 2] [--grace 30]
+    python -m dev.airflow HOME [--executor celery] [--workers 2] [--engine connect] [--grace 30]
 
 The caller's environment carries the rest of Airflow's settings (the
 Makefile's AIRFLOW_ENV: folders, port, auth).
@@ -69,39 +78,65 @@ def _signal_sessions(sessions: list[int], sig: int) -> None:
             continue
 
 
+def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A Spark Connect server on loopback in a session of its own; (it, its URL)."""
+    import socket
+
+    import pyspark
+
+    from spark_jobs.engine.session import DELTA_SQL, extra_jars
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            sys.exit(f"port {port} is taken (another Spark Connect server?): stop it, or pass CONNECT_PORT=<free port>")
+    spark_home = Path(pyspark.__file__).resolve().parent
+    folder = home / "spark-connect"
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.ui.enabled": "false",
+        "spark.sql.session.timeZone": "UTC",
+        **DELTA_SQL,
+    }
+    env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    log = folder / "server.log"
+    server = subprocess.Popen(
+        [str(spark_home / "bin" / "spark-submit"), "--master", "local[*]",
+         "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "microbatch-connect",
+         "--jars", ",".join(extra_jars()),
+         *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")], "spark-internal"],
+        env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                if server.poll() is None:
+                    break
+                raise OSError("the server exited")
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                _signal_sessions([server.pid], signal.SIGKILL)
+                sys.exit(f"the Spark Connect server did not start (its log: {log}):\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(1)
+    return server, f"sc://127.0.0.1:{port}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("home", type=Path, help="the Airflow home (AIRFLOW_HOME)")
     parser.add_argument("--executor", choices=["local", "celery"], default="local")
     parser.add_argument("--workers", type=int, default=2, help="Celery workers (the celery profile)")
+    parser.add_argument("--engine", choices=["local", "connect"], default="local",
+                        help="connect: one Spark Connect server that every task uses (default: a JVM in each task)")
+    parser.add_argument("--connect-port", type=int, default=15002)
     parser.add_argument("--grace", type=float, default=30, help="seconds a stop waits before it kills")
     args = parser.parse_args()
-    try:
-        database = PostgresServer.kept(args.home)
-        broker = RedisServer.kept(args.home) if args.executor == "celery" else None
-    except (PostgresMissing, RedisMissing) as exc:
-        sys.exit(str(exc))
-    env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database.url("airflow", driver="postgresql+psycopg2")}
-    airflow = str(Path(sys.executable).parent / "airflow")
-    commands: list[tuple[list[str], dict[str, str]]] = []
-    if broker is None:
-        commands.append(([airflow, "standalone"], env))
-    else:
-        env.update({
-            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-            "AIRFLOW__CELERY__BROKER_URL": broker.url(),
-            "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + database.url("airflow", driver="postgresql+psycopg2"),
-        })
-        migrated = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True)
-        if migrated.returncode != 0:
-            sys.exit(f"airflow db migrate failed:\n{migrated.stderr[-3000:]}")
-        commands += [([airflow, component], env) for component in COMPONENTS]
-        for i in range(1, args.workers + 1):
-            worker_env = {**env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(WORKER_LOG_PORT_BASE + i)}
-            commands.append(([airflow, "celery", "worker", "--celery-hostname", f"worker{i}@%h"], worker_env))
-        _say(f"CeleryExecutor: broker {broker.url()}, {args.workers} workers, metadata and results in PostgreSQL")
-    processes = [subprocess.Popen(command, env=command_env, start_new_session=True) for command, command_env in commands]
-    sessions = [p.pid for p in processes]
+    sessions: list[int] = []  # Airflow's processes, each a session
     stopping = False
 
     def stop(signum: int, frame: object) -> None:
@@ -112,13 +147,55 @@ def main() -> None:
         _say(f"stopping Airflow (up to {args.grace:.0f} s)")
         _signal_sessions(sessions, signal.SIGTERM)
 
+    # First: a Ctrl-C while the servers start still stops what started.
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    database: PostgresServer | None = None
+    broker: RedisServer | None = None
+    engine: subprocess.Popen[bytes] | None = None
+    processes: list[subprocess.Popen[bytes]] = []
     try:
-        while not stopping and all(p.poll() is None for p in processes):
+        try:
+            database = PostgresServer.kept(args.home)
+            broker = RedisServer.kept(args.home) if args.executor == "celery" else None
+        except (PostgresMissing, RedisMissing) as exc:
+            sys.exit(str(exc))
+        env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database.url("airflow", driver="postgresql+psycopg2")}
+        airflow = str(Path(sys.executable).parent / "airflow")
+        if args.engine == "connect" and not stopping:
+            engine, url = _start_connect(args.home, args.connect_port)
+            env["MICROBATCH_SPARK_MASTER"] = url
+            _say(f"Spark Connect server at {url}: every task is its thin client")
+        commands: list[tuple[list[str], dict[str, str]]] = []
+        if broker is None:
+            commands.append(([airflow, "standalone"], env))
+        else:
+            env.update({
+                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+                "AIRFLOW__CELERY__BROKER_URL": broker.url(),
+                "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + database.url("airflow", driver="postgresql+psycopg2"),
+            })
+            migrated = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True)
+            if migrated.returncode != 0:
+                sys.exit(f"airflow db migrate failed:\n{migrated.stderr[-3000:]}")
+            commands += [([airflow, component], env) for component in COMPONENTS]
+            for i in range(1, args.workers + 1):
+                # The UI fetches a running task's log from the port it expects
+                # (8793), which only one worker on a host can have: the others'
+                # show once the task ends (the same disk here).
+                worker_env = {**env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(WORKER_LOG_PORT_BASE + i)}
+                commands.append(([airflow, "celery", "worker", "--celery-hostname", f"worker{i}@%h"], worker_env))
+            _say(f"CeleryExecutor: broker {broker.url()}, {args.workers} workers, metadata and results in PostgreSQL")
+        for command, command_env in commands:
+            if stopping:
+                break
+            processes.append(subprocess.Popen(command, env=command_env, start_new_session=True))
+            sessions.append(processes[-1].pid)
+        watched = processes + ([engine] if engine is not None else [])
+        while not stopping and all(p.poll() is None for p in watched):
             time.sleep(0.5)
-        if not stopping:  # a component ended on its own: the rest go too
-            _say("an Airflow process ended: stopping the rest")
+        if not stopping:  # a component (or the engine) ended on its own: the rest go too
+            _say("an Airflow process or the Spark engine ended: stopping the rest")
             stop(signal.SIGTERM, None)
         deadline = time.monotonic() + args.grace
         while _sessions_alive(sessions) and time.monotonic() < deadline:
@@ -129,10 +206,20 @@ def main() -> None:
         for p in processes:
             p.wait()
     finally:
+        if _sessions_alive(sessions):  # an error on the way: nothing is left running
+            _signal_sessions(sessions, signal.SIGKILL)
+        # The engine stops after Airflow: a batch stopping at its next
+        # boundary may still need it until then.
+        if engine is not None:
+            _signal_sessions([engine.pid], signal.SIGTERM)
+            try:
+                engine.wait(20)
+            except subprocess.TimeoutExpired:
+                _signal_sessions([engine.pid], signal.SIGKILL)
         if broker is not None:
             broker.stop()
-        database.stop()
-
+        if database is not None:
+            database.stop()
 
 if __name__ == "__main__":
     main()

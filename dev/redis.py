@@ -109,17 +109,20 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL); a throw-away folder goes with it."""
-        pid_file = self.folder / "redis.pid"
+        """Stop the server (SIGTERM, then SIGKILL if it has not exited in 10 s);
+        a throw-away folder goes with it. A stale pid file naming another
+        program is left alone."""
         try:
-            pid = int(pid_file.read_text())
+            pid = int((self.folder / "redis.pid").read_text())
+            is_redis = b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
-            pid = None
-        if pid is not None:
+            pid, is_redis = None, False
+        if pid is not None and is_redis:
             try:
                 os.kill(pid, signal.SIGTERM)
                 deadline = time.monotonic() + 10
-                while self.running() and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    os.kill(pid, 0)  # raises once it is gone
                     time.sleep(0.05)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -163,6 +163,18 @@ def oracle_spec_dict(**overrides) -> dict:
     return spec
 
 
+def land_at_once(folder: Path, wave: int, **wave_args) -> list[Path]:
+    """`write_wave` into `folder`, which must be empty or absent, all files
+    at one instant: written beside it, then the folder renamed over it (a
+    watcher polling between two files' renames would see half a wave)."""
+    from spark_jobs.demo.clickstream import write_wave
+
+    staging = folder.with_name(f".{folder.name}.staging")
+    written = write_wave(staging, wave, **wave_args)
+    os.rename(staging, folder)  # replaces an empty folder in one step
+    return [folder / path.name for path in written]
+
+
 def write_spec(folder: Path, spec: dict, name: str = "pipeline.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / spec["source"]["path"]).mkdir(parents=True, exist_ok=True)

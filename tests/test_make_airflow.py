@@ -3,7 +3,8 @@ server of its own) stops on one Ctrl-C, database included, even while a
 batch runs: a real `make`, a real `airflow standalone` (or, with
 EXECUTOR=celery, the components, two Celery workers and a Redis broker), a
 real batch in Spark, and SIGINT to make's process group as a terminal sends
-it. (`airflow standalone` alone waited for the running task until a second one.)"""
+it. (`airflow standalone` alone waited for the running task until a second one.)
+With ENGINE=connect, every batch runs on one shared Spark Connect server."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import signal
 import subprocess
 import time
 import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from dev.postgres import PostgresServer
 from dev.redis import RedisServer
 from spark_jobs.demo.clickstream import write_wave
-from tests.conftest import ROOT, oracle_spec_dict, write_spec
+from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,11 +60,10 @@ def _session_leader(pid: str) -> bytes:
         return cmdline.read().replace(b"\0", b" ")
 
 
-@pytest.mark.parametrize("executor", ["local", "celery"])
-def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
-    pipelines = tmp_path / "pipelines"
-    spec_file = write_spec(pipelines, oracle_spec_dict(name="busy_clicks"), "busy_clicks.yaml")
-    write_wave(spec_file.parent / "landing", 0, files=5, records_per_file=20000)
+@contextmanager
+def _make_airflow(tmp_path: Path, pipelines: Path, *settings: str):
+    """`make airflow` with these settings, as a terminal runs it; yields (make, port) once the
+    pipelines' first DAG answers, and leaves nothing behind (kept database and broker included)."""
     port = free_port()
     env = {
         **os.environ,
@@ -70,20 +72,54 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
     }
     log = open(tmp_path / "make.log", "w")
     make = subprocess.Popen(
-        ["make", "--no-print-directory", "airflow", f"AIRFLOW_PORT={port}", f"LOCAL_AIRFLOW_HOME={tmp_path / 'home'}",
-         f"EXECUTOR={executor}"],
+        ["make", "--no-print-directory", "airflow", f"AIRFLOW_PORT={port}", f"LOCAL_AIRFLOW_HOME={tmp_path / 'home'}", *settings],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
+    dag_id = sorted(pipelines.glob("*.yaml"))[0].stem
     try:
         deadline = time.monotonic() + 300
         while True:
             assert make.poll() is None, (tmp_path / "make.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "Airflow did not come up"
             try:
-                _call(port, "GET", "/api/v2/dags/busy_clicks")
+                _call(port, "GET", f"/api/v2/dags/{dag_id}")
                 break
             except OSError:
                 time.sleep(2)
+        yield make, port
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGKILL)
+        for pid in _alive(str(tmp_path)):
+            os.kill(int(pid), signal.SIGKILL)
+        log.close()
+        database = PostgresServer.kept(tmp_path / "home", start=False)
+        database.stop()
+        broker = RedisServer.kept(tmp_path / "home", start=False)
+        broker.stop()
+        shutil.rmtree(broker.folder, ignore_errors=True)
+    assert "stopping Airflow" in (tmp_path / "make.log").read_text()
+    # The metadata was in the home's own PostgreSQL (stopped with Airflow, data kept), not in SQLite.
+    assert (database.folder / "data" / "PG_VERSION").exists() and not (tmp_path / "home" / "airflow.db").exists()
+    shutil.rmtree(database.folder, ignore_errors=True)
+
+
+def _ctrl_c(make: subprocess.Popen, tmp_path: Path) -> None:
+    os.killpg(make.pid, signal.SIGINT)  # one Ctrl-C
+    make.wait(90)
+    time.sleep(2)
+    assert _alive(str(tmp_path)) == [], "processes outlived one Ctrl-C"
+    assert not PostgresServer.kept(tmp_path / "home", start=False).running(), "the database outlived one Ctrl-C"
+    assert not RedisServer.kept(tmp_path / "home", start=False).running(), "the broker outlived one Ctrl-C"
+
+
+@pytest.mark.parametrize("executor", ["local", "celery"])
+def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
+    pipelines = tmp_path / "pipelines"
+    spec_file = write_spec(pipelines, oracle_spec_dict(name="busy_clicks"), "busy_clicks.yaml")
+    write_wave(spec_file.parent / "landing", 0, files=5, records_per_file=20000)
+    with _make_airflow(tmp_path, pipelines, f"EXECUTOR={executor}") as (make, port):
+        deadline = time.monotonic() + 300
         _call(port, "PATCH", "/api/v2/dags/busy_clicks", {"is_paused": False})
         _call(port, "POST", "/api/v2/dags/busy_clicks/dagRuns", {"logical_date": None, "conf": {}})
         while not _alive(str(tmp_path), "java"):
@@ -99,26 +135,26 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
         assert runner and spark and not spark & runner
         if executor == "celery":  # the batch runs under a Celery worker, not the scheduler
             assert all(b"celery worker" in _session_leader(pid) for pid in _alive(str(tmp_path), "java"))
+        _ctrl_c(make, tmp_path)
 
-        os.killpg(make.pid, signal.SIGINT)  # one Ctrl-C
-        make.wait(90)
-        time.sleep(2)
-        assert _alive(str(tmp_path)) == [], "processes outlived one Ctrl-C"
-        assert not PostgresServer.kept(tmp_path / "home", start=False).running(), "the database outlived one Ctrl-C"
-        assert not RedisServer.kept(tmp_path / "home", start=False).running(), "the broker outlived one Ctrl-C"
-    finally:
-        if make.poll() is None:
-            os.killpg(make.pid, signal.SIGKILL)
-        for pid in _alive(str(tmp_path)):
-            os.kill(int(pid), signal.SIGKILL)
-        log.close()
-        database = PostgresServer.kept(tmp_path / "home", start=False)
-        database.stop()
-        kept = database.folder
-        broker = RedisServer.kept(tmp_path / "home", start=False)
-        broker.stop()
-        shutil.rmtree(broker.folder, ignore_errors=True)
-    assert "stopping Airflow" in (tmp_path / "make.log").read_text()
-    # The metadata was in the home's own PostgreSQL (stopped with Airflow, data kept), not in SQLite.
-    assert (kept / "data" / "PG_VERSION").exists() and not (tmp_path / "home" / "airflow.db").exists()
-    shutil.rmtree(kept, ignore_errors=True)
+
+def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_path):
+    """ENGINE=connect: one Spark Connect server; the tasks are its thin
+    clients and start no JVM of their own. One Ctrl-C stops it too."""
+    pipelines = tmp_path / "pipelines"
+    spec_file = write_spec(pipelines, oracle_spec_dict(name="shared_clicks"), "shared_clicks.yaml")
+    write_wave(spec_file.parent / "landing", 0, files=3, records_per_file=200)
+    with _make_airflow(tmp_path, pipelines, "ENGINE=connect", f"CONNECT_PORT={free_port()}") as (make, port):
+        (server,) = _alive(str(tmp_path), "java")
+        assert b"SparkConnectServer" in open(f"/proc/{server}/cmdline", "rb").read()
+        _call(port, "PATCH", "/api/v2/dags/shared_clicks", {"is_paused": False})
+        run = _call(port, "POST", "/api/v2/dags/shared_clicks/dagRuns", {"logical_date": None, "conf": {}})
+        path = f"/api/v2/dags/shared_clicks/dagRuns/{run['dag_run_id']}"
+        deadline = time.monotonic() + 300
+        while _call(port, "GET", path)["state"] not in ("success", "failed"):
+            assert _alive(str(tmp_path), "java") == [server], "a task started a JVM of its own"
+            assert time.monotonic() < deadline, "the run did not finish"
+            time.sleep(0.5)
+        assert _call(port, "GET", path)["state"] == "success", (tmp_path / "make.log").read_text()[-3000:]
+        assert_exact(spec_file)
+        _ctrl_c(make, tmp_path)

@@ -43,6 +43,19 @@ def waiting(spec_path: str, kafka_conn_id: str | None = None) -> int:
         return lag(spec).count
 
 
+def _check(spec_path: str, kafka_conn_id: str | None = None) -> tuple[int, tuple[int, int]]:
+    """`waiting`, with the ledger position it counts from (epoch, batch):
+    the watcher's full check."""
+    from microbatch_airflow.hooks import connections
+    from spark_jobs.core.inspect import lag_after
+    from spark_jobs.core.spec import load_spec
+
+    spec = load_spec(spec_path)
+    with connections(spec, kafka_conn_id=kafka_conn_id):
+        found, position = lag_after(spec)
+    return found.count, (position.epoch, position.batch_id)
+
+
 class NewDataTrigger(BaseTrigger):
     def __init__(self, spec_path: str, poll_seconds: float = 30.0, kafka_conn_id: str | None = None) -> None:
         super().__init__()
@@ -77,20 +90,22 @@ class NewDataEventTrigger(BaseEventTrigger):
     """The watcher of a pipeline's source asset (`airflow.run_on_data`).
 
     Between full checks a poll takes the fingerprint, as `NewDataTrigger`
-    does. A full check emits an event when data waits and it is news: a
-    file landed, or the waiting count moved (a commit left some behind, a
-    rewind made consumed data new). The ledger moving with the count
-    unchanged is a batch starting, whose commit will be the next news.
-    Events that come while a run is active wait in Airflow's queue until it
-    ends (`max_active_runs=1`), then make one run. Where the source has no
-    fingerprint (S3, Kafka) every poll checks in full, and only a moved
-    count is news. While data waits with no news for `refire_seconds` after
-    the last event (a run that failed for good, say), it emits again. An
-    extra event costs a run that finds nothing; data never waits without
-    one to come.
+    does (sources on S3 and Kafka have none: each of their polls is a full
+    check). A full check emits an event when data waits and it is news:
+    files landed (the source's half of the fingerprint moved), the waiting
+    count moved, or the ledger's committed position moved (a commit that
+    left data behind, a rewind that made consumed data new). A batch that
+    only starts writes a planned row, which moves none of them: its commit
+    will be the next news. Events that come while a run is active wait in
+    Airflow's queue until it ends (`max_active_runs=1`), then make one run.
+    While data waits with no news for `refire_seconds` after the last event
+    (a run that failed for good, say), it emits again. An extra event costs
+    a run that finds nothing; data never waits without one to come.
 
-    A source that cannot be read emits an error event once per distinct
-    message: the run it creates fails with the reason, where people look.
+    A source that cannot be read emits an error event for a message not
+    emitted in the last `refire_seconds` (an error that comes and goes makes
+    no run a poll): the run it makes meets the same error and fails with
+    it, where people look (the triggerer's log has the message too).
     """
 
     def __init__(
@@ -115,31 +130,29 @@ class NewDataEventTrigger(BaseEventTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         checked: _Fingerprint | None = None  # at the last full check
-        count = 0  # what that check found waiting
+        count, position = 0, None  # what that check found waiting, and after which commit
         fired_at = -float("inf")
-        error: str | None = None
+        error: tuple[str, float] | None = None  # the last error event's message and time
         while True:
             try:
                 now = await asyncio.to_thread(_fingerprint, self.spec_path)
                 if now is None or now != checked:
-                    before, count = count, await asyncio.to_thread(waiting, self.spec_path, self.kafka_conn_id)
-                    # News: data landed, or the count moved (a commit left
-                    # some, a rewind made some new). A ledger that moved
-                    # alone, with the count unchanged, is a batch starting:
-                    # its commit is the next news.
+                    before = (count, position)
+                    count, position = await asyncio.to_thread(_check, self.spec_path, self.kafka_conn_id)
                     landed = now is not None and (checked is None or now[2] != checked[2])
                     checked = now
-                    if count and (count != before or landed):
-                        fired_at = -float("inf")
-                error = None
+                    if count and ((count, position) != before or landed):
+                        fired_at = -float("inf")  # news: emit now
                 if count and time.monotonic() - fired_at >= self.refire_seconds:
                     yield TriggerEvent({"status": "ready", "waiting": count, "spec_path": self.spec_path})
                     fired_at = time.monotonic()
             except Exception as exc:  # keep watching: the source may come back
                 checked = None
-                if str(exc) != error:
-                    error = str(exc)
-                    yield TriggerEvent({"status": "error", "message": error, "spec_path": self.spec_path})
+                message = str(exc)
+                self.log.warning("%s: %s", self.spec_path, message)
+                if error is None or error[0] != message or time.monotonic() - error[1] >= self.refire_seconds:
+                    error = (message, time.monotonic())
+                    yield TriggerEvent({"status": "error", "message": message, "spec_path": self.spec_path})
             await asyncio.sleep(self.poll_seconds)
 
 

@@ -24,7 +24,10 @@ from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError
 from spark_jobs.sources import Lag
 
-__all__ = ["BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "quarantined", "recent", "recent_in_lineage", "status"]
+__all__ = [
+    "BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "lag_after", "quarantined", "recent",
+    "recent_in_lineage", "status",
+]
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,15 @@ def lag(spec: PipelineSpec) -> Lag:
     Raises what reading the source raises: a broken source is not "nothing waiting"."""
     pipeline = Pipeline(spec)
     return pipeline.source.lag(pipeline.lineage(pipeline.ledger.load()))
+
+
+def lag_after(spec: PipelineSpec) -> tuple[Lag, Position]:
+    """`lag`, and the ledger position it counts from (the last committed
+    batch or rewind), from one read of the ledger: a watcher tells a commit
+    or a rewind from a batch merely starting by it."""
+    pipeline = Pipeline(spec)
+    view = pipeline.ledger.load()
+    return pipeline.source.lag(pipeline.lineage(view)), view.position
 
 
 def recent(spec: PipelineSpec, limit: int) -> list[LedgerRow]:

@@ -122,11 +122,17 @@ def _newest_entry(table: Path) -> str:
 
 
 def _walk(folder: Path):
-    """(relative name, size, mtime in ns) of every file under `folder`."""
+    """(relative name, size, mtime in ns) of every file under `folder` that
+    the source's listing would take (`is_ready`): a file still being written
+    under a hidden or in-progress name is no news yet."""
+    from spark_jobs.sources.files import is_ready
+
     stack = [folder]
     while stack:
         with os.scandir(stack.pop()) as entries:
             for entry in entries:
+                if not is_ready(entry.name):
+                    continue
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(Path(entry.path))
                 else:

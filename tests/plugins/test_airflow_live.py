@@ -16,7 +16,7 @@ import pytest
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.spec import load_spec
-from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
+from tests.conftest import ROOT, assert_exact, land_at_once, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import LiveAirflow, free_port
 
 pytestmark = pytest.mark.timeout(1200)
@@ -275,7 +275,7 @@ def test_run_on_data_makes_no_run_until_data_lands_then_one_run_per_landing(live
     live.unpause("watched_clicks")
     time.sleep(8)  # four polls of the watcher with nothing in its folder
     assert live.runs("watched_clicks") == [], "nothing arrived: no run"
-    write_wave(spec_file.parent / "landing_watched", 0, files=2, records_per_file=30)
+    land_at_once(spec_file.parent / "landing_watched", 0, files=2, records_per_file=30)
     (run,) = live.wait_for_runs("watched_clicks", 1, timeout=240)
     assert run["state"] == "success" and run["run_type"] == "asset_triggered", live.logs("watched_clicks")
     assert assert_exact(spec_file)[-1].batch_id == 1

@@ -148,14 +148,14 @@ def test_the_watcher_emits_once_per_news_never_while_idle_and_not_for_a_batch_st
     import time
 
     from microbatch_airflow.triggers import NewDataEventTrigger
-    from tests.conftest import run_cli
+    from tests.conftest import land_at_once, run_cli
 
     landing = spec_path.parent / "landing"
     watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.2))
     try:
         time.sleep(1.5)
         assert watcher.events == [], "nothing landed: no event"
-        write_wave(landing, 0, files=3, records_per_file=5)
+        land_at_once(landing, 0, files=3, records_per_file=5)
         assert watcher.wait_for(1) == [{"status": "ready", "waiting": 3, "spec_path": str(spec_path)}]
         time.sleep(1.5)
         assert len(watcher.events) == 1, "the same files waiting are no news"
@@ -174,6 +174,7 @@ def test_the_watcher_emits_again_while_data_waits_with_no_news_and_errors_once_e
     import time
 
     from microbatch_airflow.triggers import NewDataEventTrigger
+    from tests.conftest import land_at_once
 
     landing = spec_path.parent / "landing"
     write_wave(landing, 0, files=1, records_per_file=5)
@@ -191,8 +192,7 @@ def test_the_watcher_emits_again_while_data_waits_with_no_news_and_errors_once_e
         assert event["status"] == "error" and "source folder" in event["message"]
         time.sleep(1)
         assert len(watcher.events) == 1, "the same error once: its run says why"
-        landing.mkdir()
-        write_wave(landing, 0, files=2, records_per_file=5)
+        land_at_once(landing, 0, files=2, records_per_file=5)
         assert watcher.wait_for(2)[1] == {"status": "ready", "waiting": 2, "spec_path": str(spec_path)}, "the source came back"
     finally:
         watcher.stop()
@@ -205,3 +205,30 @@ def test_the_watcher_serializes_to_an_importable_path(spec_path):
     module, _, name = path.rpartition(".")
     again = getattr(__import__(module, fromlist=[name]), name)(**kwargs)
     assert (again.spec_path, again.poll_seconds, again.refire_seconds) == (str(spec_path), 3, 60)
+
+
+def test_without_a_fingerprint_a_commit_that_moved_the_ledger_is_news_even_at_the_same_count(monkeypatch):
+    """S3 and Kafka sources have no fingerprint: every poll checks in full.
+    A commit followed by an equal landing between two polls leaves the count
+    as it was; the committed position moving still makes it news (it waited
+    for `refire_seconds` before). Scripted polls: (waiting, ledger position)."""
+    from microbatch_airflow import triggers
+
+    polls = [(1, (0, 1)), (1, (0, 1)), (1, (0, 2)), (0, (0, 3)), (2, (0, 3)), (2, (0, 3))]
+
+    def check(spec_path, kafka_conn_id=None):
+        if not polls:
+            raise OSError("end of the script")
+        return polls.pop(0)
+
+    monkeypatch.setattr(triggers, "_fingerprint", lambda spec_path: None)
+    monkeypatch.setattr(triggers, "_check", check)
+
+    async def scenario():
+        found = []
+        async for event in triggers.NewDataEventTrigger("s3-pipeline.yaml", poll_seconds=0.01).run():
+            if event.payload["status"] == "error":
+                return found
+            found.append(event.payload["waiting"])
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [1, 1, 2]

@@ -118,6 +118,19 @@ def machine_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
+def machine_shares(busy0, busy1, busy2, idle_s: float, window_s: float) -> dict[str, float]:
+    """The machine's busy share and CPU seconds over the idle window
+    (`busy0` to `busy1`) and the landing window (`busy1` to `busy2`)."""
+    return {
+        "busy_idle": (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]),
+        "busy": (busy2[0] - busy1[0]) / (busy2[1] - busy1[1]),
+        "cpu_idle_s": (busy1[0] - busy0[0]) / TICK,
+        "idle_s": idle_s,
+        "cpu_window_s": (busy2[0] - busy1[0]) / TICK,
+        "window_s": window_s,
+    }
+
+
 class Sampler(threading.Thread):
     """Peak PSS of the trees of `sessions`, every 2 s."""
 
@@ -317,12 +330,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "to_committed": (pct(to_committed, 0.5), pct(to_committed, 0.95)),
         "idle_runs": idle_runs,
         "empty_runs": empty_runs,
-        "busy_idle": (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]),
-        "busy": (busy2[0] - busy1[0]) / (busy2[1] - busy1[1]),
-        "cpu_idle_s": (busy1[0] - busy0[0]) / TICK,
-        "idle_s": args.idle,
-        "cpu_window_s": (busy2[0] - busy1[0]) / TICK,
-        "window_s": window_end - window_start,
+        **machine_shares(busy0, busy1, busy2, args.idle, window_end - window_start),
         "batches_per_minute": batches_in_window / minutes,
         "files_per_minute": len(landed) / minutes,
         "waiting_at_end": waiting_at_end,
@@ -413,12 +421,7 @@ def run_anchor(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "p50": pct(latencies, 0.5),
         "p95": pct(latencies, 0.95),
         "max": max(latencies, default=float("nan")),
-        "busy_idle": (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]),
-        "busy": (busy2[0] - busy1[0]) / (busy2[1] - busy1[1]),
-        "cpu_idle_s": (busy1[0] - busy0[0]) / TICK,
-        "idle_s": args.idle,
-        "cpu_window_s": (busy2[0] - busy1[0]) / TICK,
-        "window_s": window_end - window_start,
+        **machine_shares(busy0, busy1, busy2, args.idle, window_end - window_start),
         "files_per_minute": len(landed) / minutes,
         "waiting_at_end": waiting_at_end,
         "peak_gb": peak / 1e9,

@@ -11,20 +11,17 @@ does not see run), and runs in a session of its own, so a Ctrl-C meant for
     with RedisServer.start() as redis:           # throw-away (the tests)
         redis.url()  # redis://127.0.0.1:port/0
 
-    python -m dev.redis start AIRFLOW_HOME       # kept (make airflow): prints the URL
-    python -m dev.redis stop AIRFLOW_HOME
+    RedisServer.kept(airflow_home)               # kept (make airflow, by dev/airflow.py)
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -136,21 +133,3 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="the Redis server (Celery broker) of a local Airflow home (make airflow EXECUTOR=celery)")
-    parser.add_argument("action", choices=["start", "stop"])
-    parser.add_argument("home", type=Path, help="the Airflow home the broker belongs to")
-    args = parser.parse_args()
-    try:
-        server = RedisServer.kept(args.home, start=args.action == "start")
-    except RedisMissing as exc:
-        sys.exit(str(exc))
-    if args.action == "start":
-        print(server.url())
-    else:
-        server.stop()
-
-
-if __name__ == "__main__":
-    main()

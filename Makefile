@@ -86,8 +86,9 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
 # the state write as the state grows (docs/state-at-scale.md) and each state
-# layout beside Structured Streaming as users come back (docs/benchmarks.md), and what idle
-# pipelines cost a live Airflow (docs/fleet.md).
+# layout beside Structured Streaming as users come back (docs/benchmarks.md), what idle
+# pipelines cost a live Airflow, and fleets of 10 to 200 pipelines beside
+# Structured Streaming (docs/fleet.md). About 4 h.
 bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
@@ -96,6 +97,7 @@ bench: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/state_scale.py
 	$(BIN)/python bench/state_vs_ss.py
 	$(BIN)/python bench/idle_cost.py
+	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
@@ -118,8 +120,13 @@ clean:
 # default): `airflow standalone`, LocalExecutor. EXECUTOR=celery: the
 # CeleryExecutor with a Redis broker of its own (dev/redis.py) and
 # CELERY_WORKERS workers. ENGINE=connect: one Spark Connect server that
-# every task uses as a thin client, instead of a JVM in each task. One
-# Ctrl-C stops everything, a running batch included (dev/airflow.py says how).
+# every task uses as a thin client, instead of a JVM in each task.
+# PARSE_INTERVAL: seconds between the dag-processor's parses of the DAG files
+# (Airflow's 30 by default); a fleet whose specs rarely change sets 300, and
+# after adding or editing a spec, or pausing or unpausing a DAG, runs
+# `make airflow-cli ARGS="dags reserialize"` to apply it at once
+# (docs/fleet.md, "A fleet at rest, all in"). One Ctrl-C stops everything, a
+# running batch included (dev/airflow.py says how).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins \
@@ -129,6 +136,7 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__API__HOST=127.0.0.1 \
 	AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
 	AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
+	$(if $(PARSE_INTERVAL),AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL=$(PARSE_INTERVAL)) \
 	PATH=$(CURDIR)/$(BIN):$$PATH
 AIRFLOW_PORT ?= 8080
 LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
@@ -137,6 +145,8 @@ EXECUTOR ?= local
 CELERY_WORKERS ?= 2
 ENGINE ?= local
 CONNECT_PORT ?= 15002
+# Empty: Airflow's own setting (30 s unless airflow.cfg or the environment says otherwise).
+PARSE_INTERVAL ?=
 AIRFLOW_STOP_GRACE ?= 30
 
 .PHONY: airflow airflow-cli

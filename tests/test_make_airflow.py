@@ -140,11 +140,15 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
 
 def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_path):
     """ENGINE=connect: one Spark Connect server; the tasks are its thin
-    clients and start no JVM of their own. One Ctrl-C stops it too."""
+    clients and start no JVM of their own. One Ctrl-C stops it too. And the
+    fleet's parse interval (PARSE_INTERVAL=300) reaches the dag-processor:
+    the DAG file is not parsed again after Airflow's default 30 s."""
     pipelines = tmp_path / "pipelines"
     spec_file = write_spec(pipelines, oracle_spec_dict(name="shared_clicks"), "shared_clicks.yaml")
     write_wave(spec_file.parent / "landing", 0, files=3, records_per_file=200)
-    with _make_airflow(tmp_path, pipelines, "ENGINE=connect", f"CONNECT_PORT={free_port()}") as (make, port):
+    settings = ("ENGINE=connect", f"CONNECT_PORT={free_port()}", "PARSE_INTERVAL=300")
+    with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
+        parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
         (server,) = _alive(str(tmp_path), "java")
         assert b"SparkConnectServer" in open(f"/proc/{server}/cmdline", "rb").read()
         _call(port, "PATCH", "/api/v2/dags/shared_clicks", {"is_paused": False})
@@ -157,4 +161,7 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
             time.sleep(0.5)
         assert _call(port, "GET", path)["state"] == "success", (tmp_path / "make.log").read_text()[-3000:]
         assert_exact(spec_file)
+        time.sleep(max(0.0, seen_at + 40 - time.monotonic()))
+        assert _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"] == parsed_at, "parsed again within 40 s"
+        assert "Process each file at most once every 300 seconds" in (tmp_path / "make.log").read_text()
         _ctrl_c(make, tmp_path)

@@ -42,7 +42,7 @@ specs and for 1,000 specs one of which is broken (the other 999 listed).
 Writes docs/fleet.md's "The fleet benchmark" section and
 docs/fleet_latency.png.
 
-    .venv/bin/python bench/fleet.py [--sizes 50,100,200] [--interval 300] [--duration 300] [--poll 10]
+    .venv/bin/python bench/fleet.py [--sizes 10,50,100,200] [--interval 300] [--duration 300] [--poll 10]
         [--engines local,connect] [--no-anchor] [--merge-log EARLIER_RUN.log]
 """
 
@@ -591,7 +591,7 @@ def earlier_results(log: Path) -> tuple[list[dict], list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="50,100,200")
+    parser.add_argument("--sizes", default="10,50,100,200")
     parser.add_argument("--interval", type=float, default=300)
     parser.add_argument("--duration", type=float, default=300)
     parser.add_argument("--idle", type=float, default=45)

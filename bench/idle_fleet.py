@@ -1,0 +1,216 @@
+"""A fleet at rest, all in: what N idle pipelines cost with Airflow's fixed cost (issue 36).
+
+`bench/idle_cost.py` measures what one idle pipeline *adds* (a difference
+between two windows on the same Airflow). A team also pays for Airflow
+itself, and part of that grows with the number of specs: the dag-processor
+parses the pipelines' DAG file again every `[dag_processor]
+min_file_process_interval` (30 s by default), every spec in it, whether a
+spec changed or not. This measures the whole bill at fleet size, once per
+parse interval (`--parse-intervals`, default Airflow's 30 s and the fleet
+setting of 300 s that `make airflow PARSE_INTERVAL=300` and the compose
+file's `AIRFLOW_PARSE_INTERVAL` give), in one run:
+
+1. `--pipelines` N specs with `airflow.run_on_data` (the fleet default),
+   each with its own empty landing folder, on a live Airflow
+   (`tests/plugins/live_airflow.py`: api-server, scheduler, dag-processor,
+   triggerer, LocalExecutor, PostgreSQL) with Airflow's default loop
+   settings and this parse interval.
+2. All unpaused, then `airflow dags reserialize` (a watcher is registered
+   by a parse of its unpaused DAG; docs/fleet.md tells a fleet to run it
+   rather than wait for the next parse); once every watcher runs in the
+   triggerer and has made its first full check, the window: from one parse
+   of the DAG file to the k-th after it (changes of one DAG's
+   `last_parsed_time`), k the whole parse cycles in `--window` seconds and
+   at least 2, so that the count of parses in it is not a matter of phase.
+3. Measured over the window: each component's CPU (every process of its
+   process group, and the parse processes it reaped), and the machine's
+   CPU (PostgreSQL and everything else besides).
+
+Nothing arrives, so no DAG run may start: checked. Results go to
+docs/fleet.md, section "A fleet at rest, all in".
+
+    .venv/bin/python bench/idle_fleet.py [--pipelines 100] [--parse-intervals 30,300] [--window 300] [--poll 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shutil
+import sys
+import subprocess
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "plugins"))
+
+from doc_sections import replace_section  # noqa: E402
+from fleet import TICK, machine_busy, make_specs  # noqa: E402
+from idle_cost import group_cpu, running_watchers  # noqa: E402
+from tests.plugins.live_airflow import BIN, COMPONENTS, LiveAirflow  # noqa: E402
+
+DOC = ROOT / "docs" / "fleet.md"
+SECTION = "## A fleet at rest, all in"
+
+
+class Parses:
+    """The dag-processor's parses of the pipelines' DAG file, seen as changes
+    of one of its DAGs' `last_parsed_time` (every parse stamps every DAG of
+    the file, changed or not), through one connection, polled every second."""
+
+    def __init__(self, live: LiveAirflow, dag_id: str) -> None:
+        import psycopg2
+
+        self.connection = psycopg2.connect(live.database.url("airflow"))
+        self.connection.autocommit = True
+        self.dag_id = dag_id
+        self.last = self._stamp()
+
+    def _stamp(self):
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT last_parsed_time FROM dag WHERE dag_id = %s", (self.dag_id,))
+            return cursor.fetchone()[0]
+
+    def next(self, timeout: float) -> None:
+        """Wait for the next parse."""
+        deadline = time.monotonic() + timeout
+        while (stamp := self._stamp()) == self.last:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no parse of the DAG file in {timeout:.0f} s")
+            time.sleep(1)
+        self.last = stamp
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def measure(n: int, parse_interval: int, cycles: int, args: argparse.Namespace, work: Path) -> dict:
+    """N idle pipelines at this parse interval: CPU over `cycles` whole parse
+    cycles, from one parse to the `cycles`-th after it, so that the count of
+    parses in the window is not a matter of where it starts."""
+    folder = work / "pipelines"
+    names = make_specs(folder, n, args.poll)
+    for name in names:
+        (folder / "landing" / name).mkdir(parents=True, exist_ok=True)
+    live = LiveAirflow(work / "airflow", folder)
+    # Airflow's defaults, not the live tests' quick loops: a fleet's settings.
+    for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
+        live.env.pop(key, None)
+    live.env["AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL"] = str(parse_interval)
+    parses = None
+    try:
+        live.start()
+        for name in names:
+            live.wait_for_dag(name, timeout=900)
+        for name in names:
+            live.unpause(name)
+        # A watcher is registered by a parse of its unpaused DAG: what
+        # docs/fleet.md tells a fleet to run after unpausing, rather than
+        # wait for the next parse.
+        subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=live.env, check=True, capture_output=True)
+        live.wait(lambda: running_watchers(live) == n, 900, "every watcher to run in the triggerer")
+        time.sleep(args.poll * 2)  # past the watchers' first, full checks
+        parses = Parses(live, names[0])
+        parses.next(parse_interval * 2 + 300)
+        before = {c: group_cpu(p.pid) for c, p in zip(COMPONENTS, live.procs)}
+        busy0, started = machine_busy(), time.monotonic()
+        for _ in range(cycles):
+            parses.next(parse_interval * 2 + 300)
+        busy1, window = machine_busy(), time.monotonic() - started
+        components = {c: group_cpu(p.pid) - before[c] for c, p in zip(COMPONENTS, live.procs)}
+        runs = sum(len(live.runs(name)) for name in names)
+    finally:
+        if parses is not None:
+            parses.close()
+        live.stop()
+    assert runs == 0, f"{runs} DAG runs started with nothing arriving"
+    return {
+        "n": n,
+        "parse_interval": parse_interval,
+        "window_s": window,
+        "components": components,
+        "machine_s": (busy1[0] - busy0[0]) / TICK,
+        "parses": cycles,
+    }
+
+
+def write_doc(args: argparse.Namespace, results: list[dict]) -> None:
+    lines = [
+        SECTION,
+        "",
+        f"Measured by `bench/idle_fleet.py` on {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, {date.today().isoformat()}, in one run: {args.pipelines} pipelines with "
+        f"`run_on_data` polling every {args.poll:.0f} s, nothing arriving, on a live Airflow 3 (api-server, "
+        "scheduler, dag-processor, triggerer; LocalExecutor; PostgreSQL; Airflow's default loop settings), once "
+        "per `[dag_processor] min_file_process_interval`. The window runs from one parse of the DAG file to a "
+        "later one, over whole parse cycles. Each component's CPU is its process group's, the parse processes "
+        "it reaped included; the machine's is everything, PostgreSQL too. No DAG run started.",
+        "",
+        "| parse interval | window | parse cycles | " + " | ".join(COMPONENTS) + " | machine | "
+        "**per pipeline-hour, all in** | dag-processor per parse cycle |",
+        "|---" * (len(COMPONENTS) + 6) + "|",
+    ]
+    for r in results:
+        hour = 3600 / r["window_s"]
+        lines.append(
+            f"| {r['parse_interval']} s | {r['window_s']:.0f} s | {r['parses']} | "
+            + " | ".join(f"{r['components'][c] * hour:.0f}" for c in COMPONENTS)
+            + f" | {r['machine_s'] * hour:.0f} | **{r['machine_s'] * hour / r['n']:.2f}** | "
+            f"{r['components']['dag-processor'] / r['parses']:.2f} CPU-s |"
+        )
+    lines += [
+        "",
+        "Components and machine: CPU-s per hour. Per pipeline-hour, all in: the machine's CPU over N, Airflow's "
+        "own fixed cost included. A parse cycle parses every file of the DAG folder: the pipelines' DAG file and "
+        "the spec-errors DAG file each read every spec.",
+        "",
+    ]
+    if len(results) > 1:
+        first, last = results[0], results[-1]
+        all_in = [r["machine_s"] * 3600 / r["window_s"] / r["n"] for r in (first, last)]
+        lines += [
+            f"Raising the parse interval from {first['parse_interval']} s to {last['parse_interval']} s took "
+            f"{args.pipelines} idle pipelines from {all_in[0]:.2f} to {all_in[1]:.2f} CPU-s a pipeline-hour, all "
+            f"in; the goal, at most 2, is {'met' if all_in[1] <= 2 else 'not met'} at this N all in (what one "
+            "pipeline adds is in \"An idle pipeline\" above). The price of a long interval: a spec that is "
+            "edited, added or removed, and a `run_on_data` DAG paused or unpaused (its watcher is registered or "
+            "dropped by a parse), reach Airflow only at the next parse, unless `airflow dags reserialize` runs "
+            "(`make airflow-cli ARGS=\"dags reserialize\"`), which parses at once; a removed spec's DAG is "
+            "deactivated by the dag-processor's own parse only.",
+            "",
+        ]
+    replace_section(DOC, SECTION, lines)
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipelines", type=int, default=100)
+    parser.add_argument("--parse-intervals", default="30,300")
+    parser.add_argument("--window", type=float, default=300, help="at least this many seconds of whole parse cycles, and 2 cycles")
+    parser.add_argument("--poll", type=float, default=10)
+    args = parser.parse_args()
+    if args.pipelines < 1:
+        parser.error("--pipelines must be at least 1")
+    results = []
+    for interval in sorted(int(s) for s in args.parse_intervals.split(",")):
+        cycles = max(2, math.ceil(args.window / interval))
+        work = Path(tempfile.mkdtemp(prefix=f"microbatch-idle-fleet-{interval}-"))
+        try:
+            result = measure(args.pipelines, interval, cycles, args, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        results.append(result)
+        print(result, flush=True)
+    write_doc(args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -238,6 +238,15 @@ def committed_files(spec_path: Path) -> dict[str, tuple[float, int, str | None, 
     return found
 
 
+def fleet_airflow(home: Path, folder: Path) -> LiveAirflow:
+    """A live Airflow (not started) over the specs in `folder`, with Airflow's
+    default loops rather than the live tests' quick ones: a fleet's settings."""
+    live = LiveAirflow(home, folder)
+    for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
+        live.env.pop(key, None)
+    return live
+
+
 def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "local") -> dict[str, Any]:
     """`engine`: "local", a driver JVM in each task; "connect", one Spark
     Connect server (`dev/airflow.py`'s, as `make airflow ENGINE=connect`
@@ -249,10 +258,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
     folder = work / "pipelines"
     names = make_specs(folder, n, args.poll)
     active = names[: max(1, round(n * (1 - args.idle_share)))]
-    live = LiveAirflow(work / "airflow", folder)
-    # Airflow's defaults, not the live tests' quick loops: a fleet's settings.
-    for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
-        live.env.pop(key, None)
+    live = fleet_airflow(work / "airflow", folder)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
     server = None

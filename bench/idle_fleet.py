@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "plugins"))
 
 from doc_sections import replace_section  # noqa: E402
-from fleet import TICK, machine_busy, make_specs  # noqa: E402
+from fleet import TICK, fleet_airflow, machine_busy, make_specs  # noqa: E402
 from idle_cost import group_cpu, running_watchers  # noqa: E402
 from tests.plugins.live_airflow import BIN, COMPONENTS, LiveAirflow  # noqa: E402
 
@@ -99,10 +99,7 @@ def measure(n: int, parse_interval: int, cycles: int, args: argparse.Namespace, 
     names = make_specs(folder, n, args.poll)
     for name in names:
         (folder / "landing" / name).mkdir(parents=True, exist_ok=True)
-    live = LiveAirflow(work / "airflow", folder)
-    # Airflow's defaults, not the live tests' quick loops: a fleet's settings.
-    for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
-        live.env.pop(key, None)
+    live = fleet_airflow(work / "airflow", folder)
     live.env["AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL"] = str(parse_interval)
     parses = None
     try:

@@ -8,6 +8,7 @@ CLI in subprocesses, one JVM each, exactly as an Airflow task would.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -395,3 +396,28 @@ class BatchesLineage:
                 if key in keys:
                     found.setdefault(key, set()).add(version)
         return found
+
+
+def assert_versions_carry_batches(spec_file: Path) -> list:
+    """Every committed row of the ledger (every epoch) names as its
+    `state_version` the state commit that carries that batch: the log entry
+    of that number holds the batch's position on the state fence. Returns the
+    lineage."""
+    from spark_jobs.core.commits import METADATA_KEY
+    from spark_jobs.core.delta_io import commit_info
+    from spark_jobs.core.ledger import OffsetLedger, RowStatus
+    from spark_jobs.core.spec import load_spec
+
+    spec = load_spec(spec_file)
+    view = OffsetLedger(spec.ledger_path, spec.name).load()
+    for row in view.rows:
+        if row.status is not RowStatus.COMMITTED:
+            continue
+        info = commit_info(spec.state_path, row.state_version)
+        assert info is not None, f"{row.position}: state version {row.state_version} has no log entry"
+        carried = json.loads(info.get(METADATA_KEY) or "{}")
+        assert carried.get("txn") == row.position.encode(), (
+            f"{row.position} is recorded as state version {row.state_version}, which carries "
+            f"{info.get('operation')} {carried.get('txn')}"
+        )
+    return view.lineage()

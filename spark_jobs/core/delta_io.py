@@ -30,6 +30,8 @@ from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 __all__ = [
     "COMPACTION_WRITER",
     "arrow",
+    "commit_info",
+    "commit_infos",
     "count_rows",
     "int64s",
     "rows_of",
@@ -319,6 +321,34 @@ def describe_os_error(exc: Exception) -> str:
 def is_commit_conflict(exc: BaseException) -> bool:
     """True for the error delta-rs raises when another commit won the race."""
     return isinstance(exc, CommitFailedError)
+
+
+def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
+    """Version `version`'s commit info, read from its own log entry, with
+    ``"version"`` set to `version`; None if the entry is gone (a log cleanup).
+
+    The one way this project reads a commit's metadata. Never
+    `DeltaTable.history()`: delta-rs 1.6.6 numbers its entries by counting
+    down from the handle's version, so on a handle opened before newer
+    commits the newest entries come back under wrong numbers (delta-rs#4488),
+    and a version taken from them is another commit's (a batch recorded under
+    the wrong state version, then rewound to the wrong data)."""
+    actions = version_actions(table_uri, version)
+    if actions is None:
+        return None
+    info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+    return {**info, "version": version}
+
+
+def commit_infos(table_uri: str, newest: int, oldest: int = 0) -> Iterator[dict[str, Any]]:
+    """`commit_info` of versions `newest` down to `oldest`, newest first,
+    ending early at the first entry that is gone (the ones before it are
+    gone too: a log cleanup removes the oldest)."""
+    for version in range(newest, max(oldest, 0) - 1, -1):
+        info = commit_info(table_uri, version)
+        if info is None:
+            return
+        yield info
 
 
 def version_actions(table_uri: str, version: int) -> list[dict[str, Any]] | None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
-from spark_jobs.core.delta_io import is_commit_conflict, open_table, version_actions
+from spark_jobs.core.delta_io import commit_infos, is_commit_conflict, open_table, version_actions
 from spark_jobs.core.fencing import STATE_FENCE, transaction_position
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
 from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
@@ -181,17 +181,13 @@ def row_counts(table: DeltaTable) -> RowCounts:
     the fold's own commit), found newest first; usually the newest commit."""
     actions = pa.table(table.get_add_actions(flatten=True))
     rows = int(pa.compute.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
-    searched = 0
-    for limit in (1, 16, HISTORY_SEARCH):
-        for info in table.history(limit)[searched:]:
-            if info.get(FOLD_KEY):
-                return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)), int(info["version"]))
-            if (carried := info.get(FOLDED_ROWS_KEY)) is not None:
-                last = json.loads(carried)
-                return RowCounts(rows, int(last["rows"]), last["version"])
-        searched = limit
-        if table.version() < limit:
-            break
+    latest = table.version()
+    for info in commit_infos(table.table_uri, latest, latest - HISTORY_SEARCH + 1):
+        if info.get(FOLD_KEY):
+            return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)), info["version"])
+        if (carried := info.get(FOLDED_ROWS_KEY)) is not None:
+            last = json.loads(carried)
+            return RowCounts(rows, int(last["rows"]), last["version"])
     return RowCounts(rows, 0)
 
 

@@ -33,7 +33,7 @@ from deltalake import DeltaTable
 
 from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.commits import METADATA_KEY
-from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, open_table
+from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, open_table
 from spark_jobs.core.fencing import Position
 from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
 from spark_jobs.core.ledger import LedgerView, RowStatus
@@ -186,19 +186,17 @@ def restorable_version(table: DeltaTable, path: str, version: int, next_version:
     at the first commit that may change data (ours or anyone's)."""
     end = table.version() if next_version is None else next_version - 1
     candidates = [version]
-    if end > version:
-        following = sorted(table.history(table.version() - version), key=lambda info: int(info["version"]))
-        for info in following:
-            v = int(info["version"])
-            if v <= version:
-                continue
-            # A fold keeps every value too (an appended state's rows folded into one per key).
-            maintenance = info.get(FOLD_KEY) or (
-                not info.get(METADATA_KEY) and str(info.get("operation", "")).upper() in MAINTENANCE_OPERATIONS
-            )
-            if v > end or not maintenance:
-                break
-            candidates.append(v)
+    # Each log entry read by its number, oldest first (never `history()`'s
+    # labels: `delta_io.commit_info`).
+    for v in range(version + 1, end + 1):
+        info = commit_info(table.table_uri, v)
+        # A fold keeps every value too (an appended state's rows folded into one per key).
+        maintenance = info is not None and (info.get(FOLD_KEY) or (
+            not info.get(METADATA_KEY) and str(info.get("operation", "")).upper() in MAINTENANCE_OPERATIONS
+        ))
+        if not maintenance:
+            break
+        candidates.append(v)
     for candidate in reversed(candidates):
         if restorable(path, candidate):
             return candidate

@@ -250,13 +250,18 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
     earlier run left, and is logged."""
     for _ in range(RECONCILE_TRIES):
         view = pipeline.ledger.load()
+        seen = _ledger_version(view)
         table = pipeline.state.open()
         state_at = pipeline.state.position(table)
         try:
             commit = lagging_commit(pipeline, view, table, state_at)
         except StateLedgerMismatchError:
-            if pipeline.ledger.load().position != view.position:
-                continue  # our view of the ledger was stale (events landed since): look again
+            # A run that planned and committed between our ledger read and
+            # our state open looks like a state that is not this ledger's
+            # (its plan is not in the view). If the ledger moved at all (a
+            # plan counts, not only a commit), our view was stale: look again.
+            if _ledger_version(pipeline.ledger.load()) != seen:
+                continue
             raise
         if commit is None:
             return view
@@ -533,6 +538,13 @@ class StepTimes:
         self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
         if engine_start:
             self.ms["engine_start"] = int(engine_start * 1000)
+
+
+def _ledger_version(view: LedgerView) -> int:
+    """The ledger's Delta version a view was read at (-1: no ledger yet).
+    Read when the view is loaded: views share the ledger's handle, which
+    later loads move on."""
+    return view.table.version() if view.table is not None else -1
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:

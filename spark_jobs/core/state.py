@@ -31,7 +31,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.delta_io import ensure_table, is_commit_conflict, open_table
+from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
@@ -324,44 +324,41 @@ class StateTable:
         else is reported. Costs nothing in the usual case, where our last
         commit is the table's latest version.
         """
-        newer = table.version() - since_version
-        if newer <= 0 or (before_version is not None and before_version <= since_version + 1):
+        latest = table.version()
+        last = latest if before_version is None else min(latest, before_version - 1)
+        if last <= since_version:
             return []  # no version in between: no history to read
         changes = []
-        for info in table.history(min(newer, HISTORY_SEARCH)):
-            version = int(info["version"])
-            if version <= since_version or (before_version is not None and version >= before_version):
-                continue
+        for info in commit_infos(table.table_uri, last, max(since_version + 1, latest - HISTORY_SEARCH + 1)):
             if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY):
                 continue
             operation = str(info.get("operation", "")).upper()
             if operation not in MAINTENANCE_OPERATIONS:
-                changes.append((version, operation))
+                changes.append((info["version"], operation))
         return sorted(changes)
 
     def find_commit(self, table: DeltaTable, position: Position) -> StateCommit | None:
         """The commit of ours that carried the state fence at `position`.
 
-        Searched newest first with a growing window: it is almost always the
-        latest commit (step 5 looks right after making it), and reading the
-        whole history each batch would grow with the table's age.
+        Searched newest first from the handle's version, reading each log
+        entry by its number (`commit_info`): it is almost always the latest
+        commit (step 5 looks right after making it), and reading the whole
+        history each batch would grow with the table's age.
         """
-        for limit in (1, 16, HISTORY_SEARCH):
-            for info in table.history(limit):
-                raw = info.get(METADATA_KEY)
-                data = json.loads(raw) if raw else {}
-                if data.get("txn") == position.encode():
-                    version = int(info["version"])
-                    return StateCommit(
-                        version=version,
-                        metadata=CommitMetadata.from_dict(data, where=f"{self.path} version {version}"),
-                        operation_metrics={
-                            k: int(v) for k, v in (info.get("operationMetrics") or {}).items() if str(v).isdigit()
-                        },
-                        timestamp=datetime.fromtimestamp(info["timestamp"] / 1000, tz=timezone.utc),
-                    )
-            if table.version() < limit:  # the whole history has been searched
-                break
+        latest = table.version()
+        for info in commit_infos(table.table_uri, latest, latest - HISTORY_SEARCH + 1):
+            raw = info.get(METADATA_KEY)
+            data = json.loads(raw) if raw else {}
+            if data.get("txn") == position.encode():
+                version = info["version"]
+                return StateCommit(
+                    version=version,
+                    metadata=CommitMetadata.from_dict(data, where=f"{self.path} version {version}"),
+                    operation_metrics={
+                        k: int(v) for k, v in (info.get("operationMetrics") or {}).items() if str(v).isdigit()
+                    },
+                    timestamp=datetime.fromtimestamp(info["timestamp"] / 1000, tz=timezone.utc),
+                )
         return None
 
 

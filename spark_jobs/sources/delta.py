@@ -308,7 +308,13 @@ class DeltaSource:
     def _commit_times(self, table: DeltaTable, after: int) -> dict[int, int]:
         """Each version after `after` and its commit time (ms): the newest
         commits back to `after`, what a batch may span, never the whole history."""
-        return {int(info["version"]): int(info["timestamp"]) for info in table.history(table.version() - after)}
+        times = {}
+        for version in range(after + 1, table.version() + 1):
+            # Each log entry read by its number (`delta_io.commit_info` says why not `history()`).
+            info = next((a["commitInfo"] for a in self._actions(table, version) or [] if "commitInfo" in a), {})
+            if isinstance(info.get("timestamp"), int):
+                times[version] = info["timestamp"]
+        return times
 
     def _bound(self, times: dict[int, int], after: int, end: int, until: datetime) -> int:
         """The last version in (after, end] committed before `until` (after: none); `times` from `_commit_times`."""

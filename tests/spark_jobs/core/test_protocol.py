@@ -445,3 +445,68 @@ def test_ledger_compaction_failing_never_fails_a_committed_run(spec_path, monkey
     monkeypatch.setattr(ledger.OffsetLedger, "compact", compact_with_broken_storage)
     assert run_batch(spec, RunOptions(run_id="test"), compute_factory=ArrowCompute).status == "committed"
     assert "not compacted this time (storage unavailable)" in caplog.text
+
+
+def test_a_commit_landing_while_step_5_looks_up_the_batch_does_not_shift_its_recorded_version(spec_path, compute, monkeypatch):
+    """Issue 46, item 1: a table property set on the state between step 5's
+    open and its look-up of the batch's commit made the ledger record batch
+    3 under version 2 (delta-rs#4488); `rewind --to-batch 3` then restored
+    batch 2's state and batch 3's records left the state for good."""
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.state import StateTable
+    from tests.conftest import assert_versions_carry_batches
+
+    spec = load_spec(spec_path)
+    landing = spec.source_path
+    _land_and_run(spec, compute, 2, files=1, records_per_file=50, users=10)
+    write_wave(landing, 2, files=1, records_per_file=50, users=10)
+    find_commit = StateTable.find_commit
+    fired = []
+
+    def a_property_change_lands_first(self, table, position):
+        if position.batch_id == 3 and not fired:
+            fired.append(position)
+            DeltaTable(self.path).alter.set_table_properties({"delta.logRetentionDuration": "interval 31 days"})
+        return find_commit(self, table, position)
+
+    monkeypatch.setattr(StateTable, "find_commit", a_property_change_lands_first)
+    assert run_batch(spec, RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+    monkeypatch.undo()
+    assert fired
+    assert_versions_carry_batches(spec_path)
+    write_wave(landing, 3, files=1, records_per_file=50, users=10)
+    assert run_batch(spec, RunOptions(run_id="test"), compute_factory=compute).batch_id == 4
+    result = run_cli("rewind", str(spec_path), "--to-batch", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r.batch_id for r in assert_exact(spec_path, drained=False)] == [1, 2, 3]
+
+
+def test_a_run_that_plans_and_commits_while_reconcile_looks_is_no_broken_checkpoint(spec_path, compute):
+    """Issue 46, item 7: another run planned and committed batch 2 (and died
+    before its ledger row) between this run's ledger read and its state open.
+    Its plan is not in the view read first, so the state looked like another
+    pipeline's (`StateLedgerMismatchError`, exit 2, no Airflow retry). The
+    ledger moved meanwhile: reconcile looks again and records the batch."""
+    from spark_jobs.core.pipeline import Pipeline
+    from spark_jobs.core.protocol import reconcile
+    from tests.conftest import crash_at
+
+    spec = load_spec(spec_path)
+    _land_and_run(spec, compute, 1, files=1, records_per_file=50, users=10)
+    write_wave(spec.source_path, 1, files=1, records_per_file=50, users=10)
+    pipeline = Pipeline(spec)
+    open_state = pipeline.state.open
+    raced = []
+
+    def another_run_commits_first():
+        if not raced:
+            raced.append(True)
+            with crash_at("after_state_commit"):
+                run_batch(spec, RunOptions(run_id="other"), compute_factory=compute)
+        return open_state()
+
+    pipeline.state.open = another_run_commits_first
+    view = reconcile(pipeline)
+    assert raced and view.position == Position(0, 2)
+    assert_exact(spec_path)

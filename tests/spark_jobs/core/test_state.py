@@ -122,3 +122,23 @@ def test_a_restore_that_commits_nothing_does_not_take_a_concurrent_commit_for_it
         state.restore(checked, None, CommitMetadata(kind=CommitKind.REWIND, pipeline=spec.name, position=Position(1, 0), start_offsets={}, end_offsets={}, run_id="test"))
     assert is_commit_conflict(info.value)
     assert transaction_position(open_table(spec.state_path), STATE_FENCE) == Position(0, 1)
+
+
+def test_find_commit_on_a_handle_older_than_the_table_gives_the_commits_own_version(tmp_path):
+    """Issue 46, item 1: delta-rs 1.6.6's `history()` numbers entries down
+    from the handle's version (delta-rs#4488), so on a handle opened before a
+    later commit the batch's commit came back one version too low."""
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.state import StateTable
+
+    spec = _spec(tmp_path, ["k"], {"n": "sum"})
+    state = StateTable(spec)
+    first = pa.table({"k": ["a"], "n": [1]})
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    version, _ = commit_updates(state, state.open(), pa.table({"k": ["a"], "n": [2]}), Position(0, 2))
+    stale = state.open()
+    DeltaTable(spec.state_path).alter.set_table_properties({"delta.logRetentionDuration": "interval 31 days"})
+    found = state.find_commit(stale, Position(0, 2))
+    assert found is not None and found.version == version == stale.version()
+    assert state.outside_changes(stale, version - 1) == []

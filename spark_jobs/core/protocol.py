@@ -30,7 +30,9 @@ the two. A run of batch N (position ``(epoch, N)``):
    the ledger's plan fence. If another run planned N first, use its plan.
 
 3. **Read and quarantine.** Compute reads exactly the planned range, splits
-   off bad records and runs the transform. The result must fit the state
+   off bad records and runs the transform. The source then confirms the read
+   got what was planned (`Source.check_read`: a file renamed over a planned
+   one meanwhile was read in its place, so the batch stops). The result must fit the state
    table's types (the first batch creates the table, empty) before anything
    of N is written; a new merge column is added to the state and a wider
    result type widens the state's column (values kept), only while the
@@ -364,6 +366,9 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     quarantine, once."""
     spec, n = pipeline.spec, plan.position
     result = engine.process(spec, plan.batch)
+    # Spark read the planned files by name: one replaced meanwhile was read in
+    # its place, and must not be recorded (and released) as the planned one.
+    pipeline.source.check_read(plan.batch)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
         table = pipeline.state.open() or pipeline.state.create(result.updates)

@@ -10,8 +10,8 @@ with nothing new ends without starting Spark:
   consumed, without the source reading the whole history;
 * how much is waiting (`lag`), in the source's own terms;
 * whether a planned range can still be read as planned (`verify`), before a
-  replay reads it, and what to do with consumed data once committed
-  (`after_commit`);
+  replay reads it, whether the read got what was planned (`check_read`),
+  and what to do with consumed data once committed (`after_commit`);
 * what a stored range means (`decode`): the ledger and the state's commit
   metadata keep offsets and manifests as JSON, and only the source turns
   them back into its own typed values.
@@ -163,6 +163,14 @@ class Source(Protocol):
     def verify(self, batch: BatchRange) -> None:
         """Raise `SourceChangedError` if `batch` (planned earlier) can no longer
         be read as planned: a replay must read exactly what was planned."""
+
+    def check_read(self, batch: BatchRange) -> None:
+        """Right after step 3's read of `batch`: raise `SourceChangedError` if
+        what was read may not be what was planned (a file replaced under its
+        name while the batch read it), before anything of the batch is
+        written. Sources whose planned data cannot change under its offsets
+        (Delta versions, Kafka offsets) do nothing: a read of data gone
+        fails by itself."""
 
     def decode(self, start: dict[str, Any], end: dict[str, Any], manifest: dict[str, Any]) -> BatchRange:
         """A stored range (as the ledger keeps it) in this source's own types."""

@@ -223,6 +223,9 @@ class DeltaSource:
             waiting_after=latest - offset_end,
         )
 
+    def check_read(self, batch: BatchRange) -> None:
+        """Nothing to check: a version is immutable, and a read of a version whose files are gone fails."""
+
     def verify(self, batch: BatchRange) -> None:
         """The planned versions must still be readable (their log entries and files there)."""
         manifest: DeltaManifest = batch.manifest  # type: ignore[assignment]

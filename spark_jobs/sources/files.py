@@ -36,7 +36,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -440,15 +440,7 @@ class FilesSource:
 
     def verify(self, batch: BatchRange) -> None:
         """Each planned file must still be there with the size and mtime it was planned with."""
-        manifest = cast(FilesManifest, batch.manifest)  # this source decodes only its own
-        for planned in manifest.files:
-            now = self.lister.stat(planned)
-            if now is not None and (now.size, now.mtime_ms) == (planned.size, planned.mtime_ms):
-                continue
-            found = "is gone" if now is None else (
-                f"was rewritten (planned: {planned.size:,} bytes, modified {_when(planned.mtime_ms)}; "
-                f"now: {now.size:,} bytes, modified {_when(now.mtime_ms)})"
-            )
+        for planned, found in self._changed(batch):
             raise SourceChangedError(
                 f"source file {planned.name} ({planned.uri}) {found} since this batch was planned. A replay "
                 "must read exactly what was planned, or a record could land in neither the state nor the "
@@ -457,6 +449,44 @@ class FilesSource:
                 "(`microbatch rewind SPEC --to-batch K`, K as `status` shows it): the next run plans "
                 "afresh from the files that are there.",
                 path=planned.uri,
+            )
+
+    def check_read(self, batch: BatchRange) -> None:
+        """After the batch's read, each planned file must still be the planned
+        version: Spark reads a file by its name, so a file renamed over a
+        planned one before or during the read was read in its place.
+
+        With `after_commit: delete` or `archive` a file is its name, size and
+        mtime: the batch would record the planned version as consumed while
+        holding the new one's records, the release would keep the new file
+        (not the version consumed), and the next batch would read it again.
+        So the batch stops here, before any write. It cannot be retried: the
+        planned version is gone from its name. (With `keep` a file is its
+        name, whatever its content, as in Spark's file source: nothing to
+        check.)"""
+        if self.release == "keep":
+            return
+        for planned, found in self._changed(batch):
+            raise SourceChangedError(
+                f"source file {planned.name} ({planned.uri}) {found} while this batch read it: the read may "
+                "hold the new file's records in place of the planned one's, so nothing of the batch was "
+                "written. With `after_commit: delete` or `archive`, reuse a name only once its file is "
+                "released (write under a new name, then rename). To go on, rewind to the last committed "
+                "batch (`microbatch rewind SPEC --to-batch K`, K as `status` shows it): the next run plans "
+                "afresh from the files that are there. The replaced file's records went with it.",
+                path=planned.uri,
+            )
+
+    def _changed(self, batch: BatchRange) -> Iterator[tuple[SourceFile, str]]:
+        """Each planned file that is gone or no longer the planned version, with what became of it."""
+        manifest = cast(FilesManifest, batch.manifest)  # this source decodes only its own
+        for planned in manifest.files:
+            now = self.lister.stat(planned)
+            if now is not None and (now.size, now.mtime_ms) == (planned.size, planned.mtime_ms):
+                continue
+            yield planned, "is gone" if now is None else (
+                f"was rewritten (planned: {planned.size:,} bytes, modified {_when(planned.mtime_ms)}; "
+                f"now: {now.size:,} bytes, modified {_when(now.mtime_ms)})"
             )
 
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:

@@ -215,3 +215,75 @@ def test_a_consumed_file_held_aside_is_released_not_read_again(tmp_path, monkeyp
     from spark_jobs.core.delta_io import open_table, read_all
 
     assert sum(r["events"] for r in read_all(open_table(spec.state_path)).to_pylist()) == 21, "20 + the writer's 1, none twice"
+
+
+def _orders_spec(tmp_path: Path, after_commit: str) -> Path:
+    return write_spec(tmp_path, {
+        "name": "orders",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "k STRING, n BIGINT",
+                   "after_commit": after_commit, **({"archive": "archive"} if after_commit == "archive" else {})},
+        "transform": "SELECT k, sum(n) AS n FROM batch GROUP BY k",
+        "state": {"path": "lake/state", "keys": ["k"], "merge": {"n": "sum"}},
+        "checkpoint": "lake/_checkpoints/orders",
+    })
+
+
+def _state(spec_path: Path) -> dict[str, int]:
+    import json
+
+    from tests.conftest import run_cli
+
+    result = run_cli("query", str(spec_path), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {row["k"]: row["n"] for row in json.loads(result.stdout)}
+
+
+@pytest.mark.parametrize("after_commit", ["delete", pytest.param("archive", marks=pytest.mark.slow)])
+def test_a_file_renamed_over_a_planned_one_before_the_read_is_never_counted_for_it(tmp_path, after_commit):
+    """Issue 46, item 2, through the CLI with real Spark: `orders.json`
+    (`a: 1`) is planned, then a writer renames a new `orders.json` (`a: 100`,
+    `b: 5`) over it before Spark reads it. The batch read the new bytes under
+    the old file's size and mtime, so the release kept the new file and the
+    next batch read it again: a = 200, b = 10, and the original never counted.
+    Now the read is checked against the plan: the batch stops before any
+    write, the replay is refused by name, and after the rewind the new file
+    counts once."""
+    import json
+    import time
+
+    from tests.conftest import run_cli, start_cli
+
+    spec_path = _orders_spec(tmp_path, after_commit)
+    landing = tmp_path / "landing"
+    (landing / "orders.json").write_text('{"k": "a", "n": 1}\n')
+    hold = tmp_path / "hold"
+    hold.touch()
+    run = start_cli("run", str(spec_path), env={"MICROBATCH_HOLD_POINT": "after_plan", "MICROBATCH_HOLD_FILE": str(hold)})
+    assert "hold after_plan" in _until_hold(run)
+    time.sleep(0.05)  # a distinct mtime
+    replacement = landing / ".orders.json.tmp"
+    replacement.write_text('{"k": "a", "n": 100}\n{"k": "b", "n": 5}\n')
+    os.rename(replacement, landing / "orders.json")
+    hold.unlink()
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 2, err[-2000:]
+    assert "orders.json" in err and "while this batch read it" in err
+    assert not (tmp_path / "lake" / "state").exists(), "nothing of the batch was written"
+    again = run_cli("run", str(spec_path))
+    assert again.returncode == 2 and "was rewritten" in again.stderr, again.stderr[-2000:]
+    assert run_cli("rewind", str(spec_path), "--to-batch", "0").returncode == 0
+    done = run_cli("run", str(spec_path), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["status"] == "committed", done.stderr[-2000:]
+    assert run_cli("run", str(spec_path)).returncode == 0
+    assert _state(spec_path) == {"a": 100, "b": 5}
+    assert _files(landing) == []
+
+
+def _until_hold(run) -> str:
+    """Stderr lines up to the hold's marker."""
+    seen = []
+    for line in run.stderr:
+        seen.append(line)
+        if "hold after_plan" in line:
+            break
+    return "".join(seen)

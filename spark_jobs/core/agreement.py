@@ -133,8 +133,9 @@ def check_spec(pipeline: Pipeline, view: LedgerView) -> SpecIdentity:
             f"pipeline {pipeline.spec.name}: the spec changed since {head.position} (spec {head.spec_fingerprint}, now "
             f"{identity.fingerprint}) in ways the state cannot carry on from:\n{listed}\n"
             "Nothing was written. Either revert the spec; or recompute from the start under the new spec "
-            f"with `microbatch rewind {pipeline.spec.spec_path} --to-batch 0` (a new epoch; the source files must "
-            "still be there); or give the pipeline a new state path and a new checkpoint.",
+            f"with `microbatch rewind {pipeline.spec.spec_path} --to-batch 0` (a new epoch that reads the source "
+            "again from its start: the rewind checks the source still has it, and refuses otherwise); or give the "
+            "pipeline a new state path and a new checkpoint.",
             pipeline=pipeline.spec.name,
             path=pipeline.spec.spec_path,
             position=head.position,

@@ -152,7 +152,9 @@ def rewind_target(
     if to_batch < 0 or to_batch > head.batch_id:
         raise refuse(f"cannot rewind to batch {to_batch}; committed batches are 0..{head.batch_id}")
     if to_batch == 0:
-        return None, pipeline.source.origin.to_dict()
+        origin = pipeline.source.origin.to_dict()
+        _check_replay(pipeline, view, origin, 0, refuse)
+        return None, origin
     target = view.committed_row(to_batch)
     if target is None or target.state_version is None:
         raise refuse(f"batch {to_batch} is not in the ledger's lineage")
@@ -173,6 +175,7 @@ def rewind_target(
                 f"batch {to_batch}'s state was computed under another spec ({'; '.join(refused)}); "
                 "rewind to batch 0 to recompute everything under this spec, or revert the spec"
             )
+    _check_replay(pipeline, view, target.end_offsets, to_batch, refuse)
     following = view.committed_row(to_batch + 1)
     version = restorable_version(table, pipeline.state.path, target.state_version, following.state_version if following else None) if table else None
     if table is not None and version is None:
@@ -184,6 +187,21 @@ def rewind_target(
             "batches `microbatch maintain` keeps rewindable."
         )
     return version, target.end_offsets
+
+
+def _check_replay(pipeline: Pipeline, view: LedgerView, start: dict[str, Any], to_batch: int, refuse: Callable[[str], RewindError]) -> None:
+    """The new epoch reads again what the lineage's batches after
+    `to_batch` read: the source must still give it, or the rewind would
+    drop those records from the state for good (and a source that refuses
+    lost data would leave the pipeline unable to plan at all)."""
+    after = [pipeline.batch(row) for row in view.lineage() if row.batch_id > to_batch]
+    gaps = pipeline.source.replay_gaps(start, after)
+    if gaps:
+        raise refuse(
+            f"cannot rewind to batch {to_batch}: the new epoch reads again what batches {to_batch + 1}.."
+            f"{view.position.batch_id} read, and {gaps}. Nothing was changed. To start over without those "
+            "records, give the pipeline a new state path and a new checkpoint."
+        )
 
 
 def check_rewind(spec: PipelineSpec, to_batch: int) -> None:

@@ -27,7 +27,7 @@ manifest's type. Adding a source means implementing `Source` (and its
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -163,6 +163,15 @@ class Source(Protocol):
     def verify(self, batch: BatchRange) -> None:
         """Raise `SourceChangedError` if `batch` (planned earlier) can no longer
         be read as planned: a replay must read exactly what was planned."""
+
+    def replay_gaps(self, start: dict[str, Any], batches: Sequence[BatchRange]) -> str | None:
+        """Before a rewind to the batch that ended at `start`: what of
+        `batches` (the lineage's batches after it, which the new epoch reads
+        again) the source can no longer give, and how to get it back, said
+        for people; None when a replay can read it all (or the spec accepts
+        the loss: `on_data_loss: skip`). A rewind refuses before changing
+        anything unless this is None: the state would lose those records
+        for good, and the pipeline could be left unable to plan."""
 
     def check_read(self, batch: BatchRange) -> None:
         """Right after step 3's read of `batch`: raise `SourceChangedError` if

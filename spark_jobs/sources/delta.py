@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
@@ -221,6 +221,27 @@ class DeltaSource:
             VersionOffsets(offset_end, table_id),
             DeltaManifest(self.uri, self.read, first, last, skipped),
             waiting_after=latest - offset_end,
+        )
+
+    def replay_gaps(self, start: dict[str, Any], batches: Sequence[BatchRange]) -> str | None:
+        """The versions the batches read after `start` that the upstream has
+        let go (its `maintain` kept only what recorded readers had yet to
+        read, and a rewind reads earlier ones again)."""
+        if not batches:
+            return None
+        last = max(cast(DeltaManifest, b.manifest).last for b in batches)
+        table = self.table()
+        gone = [v for v in range(int(start.get("version", -1)) + 1, last + 1) if self._lost(table, v)]
+        if not gone:
+            return None
+        if self.on_data_loss == "skip":
+            log.warning("source %s: versions %s are gone upstream; the replay skips them (on_data_loss: skip)", self.uri, _ranges(gone))
+            return None
+        return (
+            f"source table {self.uri} can no longer give versions {_ranges(gone)}, which those batches read "
+            "(the upstream's `maintain` or a log cleanup removed their files or log entries). Rewind to a "
+            "later batch, recompute the upstream, or set `source.on_data_loss: skip` to rewind without "
+            "those versions' changes"
         )
 
     def check_read(self, batch: BatchRange) -> None:
@@ -429,3 +450,14 @@ def _column_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
 
 def _feeds(configuration: dict[str, Any]) -> bool:
     return str(configuration.get("delta.enableChangeDataFeed", "false")).lower() == "true"
+
+
+def _ranges(versions: list[int]) -> str:
+    """Sorted versions as ranges: `2..4, 7`."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs)

@@ -36,7 +36,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -450,6 +450,28 @@ class FilesSource:
                 "afresh from the files that are there.",
                 path=planned.uri,
             )
+
+    def replay_gaps(self, start: dict[str, Any], batches: Sequence[BatchRange]) -> str | None:
+        """The files the batches read that are no longer in the folder (as
+        the version they read, with `delete` or `archive`): a replay would
+        not read them again. One listing, whatever the number of files."""
+        wanted = [f for b in batches for f in cast(FilesManifest, b.manifest).files]
+        if not wanted:
+            return None
+        present = {(f.name, f.version) if self.release != "keep" else f.name for f in self.lister.list(None)}
+        gone = [f.name for f in wanted if ((f.name, f.version) if self.release != "keep" else f.name) not in present]
+        if not gone:
+            return None
+        where = {
+            "delete": "`after_commit: delete` deleted them once committed",
+            "archive": f"`after_commit: archive` moved them to {self.archive}: move them back under the same names to rewind",
+            "keep": "they were deleted or moved: put them back under the same names to rewind",
+        }[self.release]
+        shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        return (
+            f"{len(gone)} file(s) those batches read are no longer in {self.root} ({shown}); {where}. "
+            "Or rewind to a later batch"
+        )
 
     def check_read(self, batch: BatchRange) -> None:
         """After the batch's read, each planned file must still be the planned

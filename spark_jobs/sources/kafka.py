@@ -56,11 +56,11 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
@@ -417,16 +417,7 @@ class KafkaSource:
     def verify(self, batch: BatchRange) -> None:
         """The planned ranges must still be there: retention may have deleted
         their start since the plan, or the topic been recreated."""
-        manifest: KafkaManifest = batch.manifest  # type: ignore[assignment]
-        planned: PartitionOffsets = batch.end  # type: ignore[assignment]
-        with self._connected() as consumer:
-            topic = self._topic(consumer, PartitionOffsets(self.topic, batch.start.next, planned.cluster, planned.topic_id))  # type: ignore[attr-defined]
-            partitions = topic.partitions if topic is not None else {}
-            gone = []
-            for p, start, end in manifest.ranges:
-                part = partitions.get(p)
-                if part is None or part.low > start or part.high < end:
-                    gone.append(f"{self.topic}/{p} [{start}, {end})" + (f" (now {part.low}..{part.high})" if part else " (no such partition)"))
+        gone = self._gone(batch.start, batch.end, [batch])
         if gone:
             raise SourceChangedError(
                 f"topic {self.topic} can no longer give this planned batch's records {', '.join(gone)}: retention "
@@ -435,6 +426,35 @@ class KafkaSource:
                 "SPEC --to-batch K`): the next run plans afresh and `source.on_data_loss` decides about the loss.",
                 path=f"kafka://{self.topic}",
             )
+
+    def replay_gaps(self, start: dict[str, Any], batches: Sequence[BatchRange]) -> str | None:
+        """The ranges the batches read after `start` that retention has deleted since."""
+        if not batches:
+            return None
+        gone = self._gone(self.decode(start, start, {}).start, batches[-1].end, batches)
+        if not gone:
+            return None
+        if self.spec.on_data_loss == "skip":
+            log.warning("topic %s: %s deleted since; the replay skips them (on_data_loss: skip)", self.topic, ", ".join(gone))
+            return None
+        return (
+            f"topic {self.topic} can no longer give records {', '.join(gone)}, which those batches read "
+            "(retention deleted them, or the topic was recreated). Rewind to a later batch, or set "
+            "`source.on_data_loss: skip` to rewind without those records"
+        )
+
+    def _gone(self, start: Any, end: Any, batches: Sequence[BatchRange]) -> list[str]:
+        """Of the batches' ranges, those the topic no longer holds whole, named."""
+        with self._connected() as consumer:
+            topic = self._topic(consumer, PartitionOffsets(self.topic, start.next, end.cluster, end.topic_id))
+        partitions = topic.partitions if topic is not None else {}
+        gone = []
+        for batch in batches:
+            for p, first, last in cast(KafkaManifest, batch.manifest).ranges:
+                part = partitions.get(p)
+                if part is None or part.low > first or part.high < last:
+                    gone.append(f"{self.topic}/{p} [{first}, {last})" + (f" (now {part.low}..{part.high})" if part else " (no such partition)"))
+        return gone
 
     def rewinding(self, end: dict[str, Any]) -> None:
         pass  # nothing upstream keeps data for this pipeline
@@ -543,9 +563,9 @@ class KafkaSource:
                 f"the ledger were counted in topic id {known.topic_id}. It was deleted and created again; its "
                 "offsets start over, and reading on from the old ones would skip the new topic's first records. "
                 "Nothing was read. To read the new topic from its start, give the pipeline a new checkpoint and "
-                "state (or rewind to batch 0 if the state should hold the new topic only: `microbatch rewind "
-                "SPEC --to-batch 0`); if the topic was recreated by mistake, restore the old one's data under a "
-                "new topic name and point source.topic at it.",
+                "state (a rewind cannot: the new epoch would read again what the old topic gave); if the topic "
+                "was recreated by mistake, restore the old one's data under a new topic name and point "
+                "source.topic at it.",
                 path=f"kafka://{self.topic}",
             )
         return _Topic(partitions, metadata.cluster_id or known.cluster, topic_id or known.topic_id)

@@ -287,3 +287,26 @@ def _until_hold(run) -> str:
         if "hold after_plan" in line:
             break
     return "".join(seen)
+
+
+def test_a_rewind_past_files_delete_released_is_refused_and_changes_nothing(tmp_path):
+    """Issue 46, item 3, for files: a rewind re-reads the files of the
+    batches after its target, and `after_commit: delete` deleted them, so
+    the rewind would drop their records from the state for good. Refused by
+    name before anything changes: the pipeline goes on exactly."""
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.errors import RewindError
+
+    spec_path = _spec(tmp_path, after_commit="delete")
+    kept = tmp_path / "copy"
+    for wave in range(2):
+        write_wave(kept, wave, files=1, records_per_file=20)
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=20)
+        assert _run(spec_path) == "committed"
+    spec = load_spec(spec_path)
+    with pytest.raises(RewindError, match=r"cannot rewind to batch 1: .*1 file\(s\) those batches read are no longer in .*after_commit: delete"):
+        rewind(spec, 1, run_id="test")
+    write_wave(kept, 2, files=1, records_per_file=20)
+    write_wave(tmp_path / "landing", 2, files=1, records_per_file=20)
+    assert _run(spec_path) == "committed"
+    assert [r.batch_id for r in assert_exact(spec_path, mirror=kept)] == [1, 2, 3]

@@ -374,3 +374,39 @@ def test_a_downstream_rewind_moves_its_recorded_position_back_before_restoring(t
     while run(downstream) == "committed":
         pass
     assert_chain_exact(upstream, downstream)
+
+
+def test_a_downstream_rewind_the_upstream_can_no_longer_replay_is_refused_by_name(tmp_path):
+    """Issue 46, item 3, through the CLI: after `maintain up --keep-batches
+    1`, `rewind down --to-batch 1` (and `--to-batch 0`, which a spec-change
+    error recommends) exited 0, and every later downstream run exited 2 with
+    "can no longer give versions 2..2". The rewind now asks the source
+    first, refuses by name with the ways out, and changes nothing: the
+    downstream runs on."""
+    import json
+
+    from tests.conftest import run_cli
+
+    upstream, downstream = chain_specs(tmp_path)
+    for wave in range(3):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=40, users=10)
+        for spec in (upstream, downstream):
+            result = run_cli("run", str(spec))
+            assert result.returncode == 0, result.stderr[-2000:]
+    before = json.loads(run_cli("status", str(downstream), "--json").stdout)
+    assert run_cli("maintain", str(upstream), "--keep-batches", "1").returncode == 0
+    for target in ("1", "0"):
+        refused = run_cli("rewind", str(downstream), "--to-batch", target)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert f"cannot rewind to batch {target}" in refused.stderr and "can no longer give versions" in refused.stderr
+        assert "on_data_loss: skip" in refused.stderr and "Nothing was changed" in refused.stderr
+    after = json.loads(run_cli("status", str(downstream), "--json").stdout)
+    assert (after["epoch"], after["last_batch"]) == (before["epoch"], before["last_batch"])
+    write_wave(tmp_path / "landing", 3, files=1, records_per_file=40, users=10)
+    assert run_cli("run", str(upstream)).returncode == 0
+    for _ in range(4):  # `batch.max_versions: 2`: drain
+        result = run_cli("run", str(downstream), "--json")
+        assert result.returncode == 0, result.stderr[-2000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    assert_chain_exact(upstream, downstream)

@@ -15,6 +15,8 @@ from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
 from deltalake import DeltaTable
 
+from spark_jobs.core.delta_io import read_all
+from spark_jobs.core.fencing import Position
 from spark_jobs.core.inspect import status
 from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.rewind import rewind
@@ -22,7 +24,7 @@ from spark_jobs.core.spec import load_spec
 from spark_jobs.errors import EXIT_TERMINAL, DataLossError, SourceChangedError, SourceError, exit_code
 from spark_jobs.sources import make_source
 from tests.conftest import BatchesLineage
-from tests.spark_jobs.sources.test_kafka import abort_a_transaction, assert_exact, events, produce, run, spec_file
+from tests.spark_jobs.sources.test_kafka import abort_a_transaction, assert_exact, events, oracle, produce, run, spec_file
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +232,34 @@ def test_the_broker_stopped_mid_batch_fails_retryably_and_the_next_run_is_exact(
             pass
         lineage = assert_exact(path, values)
         assert lineage[0].end_offsets == planned[0].end_offsets, "the planned range was the one read"
+
+
+@pytest.mark.parametrize("on_data_loss", ["fail", "skip"])
+def test_a_rewind_past_records_retention_deleted_is_refused_unless_the_loss_is_accepted(broker, tmp_path, compute, on_data_loss):
+    """Issue 46, item 3, for Kafka: a rewind to batch 0 reads again what
+    batch 1 read; after `DeleteRecords` (retention) the topic no longer has
+    it. With `on_data_loss: fail` the rewind is refused by name and nothing
+    changes; with `skip` the loss was accepted, so it goes on and the replay
+    records what it skipped."""
+    from spark_jobs.errors import RewindError
+
+    topic = f"rewind-retention-{on_data_loss}"
+    _create(broker, topic, 1)
+    path = spec_file(tmp_path, broker, topic, on_data_loss=on_data_loss)
+    values = events(0, 20)
+    produce(broker, topic, values, partition_of=lambda i: 0)
+    assert run(path, compute) == "committed"
+    admin = AdminClient({"bootstrap.servers": broker})
+    [done] = admin.delete_records([TopicPartition(topic, 0, 5)]).values()
+    assert done.result(30).low_watermark == 5
+    spec = load_spec(path)
+    if on_data_loss == "fail":
+        with pytest.raises(RewindError, match=r"cannot rewind to batch 0: .*records rewind-retention-fail/0 \[0, 20\) \(now 5\.\.20\)"):
+            rewind(spec, 0, run_id="test")
+        assert status(spec).position == Position(0, 1)
+        return
+    assert rewind(spec, 0, run_id="test").status == "rewound"
+    assert run(path, compute) == "committed"
+    state = read_all(DeltaTable(spec.state_path))
+    got = {u: (n, c) for u, n, c in zip(*(state.column(k).to_pylist() for k in ("user_id", "events", "cents")))}
+    assert got == oracle(values[5:])

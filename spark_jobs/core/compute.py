@@ -20,8 +20,9 @@ import pyarrow.compute as pc
 from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.widen import sql_type
 
-__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "Engine", "check_result_columns", "validate_updates"]
+__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "Engine", "check_result_columns", "check_result_types", "validate_updates"]
 
 #: Columns of the quarantine rows compute returns (the table adds bookkeeping).
 QUARANTINE_COLUMNS = pa.schema(
@@ -130,6 +131,59 @@ def check_result_columns(spec: PipelineSpec, columns: list[str]) -> None:
         )
     if problems:
         raise TransformError(f"pipeline {spec.name}: the transform result " + "; ".join(problems))
+
+
+def check_result_types(spec: PipelineSpec, schema: pa.Schema) -> None:
+    """Each column of the transform's result must be of a type the state
+    table can hold, and its merge rule must be able to merge it, in the
+    spec's layout; else a `TransformError` naming each column, its type and
+    what to do. Every engine checks the result's types when it analyses the
+    transform (before the batch's plan is recorded), and `StateTable.align`
+    checks the batch again before anything of it is written: a type no rule
+    can merge would otherwise commit and then fail every query and fold."""
+    problems = [p for f in schema if (p := _type_problem(spec, f.name, f.type))]
+    if problems:
+        raise TransformError(f"pipeline {spec.name}: the transform result " + "; ".join(problems), pipeline=spec.name)
+
+
+def _type_problem(spec: PipelineSpec, column: str, column_type: pa.DataType) -> str | None:
+    """Why `column` of this type cannot be a key or be merged by its rule, or None."""
+    named = f"column {column!r} is {sql_type(column_type)}"
+    if pa.types.is_null(column_type):
+        return f"column {column!r} has no type (a bare NULL): cast it, e.g. CAST(NULL AS BIGINT)"
+    if not _storable(column_type):
+        return f"{named}, which a Delta table cannot hold: cast it (an interval to its seconds as BIGINT, say)"
+    rule = spec.state.merge.get(column)
+    nested = pa.types.is_nested(column_type)
+    if column in spec.state.keys and nested:
+        return f"{named}: a key must be a plain value (a number, string, date, ...), not a nested type"
+    if rule in ("min", "max") and nested:
+        return f"{named}, which `{rule}` cannot order: merge it with `first` or `last`, or return an orderable type"
+    if rule == "sum" and not (pa.types.is_signed_integer(column_type) or pa.types.is_decimal(column_type) or pa.types.is_floating(column_type)):
+        return f"{named}, which `sum` cannot add: return a number"
+    if rule == "sum" and pa.types.is_float32(column_type) and spec.state.layout == "appended":
+        return (
+            f"{named} summed in an appended state, whose partial rows are added in DOUBLE and rounded to FLOAT "
+            "only when stored, so the value would depend on when folds ran: return it as DOUBLE "
+            "(`CAST(... AS DOUBLE)`), or use `state.layout: merged`"
+        )
+    return None
+
+
+def _storable(column_type: pa.DataType) -> bool:
+    """Whether a Delta table holds values of this Arrow type (as its column type)."""
+    t = column_type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _storable(t.value_type)
+    if pa.types.is_map(t):
+        return _storable(t.key_type) and _storable(t.item_type)
+    if pa.types.is_struct(t):
+        return all(_storable(t.field(i).type) for i in range(t.num_fields))
+    return (
+        pa.types.is_boolean(t) or pa.types.is_signed_integer(t) or pa.types.is_float32(t) or pa.types.is_float64(t)
+        or pa.types.is_decimal128(t) or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+        or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_date32(t) or pa.types.is_timestamp(t)
+    )
 
 
 def validate_updates(spec: PipelineSpec, updates: pa.Table) -> pa.Table:

@@ -93,45 +93,79 @@ def state_sql(state: StateSpec, schema: pa.Schema, table: str = "state", *, quot
     """SQL for the state as of its last batch, one row per key, in `schema`'s
     column order and types, over `table` (a name or a table expression).
 
-    A merged state is its table as it is. `quote` is the engine's identifier
-    quoting (`datafusion_identifier` for delta-rs, `spark_identifier` for Spark).
+    A merged state is its table as it is. An appended state's rows of a key
+    (the last fold's one, then one per batch) are merged as the MERGEs would
+    have merged them one batch at a time. Where the order of the rows cannot
+    change the value (`sum` of integers and decimals, `min`, `max`) that is
+    a plain GROUP BY. Where it can (`first`, `last`, a `sum` of DOUBLE:
+    floating-point addition is not associative), the rows are taken in batch
+    order (`_ordered_sql`), so the value is the one the merged layout gives,
+    whenever folds ran. `quote` is the engine's identifier quoting
+    (`datafusion_identifier` for delta-rs, `spark_identifier` for Spark).
     """
     names = [f.name for f in schema]
     if state.layout == "merged":
         return f"SELECT {', '.join(quote(n) for n in names)} FROM {table}"
-    keys = [quote(k) for k in state.keys]
-    partition = ", ".join(keys)
-    windows: list[str] = []
-    columns: list[str] = []
-    batch = quote(BATCH_COLUMN)
-    for i, field in enumerate(schema):
-        name = quote(field.name)
-        rule = state.merge.get(field.name)
+    for field in schema:
+        if field.name not in state.keys and field.name != BATCH_COLUMN and field.name not in state.merge:
+            raise ValueError(f"column {field.name!r} of the state has no merge rule in the spec")
+    if any(_in_batch_order(state.merge.get(f.name), f.type) for f in schema):
+        return _ordered_sql(state, schema, table, quote)
+    partition = ", ".join(quote(k) for k in state.keys)
+    columns = []
+    for field in schema:
+        name, rule = quote(field.name), state.merge.get(field.name)
         if field.name in state.keys:
             columns.append(name)
         elif field.name == BATCH_COLUMN:
-            columns.append(f"MAX({batch}) AS {batch}")
+            columns.append(f"MAX({name}) AS {name}")
         elif rule == "sum":
             # Engines sum into a wider type (an INT sum is a BIGINT); the fold
             # keeps the column's type, which the overflow check guarantees holds it.
             columns.append(f"CAST(SUM({name}) AS {sql_type(field.type)}) AS {name}")
-        elif rule in ("min", "max"):
-            columns.append(f"{rule.upper()}({name}) AS {name}")
-        elif rule == "first":
-            rank = quote(f"__microbatch_first_{i}")
-            windows.append(
-                f"ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY CASE WHEN {name} IS NULL THEN 1 ELSE 0 END, {batch}) AS {rank}"
-            )
-            columns.append(f"MAX(CASE WHEN {rank} = 1 THEN {name} END) AS {name}")
-        elif rule == "last":
-            rank = quote("__microbatch_last")
-            if not any(w.endswith(f" AS {rank}") for w in windows):
-                windows.append(f"ROW_NUMBER() OVER (PARTITION BY {partition} ORDER BY {batch} DESC) AS {rank}")
-            columns.append(f"MAX(CASE WHEN {rank} = 1 THEN {name} END) AS {name}")
         else:
-            raise ValueError(f"column {field.name!r} of the state has no merge rule in the spec")
-    rows = f"(SELECT *, {', '.join(windows)} FROM {table}) AS ranked" if windows else table
-    return f"SELECT {', '.join(columns)} FROM {rows} GROUP BY {partition}"
+            columns.append(f"{str(rule).upper()}({name}) AS {name}")
+    return f"SELECT {', '.join(columns)} FROM {table} GROUP BY {partition}"
+
+
+def _in_batch_order(rule: str | None, column_type: pa.DataType) -> bool:
+    """Whether a merge column's value depends on the order its rows are merged in."""
+    return rule in ("first", "last") or (rule == "sum" and pa.types.is_floating(column_type))
+
+
+def _ordered_sql(state: StateSpec, schema: pa.Schema, table: str, quote: Quote) -> str:
+    """`state_sql` with each key's rows taken in batch order: window functions
+    over the key's rows sorted by `_batch_id`, read at its last row.
+
+    * ``sum``: the running sum (a frame from the key's first row to the
+      current one, which both engines add one row at a time, in order), so
+      the rows are added exactly as the MERGEs added them; a fold stores the
+      running sum at its batch, and the rows after it continue from there
+      (a whole-partition frame would add in the engine's order instead);
+    * ``min`` / ``max``: the running min and max;
+    * ``first``: the first non-null value of the frame (``IGNORE NULLS``);
+    * ``last``: the last row's own value, null included: no aggregate, so
+      any type a Delta table holds (a MAP, an ARRAY, a STRUCT) is merged.
+
+    A key's last row is the one with no next row (``LEAD``), in the same sort.
+    """
+    batch = quote(BATCH_COLUMN)
+    partition = ", ".join(quote(k) for k in state.keys)
+    window = f"(PARTITION BY {partition} ORDER BY {batch} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)"
+    following = quote("__microbatch_next")
+    inner, outer = [], []
+    for field in schema:
+        name, rule = quote(field.name), state.merge.get(field.name)
+        if rule in ("sum", "min", "max"):
+            inner.append(f"{rule.upper()}({name}) OVER {window} AS {name}")
+        elif rule == "first":
+            inner.append(f"FIRST_VALUE({name}) IGNORE NULLS OVER {window} AS {name}")
+        else:  # a key, `_batch_id` (its last row's is the largest), or `last`
+            inner.append(name)
+        # Engines sum into a wider type: cast back to the column's own.
+        outer.append(f"CAST({name} AS {sql_type(field.type)}) AS {name}" if rule == "sum" else name)
+    inner.append(f"LEAD({batch}) OVER (PARTITION BY {partition} ORDER BY {batch}) AS {following}")
+    return f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)} FROM {table}) AS merged WHERE {following} IS NULL"
 
 
 def spark_sql(spec: PipelineSpec, schema: pa.Schema, version: int | None = None) -> str:

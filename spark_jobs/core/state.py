@@ -31,6 +31,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
+from spark_jobs.core.compute import check_result_types
 from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
@@ -177,6 +178,8 @@ class StateTable:
         state has made room for them; or an error saying why they cannot be
         merged into it.
 
+        * Each column's type must be one the state holds and its rule merges
+          (`check_result_types`), else a `TransformError`.
         * A merge column of the spec that the state lacks is added to it
           (nullable: old rows hold null). Any other unknown column is a
           `TransformError`.
@@ -190,28 +193,11 @@ class StateTable:
         the version of the last change made; the merge may as well use a
         freshly opened table.
         """
+        check_result_types(self.spec, data.schema)
         existing = pa.schema(table.schema().to_arrow())
-        fields, added, widened = [], [], {}
-        for field in data.schema:
-            merged = field.name in self.spec.state.merge
-            if field.name not in existing.names:
-                if not merged:
-                    raise self._error(
-                        TransformError,
-                        f"column {field.name!r} is not in the state table {self.path}; changing the "
-                        "state's columns needs a new state path and a new checkpoint (the pipeline "
-                        "then reprocesses its source from the start)",
-                    )
-                # Cast to the type the state will hold (a large string becomes a string).
-                added.append(Field.from_arrow(field.with_nullable(True)))
-                fields.append(pa.field(added[-1].to_arrow()))
-            elif merged and widens(existing.field(field.name).type, field.type):
-                widened[field.name] = field.type
-                fields.append(field.with_nullable(True))
-            else:
-                fields.append(existing.field(field.name).with_nullable(True))
+        schema, added, widened = self._fitted(existing, data.schema)
         try:
-            aligned = data.cast(pa.schema(fields))
+            aligned = data.cast(schema)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             raise self._error(
                 TransformError,
@@ -235,6 +221,30 @@ class StateTable:
             with self._changing_columns("turning its change data feed on"):
                 table.alter.set_table_properties({CHANGE_FEED: "true"})
         return aligned
+
+    def _fitted(self, existing: pa.Schema, batch: pa.Schema) -> tuple[pa.Schema, list[Field], dict[str, pa.DataType]]:
+        """The schema a batch is cast to, the merge columns to add to the
+        state first, and those to widen in it (name to new type)."""
+        fields, added, widened = [], [], {}
+        for field in batch:
+            merged = field.name in self.spec.state.merge
+            if field.name not in existing.names:
+                if not merged:
+                    raise self._error(
+                        TransformError,
+                        f"column {field.name!r} is not in the state table {self.path}; changing the "
+                        "state's columns needs a new state path and a new checkpoint (the pipeline "
+                        "then reprocesses its source from the start)",
+                    )
+                # Cast to the type the state will hold (a large string becomes a string).
+                added.append(Field.from_arrow(field.with_nullable(True)))
+                fields.append(pa.field(added[-1].to_arrow()))
+            elif merged and widens(existing.field(field.name).type, field.type):
+                widened[field.name] = field.type
+                fields.append(field.with_nullable(True))
+            else:
+                fields.append(existing.field(field.name).with_nullable(True))
+        return pa.schema(fields), added, widened
 
     def _widen(self, table: DeltaTable, existing: pa.Schema, widened: dict[str, pa.DataType]) -> None:
         """Rewrite the state with `widened` columns in their new types, in one commit.

@@ -48,6 +48,14 @@ _SQL_NAMES = {
     pa.int64(): "BIGINT",
     pa.float32(): "FLOAT",
     pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+    pa.string(): "STRING",
+    pa.large_string(): "STRING",
+    pa.string_view(): "STRING",
+    pa.binary(): "BINARY",
+    pa.large_binary(): "BINARY",
+    pa.date32(): "DATE",
+    pa.null(): "VOID",
 }
 #: Where `exact_overflow` adds integers and decimals: 40 digits hold any
 #: DECIMAL(38, s) or BIGINT value, and Arrow gives their sum one digit more.
@@ -92,9 +100,20 @@ def widens(old: pa.DataType, new: pa.DataType) -> bool:
 
 def sql_type(column_type: pa.DataType) -> str:
     """The Spark SQL name of a column type, as users write it in the transform."""
-    if pa.types.is_decimal(column_type):
-        return f"DECIMAL({column_type.precision},{column_type.scale})"
-    return _SQL_NAMES.get(column_type, str(column_type))
+    t = column_type
+    if pa.types.is_decimal(t):
+        return f"DECIMAL({t.precision},{t.scale})"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMP" if t.tz is not None else "TIMESTAMP_NTZ"
+    if pa.types.is_duration(t):
+        return "INTERVAL DAY TO SECOND"  # what Spark's day-time intervals become in Arrow
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"ARRAY<{sql_type(t.value_type)}>"
+    if pa.types.is_map(t):
+        return f"MAP<{sql_type(t.key_type)}, {sql_type(t.item_type)}>"
+    if pa.types.is_struct(t):
+        return f"STRUCT<{', '.join(f'{t.field(i).name}: {sql_type(t.field(i).type)}' for i in range(t.num_fields))}>"
+    return _SQL_NAMES.get(t, str(t).upper())
 
 
 #: A column's smallest and largest value, None where unknown.

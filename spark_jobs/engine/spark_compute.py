@@ -34,7 +34,7 @@ from weakref import WeakKeyDictionary
 
 import pyarrow as pa
 
-from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, validate_updates
+from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, check_result_types, validate_updates
 from spark_jobs.core.identity import SpecIdentity
 from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
@@ -50,6 +50,7 @@ from spark_jobs.storage.s3 import is_s3
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import DataType, StructType
 
     from spark_jobs.engine.driver import EarlyDriver
 
@@ -228,7 +229,7 @@ class SparkCompute:
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
             empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
-            check_result_columns(spec, self._transform(spec, empty).columns)
+            _check_result(spec, self._transform(spec, empty).schema)
             return
         checked = _CHECKED.setdefault(self.spark, set())
         key = SpecIdentity.of(spec).fingerprint
@@ -379,7 +380,7 @@ class SparkCompute:
         batch = rows.observe(_METRICS, *split.metrics).where(split.valid).select(*split.fields)
         if not _is_connect(self.spark):
             result = self._transform(spec, batch)
-            check_result_columns(spec, result.columns)
+            _check_result(spec, result.schema)
             return _Query(result, rows, split.metrics)
         # Through Spark Connect, the server returns the metrics of observed
         # nodes the request holds, not those inside a temporary view: the
@@ -396,7 +397,7 @@ class SparkCompute:
             raise TransformError(
                 f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
             ) from exc
-        check_result_columns(spec, result.columns)
+        _check_result(spec, result.schema)
         return _Query(result, rows, split.metrics)
 
     def _execute(self, query: _Query) -> tuple[pa.Table, dict[str, Any]]:
@@ -692,3 +693,34 @@ def _reader_of(spec: PipelineSpec, batch: BatchRange) -> _Reader:
             pipeline=spec.name,
         )
     return reader
+
+
+def _check_result(spec: PipelineSpec, schema: StructType) -> None:
+    """The transform's columns, and their types as the state will hold them
+    (`check_result_types`), from its analysed schema: no job runs."""
+    check_result_columns(spec, schema.names)
+    check_result_types(spec, pa.schema([pa.field(f.name, _arrow_type(spec, f.name, f.dataType)) for f in schema.fields]))
+
+
+def _arrow_type(spec: PipelineSpec, column: str, data_type: DataType) -> pa.DataType:
+    """A result column's type as `toArrow()` will give it, or a `TransformError`
+    for a type no Delta table holds as such."""
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    spark_name = data_type.simpleString().upper()
+    if "VARIANT" in spark_name:
+        # `toArrow()` gives a VARIANT as a struct of its binary encoding:
+        # stored so, it would no longer read as a VARIANT.
+        raise TransformError(
+            f"pipeline {spec.name}: the transform result column {column!r} is {spark_name}, which the state "
+            "cannot hold as such: return it as STRING (`to_json(...)`) and parse it when reading",
+            pipeline=spec.name,
+        )
+    try:
+        return to_arrow_type(data_type, timezone="UTC")
+    except Exception as exc:  # noqa: BLE001 - pyspark refuses types Arrow has no form for (a YEAR TO MONTH interval)
+        raise TransformError(
+            f"pipeline {spec.name}: the transform result column {column!r} is {spark_name}, which a Delta table "
+            "cannot hold: cast it (an interval to its months or seconds as BIGINT, say)",
+            pipeline=spec.name,
+        ) from exc

@@ -248,8 +248,9 @@ def test_query_prints_the_folded_state_and_the_sql_for_each_engine(tmp_path, com
     assert sorted(r["user_id"] for r in rows) == sorted({r["user_id"] for r in read_state(spec).read_all().to_pylist()})
     assert len(rows) == 5
     spark_text = run_cli("query", str(spec_path), "--sql", "spark").stdout
-    assert f"FROM delta.`{spec.state_path}`" in spark_text and "GROUP BY `user_id`" in spark_text
-    assert 'GROUP BY "user_id"' in run_cli("query", str(spec_path), "--sql", "delta-rs").stdout
+    # A DOUBLE sum (`amount`) is merged in batch order: window functions per key.
+    assert f"FROM delta.`{spec.state_path}`" in spark_text and "PARTITION BY `user_id` ORDER BY `_batch_id`" in spark_text
+    assert 'PARTITION BY "user_id" ORDER BY "_batch_id"' in run_cli("query", str(spec_path), "--sql", "delta-rs").stdout
     assert json.loads(run_cli("query", str(spec_path), "--json", "--limit", "2").stdout).__len__() == 2
 
 
@@ -358,3 +359,194 @@ def test_maintain_and_query_refuse_a_spec_whose_merge_rules_changed_and_fold_not
     assert open_table(load_spec(spec_path).state_path).version() == before
     refused = run_cli("query", str(spec_path))
     assert refused.returncode == 2 and "merge rule of 'events' changed" in refused.stderr
+
+
+# -- every type a transform can return (issue 46, items 4 and 6) ---------------------
+
+#: Each type a Spark transform can return that a Delta table holds, as an
+#: expression of `m` (a key's `max(n)` in the batch, NULL when every n is).
+TYPED = {
+    "bool": "m % 2 = 0",
+    "tiny": "CAST(m AS TINYINT)",
+    "small": "CAST(m AS SMALLINT)",
+    "int": "CAST(m AS INT)",
+    "big": "m",
+    "flt": "CAST(m AS FLOAT) + 0.5",
+    "dbl": "CAST(m AS DOUBLE) / 3",
+    "dec": "CAST(m / 4 AS DECIMAL(10,2))",
+    "str": "CAST(m AS STRING)",
+    "bin": "CAST(CAST(m AS STRING) AS BINARY)",
+    "date": "date_add(DATE'2026-01-01', CAST(m AS INT))",
+    "ts": "timestamp_seconds(m)",
+    "ntz": "CAST(timestamp_seconds(m) AS TIMESTAMP_NTZ)",
+    "arr": "IF(m IS NULL, NULL, array(m, m + 1))",
+    "map": "IF(m IS NULL, NULL, map(CAST(m AS STRING), m))",
+    "struct": "IF(m IS NULL, NULL, named_struct('n', m, 's', CAST(m AS STRING)))",
+    "nested": "IF(m IS NULL, NULL, array(named_struct('m', map('k', array(m)))))",
+}
+ORDERABLE = ("bool", "tiny", "small", "int", "big", "flt", "dbl", "dec", "str", "bin", "date", "ts", "ntz")
+#: FLOAT sums are refused in an appended state (`check_result_types`): not compared here.
+SUMMABLE = ("tiny", "small", "int", "big", "dbl", "dec")
+#: Three batches, one file each: key a has a null in batch 2, b skips batch 3,
+#: d's last value is null, c comes in batch 3 only.
+TYPED_BATCHES = (
+    [("a", 1), ("b", 5), ("d", 7)],
+    [("a", None), ("b", 2), ("d", 8)],
+    [("a", 3), ("c", 4), ("d", None)],
+)
+
+
+def _typed_spec(folder: Path, layout: str, **state) -> Path:
+    columns = {}
+    for name, expr in TYPED.items():
+        columns[f"last_{name}"], columns[f"first_{name}"] = (expr, "last"), (expr, "first")
+    for name in ORDERABLE:
+        columns[f"min_{name}"], columns[f"max_{name}"] = (TYPED[name], "min"), (TYPED[name], "max")
+    for name in SUMMABLE:
+        columns[f"sum_{name}"] = (TYPED[name], "sum")
+    select = ",\n  ".join(f"{expr} AS {column}" for column, (expr, _) in columns.items())
+    return write_spec(folder, {
+        "name": "typed",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "k STRING, n BIGINT"},
+        "transform": f"SELECT k,\n  {select}\nFROM (SELECT k, max(n) AS m FROM batch GROUP BY k)",
+        "state": {"path": "lake/state", "keys": ["k"], "merge": {c: rule for c, (_, rule) in columns.items()}, "layout": layout, **state},
+        "checkpoint": "lake/_checkpoints/typed",
+        "batch": {"max_files": 1},
+    })
+
+
+def _land_typed(folder: Path) -> None:
+    import os
+    import time
+
+    landing = folder / "landing"
+    for i, rows in enumerate(TYPED_BATCHES):
+        path = landing / f"batch{i}.json"
+        path.write_text("".join(json.dumps({"k": k, "n": n}) + "\n" for k, n in rows))
+        stamp = time.time() - 100 + i  # planned in this order
+        os.utime(path, (stamp, stamp))
+
+
+def test_an_appended_state_merges_every_type_a_transform_returns_as_the_merged_layout_does(tmp_path, compute, spark):
+    """Issue 46, item 4: a MAP merged with `last` in an appended state
+    committed, then every fold failed ("Min/Max accumulator not implemented
+    for type Map") and `query` and `maintain` exited 1 for good. Now every
+    type a transform can return and a Delta table holds is merged by every
+    rule that applies to it, and an appended state (never folded, or folded
+    after every batch) reads exactly as the merged layout, also through
+    Spark's SQL; `query` and `maintain` exit 0."""
+    from spark_jobs.core.folding import spark_sql
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from tests.conftest import run_cli
+
+    results = {}
+    for layout, state in (("merged", {}), ("appended", {"fold_at": 10.0}), ("appended_folded", {"fold_at": 0.000001})):
+        folder = tmp_path / layout
+        spec_path = _typed_spec(folder, layout.split("_")[0], **state)
+        _land_typed(folder)
+        spec = load_spec(spec_path)
+        for _ in TYPED_BATCHES:
+            assert run_batch(spec, RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+        results[layout] = {r["k"]: r for r in read_state(spec).read_all().to_pylist()}
+        if layout == "appended":
+            assert row_counts(open_table(spec.state_path)).appended > 4, "partial rows, never folded"
+            table = open_table(spec.state_path)
+            by_spark = {r["k"]: r for r in spark.sql(spark_sql(spec, pa.schema(table.schema().to_arrow()))).toArrow().to_pylist()}
+            shown = run_cli("query", str(spec_path), "--json")
+            assert shown.returncode == 0, shown.stderr[-2000:]
+            assert run_cli("maintain", str(spec_path)).returncode == 0
+            assert row_counts(open_table(spec.state_path)).appended == 0
+            results["after maintain"] = {r["k"]: r for r in read_state(spec).read_all().to_pylist()}
+    merged = results.pop("merged")
+    assert merged["a"]["last_map"] == [("3", 3)] and merged["d"]["last_map"] is None and merged["a"]["first_arr"] == [1, 2]
+    assert merged["b"]["sum_dbl"] == 5 / 3 + 2 / 3
+    for name, got in [*results.items(), ("Spark's SQL", by_spark)]:
+        assert got == merged, f"{name} differs from the merged layout: " + str(
+            {k: {c: (v, merged[k][c]) for c, v in row.items() if v != merged[k][c]} for k, row in got.items()})
+
+
+@pytest.mark.parametrize(
+    ("column", "expr", "rule", "layout", "says"),
+    [
+        ("m", "map('k', max(n))", "max", "merged", "column 'm' is MAP<STRING, BIGINT>, which `max` cannot order"),
+        ("f", "CAST(sum(n) AS FLOAT)", "sum", "appended", "column 'f' is FLOAT summed in an appended state"),
+        ("d", "make_dt_interval(0, 0, 0, sum(n))", "last", "merged", "column 'd' is INTERVAL DAY TO SECOND, which a Delta table cannot hold"),
+        ("y", "make_ym_interval(1, 0)", "last", "appended", "column 'y' is INTERVAL YEAR TO MONTH, which a Delta table cannot hold"),
+        ("v", "parse_json('{}')", "last", "merged", "column 'v' is VARIANT"),
+        ("z", "NULL", "first", "appended", "column 'z' has no type"),
+        ("s", "array(max(n))", "sum", "merged", "column 's' is ARRAY<BIGINT>, which `sum` cannot add"),
+    ],
+)
+def test_a_type_no_rule_can_merge_is_refused_by_name_before_any_write(tmp_path, compute, column, expr, rule, layout, says):
+    """Issue 46, items 4 and 6: each refused when the transform is analysed,
+    before the plan is recorded (nothing written: no ledger, no state)."""
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.errors import TransformError
+
+    spec_path = write_spec(tmp_path, {
+        "name": "refused",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "k STRING, n BIGINT"},
+        "transform": f"SELECT k, {expr} AS {column} FROM batch GROUP BY k",
+        "state": {"path": "lake/state", "keys": ["k"], "merge": {column: rule}, "layout": layout},
+        "checkpoint": "lake/_checkpoints/refused",
+    })
+    (tmp_path / "landing" / "one.json").write_text('{"k": "a", "n": 1}\n')
+    with pytest.raises(TransformError, match=re_escape(says)):
+        run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute)
+    assert not (tmp_path / "lake").exists(), "nothing was written"
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_float_sum_is_refused_when_a_merged_state_becomes_appended_and_a_double_sum_is_fold_independent(tmp_path):
+    """Issue 46, item 6, through the CLI: FLOAT partials 16777216, 1 and 1
+    summed to 16777218 in an appended state without a fold and to 16777216
+    with a `maintain` after batch 2 (the merged layout: 16777216). A FLOAT
+    sum is now refused in an appended state by name, also when a merged
+    state is switched to appended (exit 2, nothing written); a DOUBLE sum is
+    added in batch order, so 2**53, 1, 1 give 2**53 with or without folds,
+    as the merged layout does."""
+    from tests.conftest import run_cli
+
+    def pipeline(folder: Path, column_type: str, layout: str) -> Path:
+        return write_spec(folder, {
+            "name": "sums",
+            "source": {"type": "files", "path": "landing", "format": "json", "schema": "k STRING, n DOUBLE"},
+            "transform": f"SELECT k, CAST(sum(n) AS {column_type}) AS total FROM batch GROUP BY k",
+            "state": {"path": "lake/state", "keys": ["k"], "merge": {"total": "sum"}, "layout": layout},
+            "checkpoint": "lake/_checkpoints/sums",
+        })
+
+    def land(folder: Path, i: int, n: float) -> None:
+        (folder / "landing" / f"b{i}.json").write_text(json.dumps({"k": "a", "n": n}) + "\n")
+
+    def total(spec_path: Path) -> float:
+        shown = run_cli("query", str(spec_path), "--json")
+        assert shown.returncode == 0, shown.stderr[-2000:]
+        return json.loads(shown.stdout)[0]["total"]
+
+    floats = pipeline(tmp_path / "float", "FLOAT", "merged")
+    land(tmp_path / "float", 0, 16777216.0)
+    assert run_cli("run", str(floats)).returncode == 0
+    floats = pipeline(tmp_path / "float", "FLOAT", "appended")
+    land(tmp_path / "float", 1, 1.0)
+    refused = run_cli("run", str(floats))
+    assert refused.returncode == 2 and "column 'total' is FLOAT summed in an appended state" in refused.stderr, refused.stderr[-2000:]
+    assert total(floats) == 16777216.0
+
+    got = {}
+    for case in ("merged", "appended", "appended, maintained after batch 2"):
+        folder = tmp_path / case.replace(" ", "_").replace(",", "")
+        spec_path = pipeline(folder, "DOUBLE", case.split(",")[0])
+        for i, n in enumerate((2.0**53, 1.0, 1.0)):
+            land(folder, i, n)
+            result = run_cli("run", str(spec_path))
+            assert result.returncode == 0, result.stderr[-2000:]
+            if i == 1 and "maintained" in case:
+                assert run_cli("maintain", str(spec_path)).returncode == 0
+        got[case] = total(spec_path)
+    assert got == {case: 2.0**53 for case in got}

@@ -73,6 +73,11 @@ def test_batch_with_a_column_the_state_lacks_is_refused(tmp_path):
     state = StateTable(spec)
     first = pa.table({"k": ["a"], "n": [1]})
     commit_updates(state, state.create(first), first, Position(0, 1))
+    with pytest.raises(TransformError, match="column 'n' is STRING, which `sum` cannot add"):
+        commit_updates(state, state.open(), pa.table({"k": ["a"], "n": ["not a number"]}), Position(0, 2))
+    spec = _spec(tmp_path / "last", ["k"], {"n": "last"})
+    state = StateTable(spec)
+    commit_updates(state, state.create(first), first, Position(0, 1))
     with pytest.raises(TransformError, match="do not fit the state table's types"):
         commit_updates(state, state.open(), pa.table({"k": ["a"], "n": ["not a number"]}), Position(0, 2))
 

@@ -41,6 +41,7 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
+from spark_jobs.core.untracked import remove_untracked
 from spark_jobs.sources.delta import version_actions
 from spark_jobs.storage.consumers import JOB_FOLDER, consumers, delete_file, write_json
 from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
@@ -73,41 +74,10 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
     if view.head is not None and view.head.state_version is not None:
         keep_versions.add(view.head.state_version)
     removed: dict[str, int] = {}
-    state = pipeline.state.open()
     readers: dict[str, int] = {}
+    state = pipeline.state.open()
     if state is not None:
-        # The change data of versions every recorded downstream has read,
-        # before the versions kept for rewinds, is read by no one again. With
-        # no downstream recorded, none is pruned: one that has not run since
-        # positions were recorded may still need it.
-        readers = _readers(pipeline.state.path, state)
-        unread = min(readers.values()) + 1 if readers else 0
-        prune_before = min([*keep_versions, unread])
-        # Versions a downstream has yet to read stay readable: their files
-        # and those of the version before each (a rewind's RESTORE reads as
-        # the rows it removed and the rows it brought back).
-        keep_versions |= set(range(max(unread - 1, 0), state.version() + 1)) if readers else set()
-        if is_appended(spec) and row_counts(state).appended:
-            # An appended state is folded first: one row per key again, and the
-            # VACUUM below removes the partial rows' files once no kept version needs them.
-            # Folded under the merge rules the lineage was made with, never
-            # under an edited spec a run would refuse (the fold would bake the
-            # new rules into every key's value).
-            check_spec(pipeline, view)
-            fold(spec, state)
-        # Compact first, so that the VACUUM removes what the compaction replaced.
-        state.optimize.compact()
-        if pipeline.state.position(pipeline.state.open()) == view.position:
-            removed["state"] = len(
-                state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
-            )
-        else:
-            # A batch or a rewind committed meanwhile: the versions to keep
-            # were chosen for another head (a rewind may have just restored
-            # files this VACUUM would delete). The next maintenance does it.
-            log.warning("state of %s moved during maintenance; VACUUM of the state skipped this time", spec.name)
-        state.create_checkpoint()
-        removed["change data"] = _prune_change_data(pipeline.state.path, state, prune_before)
+        readers = _maintain_state(pipeline, view, state, keep_versions, removed)
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
     lineage = pipeline.lineage(view)
@@ -119,6 +89,7 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         # VACUUM first, then compact: what this compaction replaces stays for
         # readers of older snapshots until the next maintenance removes it.
         removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
+        removed[f"{name} untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours)
         if name == "consumed":
             lineage.sort()
         else:
@@ -130,6 +101,48 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         table.cleanup_metadata()
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
     return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers)
+
+
+def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, keep_versions: set[int], removed: dict[str, int]) -> dict[str, int]:
+    """Fold (an appended state), compact, VACUUM and checkpoint the state,
+    keeping `keep_versions` and every version a downstream has yet to read
+    restorable; counts what went in `removed`. Returns the downstream readers."""
+    spec = pipeline.spec
+    # The change data of versions every recorded downstream has read,
+    # before the versions kept for rewinds, is read by no one again. With
+    # no downstream recorded, none is pruned: one that has not run since
+    # positions were recorded may still need it.
+    readers = _readers(pipeline.state.path, state)
+    unread = min(readers.values()) + 1 if readers else 0
+    prune_before = min([*keep_versions, unread])
+    # Versions a downstream has yet to read stay readable: their files
+    # and those of the version before each (a rewind's RESTORE reads as
+    # the rows it removed and the rows it brought back).
+    keep_versions = keep_versions | (set(range(max(unread - 1, 0), state.version() + 1)) if readers else set())
+    if is_appended(spec) and row_counts(state).appended:
+        # An appended state is folded first: one row per key again, and the
+        # VACUUM below removes the partial rows' files once no kept version needs them.
+        # Folded under the merge rules the lineage was made with, never
+        # under an edited spec a run would refuse (the fold would bake the
+        # new rules into every key's value).
+        check_spec(pipeline, view)
+        fold(spec, state)
+    # Compact first, so that the VACUUM removes what the compaction replaced.
+    state.optimize.compact()
+    if pipeline.state.position(pipeline.state.open()) == view.position:
+        removed["state"] = len(
+            state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
+        )
+        # Files no commit references: a fold that lost its race, a run killed before its commit.
+        removed["state untracked"] = remove_untracked(state, min(keep_versions, default=state.version()), spec.maintenance.untracked_files_hours)
+    else:
+        # A batch or a rewind committed meanwhile: the versions to keep
+        # were chosen for another head (a rewind may have just restored
+        # files this VACUUM would delete). The next maintenance does it.
+        log.warning("state of %s moved during maintenance; VACUUM of the state skipped this time", spec.name)
+    state.create_checkpoint()
+    removed["change data"] = _prune_change_data(pipeline.state.path, state, prune_before)
+    return readers
 
 
 def _readers(path: str, state: DeltaTable) -> dict[str, int]:

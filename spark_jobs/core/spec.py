@@ -420,6 +420,10 @@ class MaintenanceSpec(_Model):
 
     #: The last this-many batches of the lineage stay rewindable after a VACUUM.
     keep_batches: int = Field(default=100, ge=1)
+    #: Files in a table's folder that no commit references (a write whose
+    #: commit never landed) are removed once older than this: longer than
+    #: any run, since a younger one may be a write still on its way.
+    untracked_files_hours: float = Field(default=24.0, gt=0)
 
 
 class BatchLimits(_Model):

@@ -90,3 +90,53 @@ def test_rewind_works_for_a_state_path_delta_rs_lists_percent_encoded(tmp_path):
     rewind(spec, 1, run_id="test-rewind")
     _batches(spec_path, range(3, 4))
     assert_exact(spec_path)
+
+
+def test_lost_folds_leave_no_copies_behind_once_maintain_passes_the_window(tmp_path):
+    """Issue 46, item 5: a fold that loses its race (or is killed) has
+    written a full copy of the state that no commit references; delta-rs's
+    VACUUM removes only files a commit removed, so five lost folds left five
+    copies for good. `maintain` now removes files no commit references once
+    they are older than `maintenance.untracked_files_hours`; a younger one
+    may be a write on its way to its commit, and stays. Nothing a kept
+    version needs goes: every kept batch still rewinds exactly."""
+    import os
+
+    from spark_jobs.core.folding import fold
+    from spark_jobs.core.pipeline import Pipeline
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    base = oracle_spec_dict()
+    spec_path = write_spec(tmp_path, oracle_spec_dict(
+        state={**base["state"], "layout": "appended", "fold_at": 10.0},  # no fold but ours
+        maintenance={"keep_batches": 3, "untracked_files_hours": 1.0},
+    ))
+    spec = load_spec(spec_path)
+    state = Pipeline(spec).state
+
+    def files() -> set[str]:
+        return {p.name for p in Path(spec.state_path).glob("*.parquet")}
+
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=30, users=6)
+    assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    copies: list[set[str]] = []
+    for wave in range(1, 6):
+        stale = state.open()
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=30, users=6)
+        assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+        before = files()
+        assert fold(spec, stale) is None, "the fold lost its race to the batch"
+        copies.append(files() - before)
+    assert all(copies), "each lost fold left its copy"
+    lost = set().union(*copies)
+    assert main(["maintain", str(spec_path)]) == 0
+    assert lost <= files(), "copies younger than the window stay: they may be writes on their way"
+    for path in Path(spec.state_path).glob("*.parquet"):  # two hours pass
+        then = path.stat().st_mtime - 7200
+        os.utime(path, (then, then))
+    assert main(["maintain", str(spec_path)]) == 0
+    assert not lost & files(), "the lost folds' copies are gone"
+    assert_exact(spec_path)
+    for batch in (5, 4):
+        assert rewind(spec, batch, run_id=f"test-{batch}").status == "rewound"
+        assert [r.batch_id for r in assert_exact(spec_path, drained=False)] == list(range(1, batch + 1))

@@ -324,3 +324,28 @@ def test_releasing_an_object_spares_an_upload_under_its_key(bucket, release, ver
     assert [f.name for f in lister.list(None)] == ["b.json"]
     if release == "archive":
         assert client.get_object(Bucket=bucket, Key="archive/a.json")["Body"].read() == b'{"n": 100}\n'
+
+
+def test_maintain_on_s3_removes_objects_no_commit_references_and_keeps_the_rest(tmp_path, bucket, compute):
+    """Issue 46, item 5, on S3: objects a write left without its commit (in
+    the state's prefix and the quarantine's) go once older than the window;
+    the log, the job's own files and every committed file stay."""
+    import time
+
+    from spark_jobs.core.maintain import maintain
+
+    mirror = tmp_path / "mirror"
+    spec_file = _s3_spec(tmp_path, bucket, maintenance={"untracked_files_hours": 0.0003})  # about a second
+    _land(mirror, bucket, 0, files=2, records_per_file=100, users=20, bad_every=30)
+    assert run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+    client = s3_client()
+    orphans = ["lake/state/part-00000-lost-fold.snappy.parquet", "lake/_checkpoints/clicks/quarantine/part-00000-killed.parquet"]
+    for key in orphans:
+        client.put_object(Bucket=bucket, Key=key, Body=b"PAR1")
+    time.sleep(1.5)
+    report = maintain(load_spec(spec_file))
+    assert report.removed_files["state untracked"] == 1 and report.removed_files["quarantine untracked"] == 1
+    keys = {o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="lake/") for o in page.get("Contents", [])}
+    assert not keys & set(orphans)
+    assert_exact(spec_file, mirror=mirror)
+    assert read_all(open_table(load_spec(spec_file).quarantine_path)).num_rows == 6

@@ -1,0 +1,83 @@
+"""Files in a table's folder that no commit references, and their removal.
+
+A write puts its data files into the table's folder first and commits them
+after; a commit that never lands leaves them behind, referenced by no
+version: a fold that lost its race (a whole copy of the state), a run
+killed between its data files and its commit, a commit the store refused.
+No reader ever reads them (a snapshot reads the files its log names), but
+delta-rs's VACUUM deletes only files a commit removed, so they stayed for
+good. `remove_untracked` deletes them once they are older than a window
+longer than any run (`maintenance.untracked_files_hours`), as Delta's own
+VACUUM does with untracked files: a younger file may be a write still on
+its way to its commit.
+
+What counts as referenced: every file of the snapshot at `keep_from` (the
+oldest version `maintain` keeps restorable), and every file any later log
+entry adds or removes, up to the newest entry in storage (not only the
+handle's: a commit landing meanwhile names its files there). Files a commit
+removed before `keep_from` and VACUUM left are not needed by any kept
+version either. The log (`_delta_log`), change data (`_change_data`, whose
+files are named only by `cdc` actions and pruned by `maintain` apart) and
+the job's own folder (`_microbatch`) are never touched, nor hidden files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from urllib.parse import unquote
+
+from deltalake import DeltaTable
+
+from spark_jobs.core.delta_io import version_actions
+from spark_jobs.storage.listing import delete, list_files
+from spark_jobs.storage.s3 import delta_storage_options
+
+__all__ = ["remove_untracked"]
+
+log = logging.getLogger("microbatch")
+
+
+def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float) -> int:
+    """Delete the data files in `table`'s folder that no version from
+    `keep_from` on references and that are older than `older_than_hours`.
+    Returns how many went."""
+    root = table.table_uri.rstrip("/")
+    referenced = _referenced(table, root, keep_from)
+    if referenced is None:
+        return 0
+    cutoff = time.time() - older_than_hours * 3600
+    removed = 0
+    for stored in list_files(root):
+        if stored.path in referenced or stored.mtime > cutoff or _skipped(stored.path):
+            continue
+        delete(stored)
+        removed += 1
+    if removed:
+        log.info("removed %d file(s) no commit of %s references (older than %g h)", removed, root, older_than_hours)
+    return removed
+
+
+def _referenced(table: DeltaTable, root: str, keep_from: int) -> set[str] | None:
+    """The files a version from `keep_from` on references, relative to the
+    table's folder and decoded; None if `keep_from`'s snapshot cannot be
+    read (its log entries cleaned up): nothing is removed then."""
+    try:
+        at = DeltaTable(root, version=keep_from, storage_options=delta_storage_options(root))
+    except Exception as exc:  # noqa: BLE001 - no snapshot to compare with: remove nothing
+        log.warning("untracked files of %s not removed: version %d cannot be read (%s)", root, keep_from, exc)
+        return None
+    referenced = {unquote(path) for path in at.get_add_actions(flatten=True).column("path").to_pylist()}
+    version = keep_from + 1
+    while (actions := version_actions(root, version)) is not None:
+        for action in actions:
+            for kind in ("add", "remove"):
+                if kind in action:
+                    referenced.add(unquote(action[kind]["path"]))
+        version += 1
+    return referenced
+
+
+def _skipped(path: str) -> bool:
+    """The log, change data, the job's own files and hidden files are never untracked data."""
+    return any(part.startswith((".", "_")) for part in path.split("/"))

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test soak bench lock java clean
+.PHONY: setup demo test lint soak bench lock java clean
 
 # The JVM class archives are checked every time (a no-op when built): their
 # key changes with the JDK, which can change under an unchanged virtualenv.
@@ -35,8 +35,14 @@ DURATIONS ?= 25
 # minutes on 2 cores. A test file stays in one process (its module
 # fixtures, such as a live Airflow, start once). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup tools jars
+test: setup tools jars lint
 	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
+
+# pyflakes' checks everywhere, and a bound on a library function's size:
+# ruff's statement count (pyproject.toml) and 60 lines (dev/function_size.py).
+lint: setup
+	$(BIN)/ruff check spark_jobs plugins dags dev bench tests jars docker
+	$(BIN)/python -m dev.function_size spark_jobs plugins dags
 
 # Pinned JARs fetched once with Maven into ~/.cache/microbatch/jars (nothing
 # downloads at run time): delta-spark and Spark's Kafka connector, which every

@@ -105,7 +105,6 @@ def _fetch(
 def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int, *, stall_s: float) -> Iterator[pa.RecordBatch]:
     import time
 
-    import pyarrow as pa
     from confluent_kafka import TopicPartition
 
     where = f"kafka://{topic}/{partition}"
@@ -117,17 +116,7 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int,
     position, last_progress = start, time.monotonic()
 
     def chunk() -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_arrays(
-            [
-                pa.array([topic] * len(offsets), pa.string()),
-                pa.array([partition] * len(offsets), pa.int32()),
-                pa.array(offsets, pa.int64()),
-                pa.array(stamps, pa.timestamp("ms", tz="UTC")).cast(pa.timestamp("us", tz="UTC")),
-                pa.array(keys, pa.string()),
-                pa.array(values, pa.binary()),
-            ],
-            names=list(_NAMES),
-        )
+        batch = _records(topic, partition, offsets, stamps, keys, values)
         for column in (offsets, stamps, keys, values):
             column.clear()
         return batch
@@ -160,6 +149,23 @@ def _read_range(consumer: Any, topic: str, partition: int, start: int, end: int,
             size, last_progress = 0, time.monotonic()  # time waiting for Spark to take it is not a stall
     if offsets:
         yield chunk()
+
+
+def _records(topic: str, partition: int, offsets: list[int], stamps: list[int], keys: list[str | None], values: list[bytes | None]) -> pa.RecordBatch:
+    """One chunk of a range's records, in the columns the parser reads."""
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([topic] * len(offsets), pa.string()),
+            pa.array([partition] * len(offsets), pa.int32()),
+            pa.array(offsets, pa.int64()),
+            pa.array(stamps, pa.timestamp("ms", tz="UTC")).cast(pa.timestamp("us", tz="UTC")),
+            pa.array(keys, pa.string()),
+            pa.array(values, pa.binary()),
+        ],
+        names=list(_NAMES),
+    )
 
 
 def _at_end(message: Any, where: str, partition: int, position: int, end: int) -> bool:

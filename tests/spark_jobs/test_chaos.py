@@ -177,3 +177,111 @@ def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kil
 @pytest.mark.parametrize("seed", [32, 33, 34])
 def test_appended_chaos_soak(tmp_path, spark, seed):
     print(_appended_chaos(tmp_path, spark, rounds=20, seed=seed))
+
+
+#: What a run, a maintain or a rewind that lost a race says (exit 1): anything else fails the chaos.
+RACE_LOST = ("run again", "nothing was committed", "changed while", "kept moving", "moved during")
+#: What a rewind racing others may rightly refuse (exit 2): a target the pipeline moved past.
+REWIND_OVERTAKEN = ("committed batches are", "nothing to rewind")
+
+
+def _outside_commit(path: str, rng: random.Random, counts: dict[str, int]) -> None:
+    """A commit on the state from outside the job, as a user's tool makes
+    one: a table property, or an OPTIMIZE. It may lose a race to a run (a
+    commit conflict), like any writer's."""
+    from deltalake import DeltaTable
+
+    try:
+        table = DeltaTable(path)
+        if rng.random() < 0.5:
+            table.alter.set_table_properties({"delta.logRetentionDuration": f"interval {rng.randint(30, 60)} days"})
+        else:
+            table.optimize.compact()
+        counts["outside commits"] += 1
+    except Exception:  # noqa: BLE001 - lost a race with the job, or no table yet: a writer's own business
+        counts["outside commits lost"] += 1
+
+
+def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
+    """Issue 46: an appended state through overlapping catch-up runs,
+    `maintain` (folds, VACUUM, untracked files) and rewinds all at once,
+    SIGKILLs at random, and commits from outside the job (a property, an
+    OPTIMIZE) landing in the middle. Afterwards: the lineage is exact, every
+    committed ledger row of every epoch names the state commit that carries
+    its batch, and a rewind to each batch of the lineage reads exactly that
+    batch's oracle (through delta-rs and through Spark's SQL)."""
+    import threading
+
+    import pyarrow as pa
+
+    from spark_jobs.core.folding import read_state, spark_sql
+    from spark_jobs.core.rewind import rewind
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.demo.clickstream import differences, fold, totals_of
+    from tests.conftest import assert_versions_carry_batches
+
+    rng = random.Random(seed)
+    base = oracle_spec_dict()
+    spec_path = write_spec(folder, oracle_spec_dict(
+        state={**base["state"], "layout": "appended", "fold_at": 0.001},  # a fold every ~3 batches
+        batch={"max_files": 1},
+        maintenance={"keep_batches": 100, "untracked_files_hours": 0.02},  # 72 s: longer than any run here
+    ))
+    spec = load_spec(spec_path)
+    landing = folder / "landing"
+    counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0, "outside commits": 0, "outside commits lost": 0, "races lost": 0}
+    for wave in range(rounds):
+        write_wave(landing, wave, files=rng.randint(1, 3), records_per_file=150, users=40, seed=seed, bad_every=41)
+        procs = [start_cli("run", str(spec_path), "--catch-up") for _ in range(2)]
+        head = json.loads(run_cli("status", str(spec_path), "--json").stdout)["last_batch"]
+        rewinding = head > 1 and rng.random() < 0.5
+        if rewinding:
+            procs.append(start_cli("rewind", str(spec_path), "--to-batch", str(rng.randint(max(head - 3, 1), head - 1))))
+            counts["rewinds"] += 1
+        procs.append(start_cli("maintain", str(spec_path)))
+        counts["maintains"] += 1
+        outside = threading.Timer(rng.uniform(0.5, 8.0), _outside_commit, (spec.state_path, rng, counts))
+        outside.start()
+        for i, (code, err) in enumerate(kill_some(procs, rng, counts, within=12.0, chance=0.4, timeout=300)):
+            if code == 1 and any(phrase in err for phrase in RACE_LOST):
+                counts["races lost"] += 1
+                continue
+            overtaken = rewinding and i == 2 and code == 2 and any(p in err for p in REWIND_OVERTAKEN)
+            assert code in (0, -signal.SIGKILL) or overtaken, f"exit {code}: {err[-3000:]}"
+        outside.join()
+    for _ in range(rounds * 6 + 4):  # drain
+        result = run_cli("run", str(spec_path), "--json")
+        if result.returncode == 1 and any(phrase in result.stderr for phrase in RACE_LOST):
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    lineage = assert_exact(spec_path)
+    assert_versions_carry_batches(spec_path)
+    counts["batches"] = len(lineage)
+    consumed = {row.batch_id: [landing / f["name"] for r in lineage[: i + 1] for f in r.manifest["files"]] for i, row in enumerate(lineage)}
+    for row in reversed(lineage[:-1]):
+        assert rewind(spec, row.batch_id, run_id=f"check-{row.batch_id}").status == "rewound"
+        expected = fold(consumed[row.batch_id])
+        problems = differences(expected, totals_of(r for b in read_state(spec) for r in b.to_pylist()))
+        assert not problems, f"delta-rs after a rewind to batch {row.batch_id}:\n" + "\n".join(problems[:10])
+        from deltalake import DeltaTable
+
+        table = DeltaTable(spec.state_path)
+        by_spark = totals_of(spark.sql(spark_sql(spec, pa.schema(table.schema().to_arrow()), version=table.version())).toArrow().to_pylist())
+        problems = differences(expected, by_spark)
+        assert not problems, f"Spark after a rewind to batch {row.batch_id}:\n" + "\n".join(problems[:10])
+    assert_versions_carry_batches(spec_path)
+    return counts
+
+
+def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark):
+    counts = _appended_concurrent_chaos(tmp_path, spark, rounds=3, seed=46)
+    print(counts)
+    assert counts["maintains"] and counts["outside commits"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [47, 48, 49])
+def test_appended_concurrent_chaos_soak(tmp_path, spark, seed):
+    print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed))

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from deltalake import DeltaTable
 
 from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.commits import METADATA_KEY
-from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, open_table
+from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
 from spark_jobs.core.fencing import Position
 from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
 from spark_jobs.core.ledger import LedgerView, RowStatus
@@ -43,6 +44,7 @@ from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
 from spark_jobs.core.untracked import remove_untracked
 from spark_jobs.sources.delta import version_actions
+from spark_jobs.errors import ConcurrentRunError, first_line
 from spark_jobs.storage.consumers import JOB_FOLDER, consumers, delete_file, write_json
 from spark_jobs.storage.s3 import delta_storage_options, exists, read_bytes
 
@@ -77,7 +79,8 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
     readers: dict[str, int] = {}
     state = pipeline.state.open()
     if state is not None:
-        readers = _maintain_state(pipeline, view, state, keep_versions, removed)
+        with _racing(spec, pipeline.state.path):
+            readers = _maintain_state(pipeline, view, state, keep_versions, removed)
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
     lineage = pipeline.lineage(view)
@@ -86,19 +89,20 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
         table = open_table(path)
         if table is None:
             continue
-        # VACUUM first, then compact: what this compaction replaces stays for
-        # readers of older snapshots until the next maintenance removes it.
-        removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
-        removed[f"{name} untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours)
-        if name == "consumed":
-            lineage.sort()
-        else:
-            table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
-        table.update_incremental()
-        table.create_checkpoint()
-        # Log entries older than the table's log retention (Delta's default:
-        # 30 days) and behind the checkpoint go, so the log stays bounded too.
-        table.cleanup_metadata()
+        with _racing(spec, path):
+            # VACUUM first, then compact: what this compaction replaces stays for
+            # readers of older snapshots until the next maintenance removes it.
+            removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
+            removed[f"{name} untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours)
+            if name == "consumed":
+                lineage.sort()
+            else:
+                table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
+            table.update_incremental()
+            table.create_checkpoint()
+            # Log entries older than the table's log retention (Delta's default:
+            # 30 days) and behind the checkpoint go, so the log stays bounded too.
+            table.cleanup_metadata()
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
     return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers)
 
@@ -127,7 +131,9 @@ def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, kee
         # new rules into every key's value).
         check_spec(pipeline, view)
         fold(spec, state)
-    # Compact first, so that the VACUUM removes what the compaction replaced.
+    # Compact first, so that the VACUUM removes what the compaction replaced;
+    # from the latest snapshot (a fold that lost its race left the handle behind).
+    state.update_incremental()
     state.optimize.compact()
     if pipeline.state.position(pipeline.state.open()) == view.position:
         removed["state"] = len(
@@ -143,6 +149,25 @@ def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, kee
     state.create_checkpoint()
     removed["change data"] = _prune_change_data(pipeline.state.path, state, prune_before)
     return readers
+
+
+@contextmanager
+def _racing(spec: PipelineSpec, path: str) -> Iterator[None]:
+    """A commit of another writer (a batch, a rewind, a fold, a property
+    set) landed first and conflicts with one of `maintain`'s (a compaction
+    or a fold writes whole or not at all): nothing was lost, and `maintain`
+    can simply run again (exit 1, retried)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_commit_conflict(exc):
+            raise
+        raise ConcurrentRunError(
+            f"pipeline {spec.name}: another commit landed on {path} while `maintain` worked on it ({first_line(exc)}); "
+            "nothing was lost, run maintain again",
+            pipeline=spec.name,
+            path=path,
+        ) from exc
 
 
 def _readers(path: str, state: DeltaTable) -> dict[str, int]:

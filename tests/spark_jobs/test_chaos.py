@@ -282,6 +282,7 @@ def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 20 rounds of about 40 s, then a rewind to every batch
 @pytest.mark.parametrize("seed", [47, 48, 49])
 def test_appended_concurrent_chaos_soak(tmp_path, spark, seed):
     print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed))

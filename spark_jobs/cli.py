@@ -307,15 +307,24 @@ def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
 
 def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
     from spark_jobs.core.maintain import maintain
+    from spark_jobs.engine import compute_factory
 
-    report = maintain(spec, args.keep_batches)
+    # Spark starts only for a fold too big for this process (docs/architecture.md, "Where the rows go").
+    with compute_factory(spec, getattr(args, "master", None), process_ends=args.process_ends) as factory:
+        report = maintain(spec, args.keep_batches, factory)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return EXIT_OK
     kept = report.kept_batches
     print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
     for table, removed in report.removed_files.items():
-        print(f"  {table}: compacted, {removed} unneeded file(s) removed, checkpoint written")
+        if table.endswith(" untracked") or table == "change data":
+            continue
+        untracked = report.removed_files.get(f"{table} untracked", 0)
+        extra = f", {untracked} file(s) no commit referenced removed" if untracked else ""
+        print(f"  {table}: compacted, {removed} unneeded file(s) removed{extra}, checkpoint written")
+    if report.removed_files.get("change data"):
+        print(f"  change data: {report.removed_files['change data']} file(s) every reader has read removed")
     return EXIT_OK
 
 

@@ -337,11 +337,14 @@ class MaintenanceOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         from spark_jobs.core.maintain import maintain
+        from spark_jobs.engine import compute_factory
 
         try:
             spec = load_spec(self.spec_path)
-            with aws_connection(spec, self.aws_conn_id):
-                report = maintain(spec, self.keep_batches)
+            conn_id = airflow_spec(spec).spark_conn_id
+            # Spark starts only for a fold too big for the task's process.
+            with aws_connection(spec, self.aws_conn_id), compute_factory(spec, spark_master(conn_id) if conn_id else None) as factory:
+                report = maintain(spec, self.keep_batches, factory)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise

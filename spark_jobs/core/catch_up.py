@@ -11,11 +11,13 @@ each the source's next range after the one before as if that were committed
 The read-ahead is a prefetching wrapper around the engine, and the steps do
 not know it is there: step 3 asks the engine for the planned range, and
 gets the read made ahead only if it is of exactly that range (same offsets,
-same manifest). Otherwise it is dropped, with every read after it, and the
-planned range is read, as in any run. Reading writes nothing, so a crash, a
-racing run or a file landing between the two plans costs the early reads,
-never a record: the range recorded, read and committed is step 2's, as
-always.
+same manifest) and for the same place in the pipeline (the position and
+the state's columns its rows were written for, when the executors write
+them: `spark_jobs.core.staged`). Otherwise it is dropped, with every read
+after it (their files deleted: no commit names them), and the planned range
+is read, as in any run. A read commits nothing, so a crash, a racing run or
+a file landing between the two plans costs the early reads, never a
+record: the range recorded, read and committed is step 2's, as always.
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from spark_jobs.core import shutdown
 from spark_jobs.core.compute import Compute, ComputeResult, Engine
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
-from spark_jobs.core.protocol import Plan, RunOptions, StepTimes, complete, prepare
-from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.fencing import Position
+from spark_jobs.core.protocol import Plan, RunOptions, StepTimes, complete, prepare, sink_for
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
+from spark_jobs.core.staged import Sink, delete_files
 from spark_jobs.errors import first_line
 from spark_jobs.sources import BatchRange
 from spark_jobs.sources.base import Lineage
@@ -94,7 +100,7 @@ def catch_up(
             room = None if max_batches is None else max_batches - len(outcomes) - 1
             if not shutdown.requested():
                 engine.read_ahead(pipeline, plan, options, room)
-            outcome = complete(pipeline, plan, processed, options, started, steps)
+            outcome = complete(pipeline, plan, processed, options, started, steps, engine)
             report(outcome)
             if (room is not None and room <= 0) or outcome.status is not Outcome.COMMITTED:
                 break
@@ -109,6 +115,8 @@ class ReadAhead:
 
     batch: BatchRange
     result: ComputeResult
+    #: Where its rows were written (None: they came back).
+    sink: Sink | None
     #: When the read began (`time.monotonic()`), and how long it took.
     begun: float
     seconds: float
@@ -146,17 +154,25 @@ class _Prefetching(Engine):
         self._taken = oldest.batch if oldest else None
         self._ahead = oldest.read.result() if oldest else None
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
-        """Step 3's read: the read ahead if it is of exactly `batch`. If step 2
+    def process(
+        self, spec: PipelineSpec, batch: BatchRange, sink: Sink | None = None, check: Callable[[BatchRange], None] | None = None
+    ) -> ComputeResult:
+        """Step 3's read: the read ahead if it is of exactly `batch`, for the
+        same `sink` (its `check` was made as that read ended). If step 2
         planned another range, the reads in flight (planned after the wrong
         one) are dropped and `batch` is read now, as by a read ahead that failed."""
         taken, early, self._taken, self._ahead = self._taken, self._ahead, None, None
         if taken is not None and not _same_range(taken, batch):
             log.info("the range read ahead is not the one planned (%s): reading the planned range", batch.describe())
             self._drop()
+            _discard(early)
+            early = None
+        elif early is not None and not _same_sink(early.sink, sink):
+            log.info("the range read ahead was written for another position or columns: reading it again")
+            _discard(early)
             early = None
         if early is None:
-            return super().process(spec, batch)
+            return super().process(spec, batch, sink, check)
         assert self._steps is not None
         self._steps.ms["read_ahead"] = int(early.seconds * 1000)
         # How long before this batch began its read had begun (a benchmark's
@@ -188,26 +204,42 @@ class _Prefetching(Engine):
                     return
                 # In this thread's context: storage sessions and connection
                 # settings are context variables.
-                read = self._readers.submit(contextvars.copy_context().run, self._read, pipeline.spec, batch)
+                position = Position(plan.position.epoch, plan.position.batch_id + 1 + len(self._pending))
+                sink = self._sink(pipeline, batch, position)
+                read = self._readers.submit(contextvars.copy_context().run, self._read, pipeline.spec, batch, sink, pipeline.source.check_read)
                 self._pending.append(_Pending(batch, read))
                 after = _Ahead(after, batch)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides
             log.info("could not plan ahead (%s); the next batch plans and reads as any run does", first_line(exc))
 
-    def _read(self, spec: PipelineSpec, batch: BatchRange) -> ReadAhead | None:
-        """The engine's read of `batch`, or None if it fails (the batch's own
-        step 3 then reads it, and raises what there is to raise)."""
+    def _sink(self, pipeline: Pipeline, batch: BatchRange, position: Position) -> Sink | None:
+        """Where a read ahead writes its rows, as step 3 would for `position`
+        with the state's columns as they are (None: its rows come back)."""
+        spec = pipeline.spec
+        if spec.engine.state_write == "driver" or not self.writes_files:
+            return None
+        columns = self.files().result_schema(spec, batch)
+        table = pipeline.state.open()
+        schema = pipeline.state.fitted(table, columns) if table is not None else pa.schema([*columns, pa.field(BATCH_COLUMN, pa.int64())])
+        return sink_for(pipeline, position, schema)
+
+    def _read(self, spec: PipelineSpec, batch: BatchRange, sink: Sink | None, check: Callable[[BatchRange], None]) -> ReadAhead | None:
+        """The engine's read of `batch`, checked as it ends (`Source.check_read`),
+        or None if it fails (the batch's own step 3 then reads it, and raises
+        what there is to raise)."""
         begun = time.monotonic()
         try:
-            return ReadAhead(batch, super().process(spec, batch), begun, time.monotonic() - begun)
+            return ReadAhead(batch, super().process(spec, batch, sink, check), sink, begun, time.monotonic() - begun)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: the planned read decides
             log.info("reading ahead failed (%s); the next batch reads its planned range itself", first_line(exc))
             return None
 
     def _drop(self) -> None:
-        """Forget the reads in flight: those not begun are cancelled, the others' results unused."""
+        """Forget the reads in flight: those not begun are cancelled, the
+        others' results unused (the files of those done deleted)."""
         for pending in self._pending:
-            pending.read.cancel()
+            if not pending.read.cancel() and pending.read.done():
+                _discard(pending.read.result())
         self._pending.clear()
 
     def close(self) -> None:
@@ -217,6 +249,23 @@ class _Prefetching(Engine):
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
         super().close()
+
+
+def _same_sink(a: Sink | None, b: Sink | None) -> bool:
+    """Whether a read's rows went where step 3 would write them: the same
+    folders, position and columns."""
+    if a is None or b is None:
+        return a is b
+    return a == b
+
+
+def _discard(early: ReadAhead | None) -> None:
+    """Delete the files a read ahead wrote that no batch will commit."""
+    if early is None:
+        return
+    for staged in (early.result.staged, early.result.staged_quarantine):
+        if staged is not None:
+            delete_files(staged.root, staged.files)
 
 
 @dataclass(frozen=True)

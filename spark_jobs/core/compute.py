@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,9 +20,23 @@ import pyarrow.compute as pc
 from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.staged import Sink, Staged, StagedFile, delete_files
 from spark_jobs.core.widen import sql_type
 
-__all__ = ["QUARANTINE_COLUMNS", "Compute", "ComputeResult", "Engine", "check_result_columns", "check_result_types", "validate_updates"]
+__all__ = [
+    "QUARANTINE_COLUMNS",
+    "Compute",
+    "ComputeResult",
+    "Engine",
+    "FileWriting",
+    "check_result_columns",
+    "check_result_types",
+    "check_unique_keys",
+    "duplicate_keys_error",
+    "null_keys_error",
+    "validate_updates",
+    "writes_files",
+]
 
 #: Columns of the quarantine rows compute returns (the table adds bookkeeping).
 QUARANTINE_COLUMNS = pa.schema(
@@ -34,12 +48,18 @@ QUARANTINE_COLUMNS = pa.schema(
 class ComputeResult:
     """Output of one batch's compute step."""
 
-    #: One row per key: the key columns and the merge columns.
+    #: One row per key: the key columns and the merge columns (no rows when
+    #: the executors wrote them: `staged`).
     updates: pa.Table
-    #: Records that failed parsing or validation (QUARANTINE_COLUMNS).
+    #: Records that failed parsing or validation (QUARANTINE_COLUMNS; none
+    #: when the executors wrote them: `staged_quarantine`).
     quarantine: pa.Table
     #: Records read from the range (valid + quarantined).
     records_in: int
+    #: With a sink: the updates' files, checked (keys non-null and unique).
+    staged: Staged | None = None
+    #: With a sink: the quarantined records' files (bookkeeping columns included).
+    staged_quarantine: Staged | None = None
 
 
 class Compute(Protocol):
@@ -65,11 +85,34 @@ class Compute(Protocol):
         columns from `batch`; called before anything of it is written. May
         prepare `batch`'s read for `process`."""
 
-    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
-        """Read exactly `batch`, quarantine bad records, run the transform."""
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False, sink: Sink | None = None) -> ComputeResult:
+        """Read exactly `batch`, quarantine bad records, run the transform.
+        With a `sink` (engines that `write_files`), the executors write the
+        updates and the quarantined records there instead of returning them."""
 
     def close(self) -> None:
         """Release engine resources."""
+
+
+class FileWriting(Compute, Protocol):
+    """An engine whose executors write rows as data files (`spark_jobs.core.staged`):
+    a batch's rows never pass through the job's process."""
+
+    def result_schema(self, spec: PipelineSpec, batch: BatchRange) -> pa.Schema:
+        """The transform's result columns over `batch` (analysed, not run)."""
+
+    def merge_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+        """The state's files `rewritten` (paths in `root`) merged with
+        `updates` by the spec's rules, written into `root` as new files."""
+
+    def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
+        """An appended state's files `paths` folded into one row per key
+        (`folding.state_sql`), written into `root` as new files."""
+
+
+def writes_files(compute: Compute) -> bool:
+    """Whether `compute`'s executors write rows as files (`FileWriting`)."""
+    return callable(getattr(compute, "result_schema", None))
 
 
 class Engine:
@@ -94,8 +137,34 @@ class Engine:
     def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
         self.get().check(spec, batch, alongside=self._alongside())
 
-    def process(self, spec: PipelineSpec, batch: BatchRange) -> ComputeResult:
-        return self.get().process(spec, batch, alongside=self._alongside())
+    def process(
+        self, spec: PipelineSpec, batch: BatchRange, sink: Sink | None = None, check: Callable[[BatchRange], None] | None = None
+    ) -> ComputeResult:
+        """The compute's `process`, and then `check` of what it read (the
+        source's `check_read`), right as the read ends."""
+        if sink is None:
+            result = self.get().process(spec, batch, alongside=self._alongside())
+        else:
+            result = self.get().process(spec, batch, alongside=self._alongside(), sink=sink)
+        if check is not None:
+            try:
+                check(batch)
+            except Exception:
+                # What was read is not what was planned: its files are no one's.
+                for staged in (result.staged, result.staged_quarantine):
+                    if staged is not None:
+                        delete_files(staged.root, staged.files)
+                raise
+        return result
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether the engine's executors write rows as files (`FileWriting`)."""
+        return writes_files(self.get())
+
+    def files(self) -> FileWriting:
+        """The engine, as one that writes files (`writes_files` must be True)."""
+        return cast(FileWriting, self.get())
 
     def _alongside(self) -> bool:
         return self._alongside_reads and self.reads_at_once > 1
@@ -152,13 +221,12 @@ def _type_problem(spec: PipelineSpec, column: str, column_type: pa.DataType) -> 
     if pa.types.is_null(column_type):
         return f"column {column!r} has no type (a bare NULL): cast it, e.g. CAST(NULL AS BIGINT)"
     if not _storable(column_type):
-        return f"{named}, which a Delta table cannot hold: cast it (an interval to its seconds as BIGINT, say)"
+        return f"{named}, which a Delta table cannot hold: {_how_to_store(column_type)}"
     rule = spec.state.merge.get(column)
-    nested = pa.types.is_nested(column_type)
-    if column in spec.state.keys and nested:
+    if column in spec.state.keys and pa.types.is_nested(column_type):
         return f"{named}: a key must be a plain value (a number, string, date, ...), not a nested type"
-    if rule in ("min", "max") and nested:
-        return f"{named}, which `{rule}` cannot order: merge it with `first` or `last`, or return an orderable type"
+    if rule in ("min", "max") and not _orderable(column_type):
+        return f"{named}, which `{rule}` cannot order (a MAP has no order): merge it with `first` or `last`, or return an orderable type"
     if rule == "sum" and not (pa.types.is_signed_integer(column_type) or pa.types.is_decimal(column_type) or pa.types.is_floating(column_type)):
         return f"{named}, which `sum` cannot add: return a number"
     if rule == "sum" and pa.types.is_float32(column_type) and spec.state.layout == "appended":
@@ -168,6 +236,31 @@ def _type_problem(spec: PipelineSpec, column: str, column_type: pa.DataType) -> 
             "(`CAST(... AS DOUBLE)`), or use `state.layout: merged`"
         )
     return None
+
+
+def _orderable(column_type: pa.DataType) -> bool:
+    """Whether both engines order values of this type (min, max): any but a
+    MAP, also inside an ARRAY or a STRUCT (which order element by element)."""
+    t = column_type
+    if pa.types.is_map(t):
+        return False
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _orderable(t.value_type)
+    if pa.types.is_struct(t):
+        return all(_orderable(t.field(i).type) for i in range(t.num_fields))
+    return True
+
+
+def _how_to_store(column_type: pa.DataType) -> str:
+    """What to cast a column to that a Delta table cannot hold as it is."""
+    text = str(column_type)
+    if "duration" in text or "interval" in text:
+        return "cast the interval to a number (its seconds or months as BIGINT, say)"
+    if "time32" in text or "time64" in text:
+        return "cast the time of day to a STRING, or make it a TIMESTAMP"
+    if "null" in text:
+        return "give its NULLs a type (e.g. CAST(NULL AS BIGINT), `array(CAST(NULL AS STRING))`)"
+    return "cast it to a type a Delta table holds (a number, STRING, BINARY, DATE, TIMESTAMP, or an ARRAY, MAP or STRUCT of them)"
 
 
 def _storable(column_type: pa.DataType) -> bool:
@@ -198,19 +291,35 @@ def validate_updates(spec: PipelineSpec, updates: pa.Table) -> pa.Table:
     for key in keys:
         nulls = updates.column(key).null_count
         if nulls:
-            raise TransformError(
-                f"pipeline {spec.name}: the transform returned {nulls} row(s) with a null "
-                f"key {key!r}; filter them out or coalesce the key in the transform"
-            )
-    if updates.num_rows:
-        counts = updates.group_by(keys).aggregate([([], "count_all")])
-        dupes = counts.filter(pc.greater(counts.column("count_all"), 1))
-        if dupes.num_rows:
-            example = {k: dupes.column(k)[0].as_py() for k in keys}
-            raise TransformError(
-                f"pipeline {spec.name}: the transform returned {dupes.num_rows} key(s) more "
-                f"than once (e.g. {example}); it must return one row per key: GROUP BY "
-                f"{', '.join(keys)}"
-            )
+            raise null_keys_error(spec, nulls, key)
+    check_unique_keys(spec, updates)
     schema = pa.schema([f.with_nullable(True) for f in updates.schema])
     return updates.select(keys + spec.value_columns).cast(pa.schema([schema.field(c) for c in keys + spec.value_columns]))
+
+
+def check_unique_keys(spec: PipelineSpec, updates: pa.Table) -> None:
+    """`updates` (its key columns at least) must hold each key once."""
+    keys = list(spec.state.keys)
+    if updates.num_rows < 2:
+        return
+    counts = updates.group_by(keys).aggregate([([], "count_all")])
+    dupes = counts.filter(pc.greater(counts.column("count_all"), 1))
+    if dupes.num_rows:
+        raise duplicate_keys_error(spec, dupes.num_rows, {k: dupes.column(k)[0].as_py() for k in keys})
+
+
+def null_keys_error(spec: PipelineSpec, rows: int, key: str | None = None) -> TransformError:
+    named = f"key {key!r}" if key else f"key ({', '.join(spec.state.keys)})"
+    return TransformError(
+        f"pipeline {spec.name}: the transform returned {rows} row(s) with a null "
+        f"{named}; filter them out or coalesce the key in the transform"
+    )
+
+
+def duplicate_keys_error(spec: PipelineSpec, count: int | None, example: dict[str, Any]) -> TransformError:
+    how_many = f"{count} key(s)" if count is not None else "keys"
+    return TransformError(
+        f"pipeline {spec.name}: the transform returned {how_many} more "
+        f"than once (e.g. {example}); it must return one row per key: GROUP BY "
+        f"{', '.join(spec.state.keys)}"
+    )

@@ -14,7 +14,12 @@ Airflow retry test kills the first attempt and lets the retry through.
 delta-rs, so a watcher thread kills the process as soon as the write has
 put its first new data file into the table's folder, which is after data is
 written and before (or, when the write is very fast, just after) the commit
-lands. Tests check exactness either way.
+lands. Tests check exactness either way. ``mid_executor_write`` is the same
+watch over the folder Spark's executors write a batch's rows into
+(`spark_jobs.core.staged`): the job's process dies while the tasks write
+(its driver JVM, and with it local executors, dies with it). Where the
+executors wrote a batch's files already, ``mid_state_merge`` and
+``mid_quarantine_write`` are plain points just before the commit.
 
 ``MICROBATCH_HOLD_POINT=<name>`` with ``MICROBATCH_HOLD_FILE=<path>`` pauses
 a run at that point for as long as the file exists, or until a stop is
@@ -63,6 +68,7 @@ MAX_HOLD_SECONDS = 600
 POINTS = (
     "after_reconcile",
     "after_plan",
+    "mid_executor_write",
     "after_read",
     "mid_quarantine_write",
     "after_quarantine",
@@ -71,8 +77,9 @@ POINTS = (
     "after_ledger_commit",
 )
 #: Points on the path of some batches only: the quarantine write happens
-#: only when a batch has bad records.
-CONDITIONAL_POINTS = ("mid_quarantine_write",)
+#: only when a batch has bad records, and the executors write a batch's
+#: rows only on an engine that writes files (Spark, not a test's in-memory compute).
+CONDITIONAL_POINTS = ("mid_quarantine_write", "mid_executor_write")
 
 #: Test hook called with the point's name at every point (see `set_hook`).
 _hook: Callable[[str], None] | None = None

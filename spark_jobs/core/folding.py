@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
@@ -51,7 +53,11 @@ from spark_jobs.core.delta_io import commit_infos, is_commit_conflict, open_tabl
 from spark_jobs.core.fencing import STATE_FENCE, transaction_position
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
 from spark_jobs.core.sql_text import datafusion_identifier, spark_identifier
+from spark_jobs.core.staged import commit_files
 from spark_jobs.core.widen import sql_type
+
+if TYPE_CHECKING:
+    from spark_jobs.core.compute import FileWriting
 
 __all__ = [
     "FOLD_FLOOR_ROWS",
@@ -230,7 +236,9 @@ def row_counts(table: DeltaTable) -> RowCounts:
     latest = table.version()
     for info in commit_infos(table.table_uri, latest, latest - HISTORY_SEARCH + 1):
         if info.get(FOLD_KEY):
-            return RowCounts(rows, int((info.get("operationMetrics") or {}).get("num_added_rows", 0)), info["version"])
+            # A fold by the executors says how many rows it wrote; one in this process, delta-rs's metrics do.
+            written = json.loads(info[FOLD_KEY]).get("rows_after", (info.get("operationMetrics") or {}).get("num_added_rows", 0))
+            return RowCounts(rows, int(written), info["version"])
         if (carried := info.get(FOLDED_ROWS_KEY)) is not None:
             last = json.loads(carried)
             return RowCounts(rows, int(last["rows"]), last["version"])
@@ -263,31 +271,56 @@ class Folded:
     rows_after: int
 
 
-def fold(spec: PipelineSpec, table: DeltaTable) -> Folded | None:
+def fold(spec: PipelineSpec, table: DeltaTable, files: FileWriting | None = None) -> Folded | None:
     """Rewrite `table` (an appended state's snapshot) as one row per key, in
     one commit that keeps the fence where it is; None if another commit on
     the state landed first (the fold is then simply due again).
 
-    The folded rows are written as they stream out of the query; the commit
-    lands on the version it read or not at all (no retries: delta-rs lets an
-    overwrite from an older snapshot land over a later append, which would
-    drop that batch).
+    In this process, the folded rows are written as they stream out of the
+    query (delta-rs). With `files` (an engine whose executors write files),
+    Spark's executors read the snapshot's files, fold them by the same
+    query and write the result; this process commits the new files and the
+    removal of the old ones, and no row passes through it. Either way the
+    commit lands on the version it read or not at all (no retries: delta-rs
+    lets an overwrite from an older snapshot land over a later append,
+    which would drop that batch); the files of a fold that lost are left to
+    `maintain` (`spark_jobs.core.untracked`).
     """
     before = row_counts(table).rows
     position = transaction_position(table, STATE_FENCE)
-    props = CommitProperties(
-        custom_metadata={FOLD_KEY: json.dumps({"pipeline": spec.name, "rows_before": before, "position": position.encode()})},
-        app_transactions=[Transaction(STATE_FENCE, position.encode())],
-        max_commit_retries=0,
-    )
+
+    def props(**extra: Any) -> CommitProperties:
+        marker = {"pipeline": spec.name, "rows_before": before, "position": position.encode(), **extra}
+        return CommitProperties(
+            custom_metadata={FOLD_KEY: json.dumps(marker)},
+            app_transactions=[Transaction(STATE_FENCE, position.encode())],
+            max_commit_retries=0,
+        )
+
     try:
-        write_deltalake(table, read_state(spec, table), mode="overwrite", commit_properties=props)
+        if files is None:
+            write_deltalake(table, read_state(spec, table), mode="overwrite", commit_properties=props())
+            return Folded(table.version(), before, row_counts(table).rows)
+        paths = pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
+        written = files.fold_files(spec, spec.state_path, pa.schema(table.schema().to_arrow()), paths)
+        rows, token = sum(f.records for f in written), uuid.uuid4().hex
+        commit_files(table, written, table.schema(), props(rows_after=rows, token=token), removed=paths, data_change=False)
     except Exception as exc:
         if not is_commit_conflict(exc):
             raise
         log.info("the state fold lost a race with another commit on %s; it is due again", spec.state_path)
         return None
-    return Folded(table.version(), before, row_counts(table).rows)
+    return Folded(_fold_version(spec.state_path, token), before, rows)
+
+
+def _fold_version(path: str, token: str) -> int:
+    """The version of the fold commit carrying `token` (newest first: it was just made)."""
+    latest = open_table(path)
+    newest = latest.version() if latest is not None else -1
+    for info in commit_infos(path, newest, newest - HISTORY_SEARCH + 1):
+        if info.get(FOLD_KEY) and json.loads(info[FOLD_KEY]).get("token") == token:
+            return info["version"]
+    return -1
 
 
 def fold_if_due(spec: PipelineSpec, table: DeltaTable | None) -> Folded | None:

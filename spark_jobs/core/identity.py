@@ -206,6 +206,7 @@ SPEC_RULES: dict[str, FieldRule] = {
     "batch.max_records": FieldRule(Rule.FREE, "how much one batch takes; every record is still taken once"),
     "batch.max_versions": FieldRule(Rule.FREE, "how much one batch takes; every version is still taken once"),
     "engine.master": FieldRule(Rule.FREE, "where Spark runs; the result is the same"),
+    "engine.state_write": FieldRule(Rule.FREE, "where a batch's rows are written; the result is the same"),
     "maintenance.keep_batches": FieldRule(Rule.FREE, "how many batches stay rewindable after `maintain`"),
     "maintenance.untracked_files_hours": FieldRule(Rule.FREE, "when `maintain` removes files no commit references"),
 }

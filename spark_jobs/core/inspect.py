@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 
@@ -21,8 +21,11 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import pipeline_literal
-from spark_jobs.errors import MicrobatchError
+from spark_jobs.errors import MicrobatchError, StateLedgerMismatchError
 from spark_jobs.sources import Lag
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 __all__ = [
     "BatchView", "PipelineStatus", "Quarantined", "batches", "history", "lag", "lag_after", "quarantined", "recent",
@@ -77,19 +80,32 @@ def _lag_dict(lag: Lag) -> dict[str, Any]:
     }
 
 
+def _agreement(pipeline: Pipeline) -> tuple[LedgerView, DeltaTable | None, list[str]]:
+    """The ledger and the state as a run's step 1 would find them, and what
+    it would say of them. As step 1 does, a run that plans and commits
+    between the two reads is no broken checkpoint: while the ledger moves,
+    look again (`protocol.reconcile`)."""
+    for _ in range(3):
+        view = pipeline.ledger.load()
+        table = pipeline.state.open()
+        state_at = pipeline.state.position(table)
+        try:
+            if lagging_commit(pipeline, view, table, state_at):
+                return view, table, [f"the state is at {state_at}; the next run will record it in the ledger"]
+            return view, table, []
+        except StateLedgerMismatchError as exc:
+            if pipeline.ledger.load().version == view.version:
+                return view, table, [str(exc)]
+        except MicrobatchError as exc:
+            return view, table, [str(exc)]
+    return view, table, ["the tables kept moving while status looked (runs are committing); look again"]
+
+
 def status(spec: PipelineSpec) -> PipelineStatus:
     """Where the pipeline stands. Read-only: a pending repair is reported, not made."""
     pipeline = Pipeline(spec)
-    view = pipeline.ledger.load()
+    view, table, problems = _agreement(pipeline)
     head = view.head
-    table = pipeline.state.open()
-    state_at = pipeline.state.position(table)
-    problems: list[str] = []
-    try:
-        if lagging_commit(pipeline, view, table, state_at):
-            problems.append(f"the state is at {state_at}; the next run will record it in the ledger")
-    except MicrobatchError as exc:
-        problems.append(str(exc))
     try:
         check_spec(pipeline, view)
     except MicrobatchError as exc:

@@ -244,12 +244,15 @@ class LedgerView:
     head: LedgerRow | None
     _rows: list[LedgerRow] | None = None
     _planned: dict[Position, LedgerRow | None] = field(default_factory=dict)
+    #: The ledger's Delta version this view was read at (-1: no ledger). Kept
+    #: apart from `table`: views share the ledger's handle, which later loads move on.
+    version: int = -1
 
     @classmethod
     def of_rows(cls, table: DeltaTable | None, ledger: OffsetLedger, rows: list[LedgerRow]) -> LedgerView:
         """A view whose rows are known (a full read, or a test's own)."""
         done = [r for r in rows if r.status in (RowStatus.COMMITTED, RowStatus.REWOUND)]
-        return cls(table, ledger, max(done, key=lambda r: r.position) if done else None, list(rows))
+        return cls(table, ledger, max(done, key=lambda r: r.position) if done else None, list(rows), version=table.version() if table else -1)
 
     @property
     def pipeline(self) -> str:
@@ -364,7 +367,7 @@ class OffsetLedger:
         found = self.at(table, at, (RowStatus.COMMITTED, RowStatus.REWOUND)) if at != ORIGIN else []
         if not found:
             return LedgerView.of_rows(table, self, self.read(table))
-        return LedgerView(table, self, found[0])
+        return LedgerView(table, self, found[0], version=table.version())
 
     def read(self, table: DeltaTable | None) -> list[LedgerRow]:
         """Every row of this pipeline in `table`'s snapshot."""

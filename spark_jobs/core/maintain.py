@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 from deltalake import DeltaTable
 
 from spark_jobs.core.agreement import check_spec
+from spark_jobs.core.compute import Compute, Engine, FileWriting
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
 from spark_jobs.core.fencing import Position
@@ -41,6 +42,7 @@ from spark_jobs.core.ledger import LedgerView, RowStatus
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.staged import IN_PROCESS_ROWS
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
 from spark_jobs.core.untracked import remove_untracked
 from spark_jobs.sources.delta import version_actions
@@ -66,8 +68,10 @@ class MaintenanceReport:
         return {"pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files, "readers": self.readers}
 
 
-def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> MaintenanceReport:
-    """Compact, VACUUM and checkpoint the state, ledger and quarantine of `spec`."""
+def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factory: Callable[[], Compute] | None = None) -> MaintenanceReport:
+    """Compact, VACUUM and checkpoint the state, ledger and quarantine of
+    `spec`, folding an appended state first. `compute_factory`: the engine a
+    big state's fold runs on (`folding.fold`), started only for one."""
     pipeline = Pipeline(spec)
     view = reconcile(pipeline)  # the tables must agree first (and a lagging row is recorded)
     keep = keep_batches or spec.maintenance.keep_batches
@@ -79,8 +83,12 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
     readers: dict[str, int] = {}
     state = pipeline.state.open()
     if state is not None:
-        with _racing(spec, pipeline.state.path):
-            readers = _maintain_state(pipeline, view, state, keep_versions, removed)
+        engine = Engine(compute_factory or _no_engine)
+        try:
+            with _racing(spec, pipeline.state.path):
+                readers = _maintain_state(pipeline, view, state, keep_versions, removed, engine if compute_factory else None)
+        finally:
+            engine.close()
     # The consumed index follows the ledger's head (and is built here for a
     # pipeline older than it), so lookups stop reading the ledger.
     lineage = pipeline.lineage(view)
@@ -107,22 +115,13 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None) -> Maintenance
     return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers)
 
 
-def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, keep_versions: set[int], removed: dict[str, int]) -> dict[str, int]:
+def _maintain_state(
+    pipeline: Pipeline, view: LedgerView, state: DeltaTable, keep_versions: set[int], removed: dict[str, int], engine: Engine | None
+) -> dict[str, int]:
     """Fold (an appended state), compact, VACUUM and checkpoint the state,
     keeping `keep_versions` and every version a downstream has yet to read
     restorable; counts what went in `removed`. Returns the downstream readers."""
     spec = pipeline.spec
-    # The change data of versions every recorded downstream has read,
-    # before the versions kept for rewinds, is read by no one again. With
-    # no downstream recorded, none is pruned: one that has not run since
-    # positions were recorded may still need it.
-    readers = _readers(pipeline.state.path, state)
-    unread = min(readers.values()) + 1 if readers else 0
-    prune_before = min([*keep_versions, unread])
-    # Versions a downstream has yet to read stay readable: their files
-    # and those of the version before each (a rewind's RESTORE reads as
-    # the rows it removed and the rows it brought back).
-    keep_versions = keep_versions | (set(range(max(unread - 1, 0), state.version() + 1)) if readers else set())
     if is_appended(spec) and row_counts(state).appended:
         # An appended state is folded first: one row per key again, and the
         # VACUUM below removes the partial rows' files once no kept version needs them.
@@ -130,11 +129,17 @@ def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, kee
         # under an edited spec a run would refuse (the fold would bake the
         # new rules into every key's value).
         check_spec(pipeline, view)
-        fold(spec, state)
+        fold(spec, state, _fold_engine(spec, state, engine))
     # Compact first, so that the VACUUM removes what the compaction replaced;
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
     state.optimize.compact()
+    # The downstream readers are read just before the deletions, not before
+    # the fold and compaction (a minute, at scale): a downstream rewound
+    # meanwhile has moved its position back, and its replay needs the
+    # versions after it (`rewind` checks again once its position is moved).
+    readers = _readers(pipeline.state.path, state)
+    keep_versions, prune_before = _kept(keep_versions, readers, state)
     if pipeline.state.position(pipeline.state.open()) == view.position:
         removed["state"] = len(
             state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
@@ -149,6 +154,37 @@ def _maintain_state(pipeline: Pipeline, view: LedgerView, state: DeltaTable, kee
     state.create_checkpoint()
     removed["change data"] = _prune_change_data(pipeline.state.path, state, prune_before)
     return readers
+
+
+def _kept(keep_versions: set[int], readers: dict[str, int], state: DeltaTable) -> tuple[set[int], int]:
+    """The versions the VACUUM keeps, and the version before which change
+    data may be pruned.
+
+    The change data of versions every recorded downstream has read, before
+    the versions kept for rewinds, is read by no one again. With no
+    downstream recorded, none is pruned: one that has not run since
+    positions were recorded may still need it. Versions a downstream has yet
+    to read stay readable: their files and those of the version before each
+    (a rewind's RESTORE reads as the rows it removed and the rows it brought back)."""
+    unread = min(readers.values()) + 1 if readers else 0
+    prune_before = min([*keep_versions, unread])
+    kept = keep_versions | (set(range(max(unread - 1, 0), state.version() + 1)) if readers else set())
+    return kept, prune_before
+
+
+def _no_engine() -> Compute:
+    raise ValueError("maintain was given no engine to fold on")
+
+
+def _fold_engine(spec: PipelineSpec, state: DeltaTable, engine: Engine | None) -> FileWriting | None:
+    """The engine whose executors fold a state too big to fold in this
+    process (more than `IN_PROCESS_ROWS` rows; always, with
+    `engine.state_write: executors`); None: fold here."""
+    if engine is None or spec.engine.state_write == "driver":
+        return None
+    if spec.engine.state_write == "auto" and row_counts(state).rows <= IN_PROCESS_ROWS:
+        return None
+    return engine.files() if engine.writes_files else None
 
 
 @contextmanager

@@ -74,10 +74,16 @@ A rewind (`spark_jobs.core.rewind`) is the one other writer of the state;
 status and history (`spark_jobs.core.inspect`) only read.
 
 An appended state (`state.layout: appended`) takes step 4 as an append of
-the batch's rows instead of a MERGE, same fence, same metadata; after step
-5 the run folds it when its partial rows are due (`spark_jobs.core.folding`),
-a commit that changes no value and keeps the fence, so it is no step of the
-protocol: a fold lost or crashed changes nothing.
+the batch's rows instead of a MERGE, same fence, same metadata. Its fold
+(`spark_jobs.core.folding`) is a commit that changes no value and keeps the
+fence, made by `maintain`, never by a batch: it is no step of the protocol,
+and a fold lost or crashed changes nothing.
+
+Where the rows go: on an engine whose executors write files (Spark), step 3
+has them write the batch's updates and bad records as data files
+(`spark_jobs.core.staged`), and steps 3 and 4 commit those files, with the
+same fences and metadata; no row passes through this process. The commits,
+and so every crash point, are the same.
 
 A process that runs batches back to back (`spark_jobs.core.catch_up`) runs
 these same steps per batch, through an engine that reads the next ranges
@@ -94,6 +100,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, cast
 
 import pyarrow as pa
 
@@ -103,17 +110,21 @@ from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
-from spark_jobs.core.folding import fold_if_due, is_appended
+from spark_jobs.core.folding import is_appended, row_counts
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
 from spark_jobs.core.identity import SpecIdentity, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
-from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
+from spark_jobs.core.staged import Sink, Staged
 from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
 from spark_jobs.sources import BatchRange, Caps
 
-__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare", "reconcile", "run_batch"]
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare", "reconcile", "run_batch", "sink_for"]
 
 log = logging.getLogger("microbatch")
 
@@ -158,9 +169,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class Processed:
-    """Step 3's result: the batch's state updates, fitted to the state table."""
+    """Step 3's result: the batch's state updates, fitted to the state table
+    (in memory, or files the executors wrote: `spark_jobs.core.staged`)."""
 
-    updates: pa.Table
+    updates: pa.Table | Staged
     records_in: int
     records_quarantined: int
 
@@ -197,7 +209,7 @@ def run_batch(spec: PipelineSpec, options: RunOptions, compute_factory: Callable
         ready = prepare(pipeline, options, engine, steps, started)
         if isinstance(ready, BatchOutcome):
             return ready
-        return complete(pipeline, *ready, options, started, steps)
+        return complete(pipeline, *ready, options, started, steps, engine)
     finally:
         engine.close()
 
@@ -222,12 +234,12 @@ def prepare(pipeline: Pipeline, options: RunOptions, engine: Engine, steps: Step
 
 
 def complete(
-    pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float, steps: StepTimes
+    pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float, steps: StepTimes, engine: Engine
 ) -> BatchOutcome:
     """Steps 4 and 5 of a batch whose step 3 is done."""
     spec = pipeline.spec
     with steps("commit"):
-        committed = commit_state(pipeline, plan, processed, options, started)
+        committed = commit_state(pipeline, plan, processed, options, started, engine)
     if isinstance(committed, Done):
         return _outcome(spec, options, started, committed, steps=steps)
     # DEBUG: the run's outcome (the CLI's table, the task's one summary line) says it.
@@ -235,8 +247,7 @@ def complete(
     with steps("project"):
         project(pipeline)
     if is_appended(spec):
-        with steps("fold"):
-            _fold_if_due(pipeline)
+        _note_fold_due(pipeline)
     done = Done(Outcome.COMMITTED, f"committed {plan.position}: {plan.batch.describe()}", plan.position, plan.batch)
     return _outcome(spec, options, started, done, processed, committed, steps=steps)
 
@@ -252,7 +263,6 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
     earlier run left, and is logged."""
     for _ in range(RECONCILE_TRIES):
         view = pipeline.ledger.load()
-        seen = _ledger_version(view)
         table = pipeline.state.open()
         state_at = pipeline.state.position(table)
         try:
@@ -262,7 +272,7 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
             # our state open looks like a state that is not this ledger's
             # (its plan is not in the view). If the ledger moved at all (a
             # plan counts, not only a commit), our view was stale: look again.
-            if _ledger_version(pipeline.ledger.load()) != seen:
+            if pipeline.ledger.load().version != view.version:
                 continue
             raise
         if commit is None:
@@ -363,23 +373,22 @@ def _record_plan(
 def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
     """Step 3: compute reads exactly the planned range; the state makes room
     for the batch (a new or widened merge column); bad records go to the
-    quarantine, once."""
+    quarantine, once. On an engine whose executors write the rows, they
+    write the batch's updates and bad records as data files, and only the
+    files' names and statistics reach this process (`_read_by_executors`)."""
     spec, n = pipeline.spec, plan.position
-    result = engine.process(spec, plan.batch)
-    # Spark read the planned files by name: one replaced meanwhile was read in
-    # its place, and must not be recorded (and released) as the planned one.
-    pipeline.source.check_read(plan.batch)
+    if spec.engine.state_write != "driver" and engine.writes_files:
+        return _read_by_executors(pipeline, plan, engine)
+    # Spark reads the planned files by name: one replaced meanwhile was read in
+    # its place, and must not be recorded (and released) as the planned one:
+    # checked as the read ends (a read made ahead, when it ended).
+    result = engine.process(spec, plan.batch, check=pipeline.source.check_read)
     _boundary("after_read", spec)
     with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
         table = pipeline.state.open() or pipeline.state.create(result.updates)
-    # `align` may change the state's columns: only from a state still at the
-    # ledger's head (a run that lost the race, or a zombie, must not).
-    current = pipeline.state.position(table)
-    if current >= n:
-        reconcile(pipeline)  # records the winner's commit, or refuses one that is not ours
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
-    if not plan.view.agrees(current):
-        raise StateBehindLedgerError(spec.name, plan.head, current)
+    moved = _moved_on(pipeline, plan, table)
+    if moved is not None:
+        return moved
     # A batch that cannot fit the state fails before the quarantine write:
     # that write is fenced per batch, so after a fix to the spec the replay
     # would not quarantine again what the fixed spec rejects.
@@ -394,10 +403,65 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     return Processed(updates, result.records_in, quarantined)
 
 
+def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
+    """Step 3 with the executors writing the rows (`spark_jobs.core.staged`):
+    the state makes room for the transform's columns first (they are known
+    once it is analysed), so that the files are written in the state's
+    types; the overflow check then reads what the writing tasks saw, and the
+    quarantine commits the files they wrote, once. A first batch creates the
+    state table once its rows are written, as a batch in memory does."""
+    spec, n = pipeline.spec, plan.position
+    columns = engine.files().result_schema(spec, plan.batch)
+    table = pipeline.state.open()
+    if table is not None:
+        moved = _moved_on(pipeline, plan, table)
+        if moved is not None:
+            return moved
+    schema = pipeline.state.make_room(table, columns) if table is not None else pa.schema([*columns, pa.field(BATCH_COLUMN, pa.int64())])
+    watch_for_new_files("mid_executor_write", pipeline.state.path)
+    result = engine.process(spec, plan.batch, sink_for(pipeline, n, schema), check=pipeline.source.check_read)
+    _boundary("after_read", spec)
+    updates = cast(Staged, result.staged)
+    if table is None:
+        with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
+            table = pipeline.state.create(columns)
+        moved = _moved_on(pipeline, plan, table)
+        if moved is not None:
+            return moved
+    pipeline.state.check_staged(table, updates)
+    bad = result.staged_quarantine
+    if bad is not None and bad.files:
+        fault_point("mid_quarantine_write")  # its files written, their commit not made
+        with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", pipeline.quarantine.path):
+            pipeline.quarantine.write(bad, n)
+        log.info("quarantined %d of %d records", bad.rows, result.records_in)
+    _boundary("after_quarantine", spec)
+    return Processed(updates, result.records_in, bad.rows if bad is not None else 0)
+
+
+def sink_for(pipeline: Pipeline, position: Position, schema: pa.Schema) -> Sink:
+    """Where the executors write batch `position`'s rows, in `schema` (the state's types)."""
+    return Sink(pipeline.state.path, schema, pipeline.quarantine.path, pipeline.spec.name, position.epoch, position.batch_id)
+
+
+def _moved_on(pipeline: Pipeline, plan: Plan, table: DeltaTable) -> Done | None:
+    """Whether the pipeline moved on from the ledger's head before this run's
+    changes to the state (a column added for the batch, say): only a state
+    still at the head may change (a run that lost the race, or a zombie,
+    must not)."""
+    n, current = plan.position, pipeline.state.position(table)
+    if current >= n:
+        reconcile(pipeline)  # records the winner's commit, or refuses one that is not ours
+        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
+    if not plan.view.agrees(current):
+        raise StateBehindLedgerError(pipeline.spec.name, plan.head, current)
+    return None
+
+
 # -- 4. Commit the state ---------------------------------------------------------------
 
 
-def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float) -> Committed | Done:
+def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float, engine: Engine) -> Committed | Done:
     """Step 4, the commit point: MERGE the updates with fence position N, from a checked snapshot."""
     spec, n, head = pipeline.spec, plan.position, plan.head
     # A new state table was created empty in step 3, so that even batch 1
@@ -428,9 +492,12 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
     check_unchanged(pipeline, plan.view, table)
     metadata = _batch_metadata(pipeline, plan, processed, options, started)
     watch_for_new_files("mid_state_merge", pipeline.state.path)
+    if isinstance(processed.updates, Staged):
+        fault_point("mid_state_merge")  # the batch's files are written, their commit not made
     try:
         with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
-            version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata)
+            files = engine.files() if isinstance(processed.updates, Staged) else None
+            version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata, files)
     except Exception as exc:
         if not is_commit_conflict(exc):
             raise
@@ -511,16 +578,17 @@ def project(pipeline: Pipeline) -> None:
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 
 
-def _fold_if_due(pipeline: Pipeline) -> None:
-    """After step 5, outside the protocol: an appended state that gathered
-    enough partial rows is folded (`spark_jobs.core.folding`). The batch is
-    committed and recorded, so a fold that fails is logged, never fatal."""
-    if shutdown.requested():
-        return  # asked to stop: the batch is committed, and a fold may take a minute
-    try:
-        fold_if_due(pipeline.spec, pipeline.state.open())
-    except Exception as exc:  # noqa: BLE001 - the batch is committed; the next run folds
-        log.warning("the state was not folded this time (%s); a later run or `maintain` folds it", exc)
+def _note_fold_due(pipeline: Pipeline) -> None:
+    """After step 5: an appended state whose partial rows passed
+    `state.fold_at` is due a fold, which `maintain` makes (the maintenance
+    DAG, a cron): never a batch, which would then take as long as a MERGE
+    of the whole state. The newest commit says it (no data read)."""
+    counts = row_counts(pipeline.state.open())
+    if counts.fold_due(pipeline.spec.state.fold_at):
+        log.info(
+            "the state holds %d rows appended since its last fold (state.fold_at %g of %d): `microbatch maintain` "
+            "folds them (airflow.maintenance_schedule runs it)", counts.appended, pipeline.spec.state.fold_at, counts.folded
+        )
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -543,13 +611,6 @@ class StepTimes:
         self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
         if engine_start:
             self.ms["engine_start"] = int(engine_start * 1000)
-
-
-def _ledger_version(view: LedgerView) -> int:
-    """The ledger's Delta version a view was read at (-1: no ledger yet).
-    Read when the view is loaded: views share the ledger's handle, which
-    later loads move on."""
-    return view.table.version() if view.table is not None else -1
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:

@@ -15,6 +15,7 @@ from deltalake import write_deltalake
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import POSITION_COLUMNS, scoped, utcnow
+from spark_jobs.core.staged import Staged, commit_files
 from spark_jobs.errors import ConcurrentRunError
 
 __all__ = ["SCHEMA", "Quarantine"]
@@ -42,12 +43,27 @@ class Quarantine:
         self.pipeline = pipeline
         self.fence = scoped(QUARANTINE_FENCE, pipeline)
 
-    def write(self, records: pa.Table, position: Position) -> bool:
-        """Append one batch's quarantined records, once. True if we wrote them."""
+    def write(self, records: pa.Table | Staged, position: Position) -> bool:
+        """Append one batch's quarantined records, once. True if we wrote them.
+
+        `records` may be files the executors wrote into the table's folder
+        (bookkeeping columns included): then they are committed as they are."""
         for _ in range(APPEND_TRIES):
             table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} quarantine")
             if transaction_position(table, self.fence) >= position:
-                return False  # an earlier attempt at this batch wrote them
+                # An earlier attempt at this batch wrote them. (Files of ours
+                # stay: a store may report a failure for a commit of ours that
+                # landed; `maintain` removes them if no commit names them.)
+                return False
+            props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
+            if isinstance(records, Staged):
+                try:
+                    commit_files(table, records.files, table.schema(), props)
+                    return True
+                except Exception as exc:
+                    if not is_commit_conflict(exc):
+                        raise
+                    continue  # (probably the same batch's, by a racing run: the next try sees it)
             n = records.num_rows
             rows = pa.table(
                 {
@@ -62,7 +78,6 @@ class Quarantine:
                 },
                 schema=SCHEMA,
             )
-            props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
             try:
                 write_deltalake(table, rows, mode="append", commit_properties=props)
                 return True

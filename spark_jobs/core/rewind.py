@@ -84,6 +84,10 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         )
     _check_not_moved(pipeline, view, table, recovering)
     pipeline.source.rewinding(end_offsets)
+    # Again, now that the upstream's `maintain` keeps what the replay reads
+    # (`rewinding` moved this pipeline's position back): one that deleted it
+    # since the first check is caught here, before the state changes.
+    _check_replay(pipeline, view, end_offsets, to_batch, refuse)
     metadata = CommitMetadata(
         kind=CommitKind.REWIND,
         pipeline=spec.name,
@@ -194,14 +198,36 @@ def _check_replay(pipeline: Pipeline, view: LedgerView, start: dict[str, Any], t
     `to_batch` read: the source must still give it, or the rewind would
     drop those records from the state for good (and a source that refuses
     lost data would leave the pipeline unable to plan at all)."""
-    after = [pipeline.batch(row) for row in view.lineage() if row.batch_id > to_batch]
+    lineage = view.lineage()
+    after = [pipeline.batch(row) for row in lineage if row.batch_id > to_batch]
     gaps = pipeline.source.replay_gaps(start, after)
     if gaps:
+        oldest = _oldest_replayable(pipeline, lineage)
         raise refuse(
             f"cannot rewind to batch {to_batch}: the new epoch reads again what batches {to_batch + 1}.."
-            f"{view.position.batch_id} read, and {gaps}. Nothing was changed. To start over without those "
-            "records, give the pipeline a new state path and a new checkpoint."
+            f"{view.position.batch_id} read, and {gaps}. Nothing was changed. The source can still give "
+            f"what follows batch {oldest} and later ones (if their state can be restored). To start over "
+            "without those records, give the pipeline a new state path and a new checkpoint."
         )
+
+
+def _oldest_replayable(pipeline: Pipeline, lineage: list[LedgerRow]) -> int:
+    """The oldest batch of `lineage` after which the source still gives
+    everything the later batches read (what it can give only shrinks from
+    the oldest up: a binary search); the head, at worst."""
+    batches = [pipeline.batch(row) for row in lineage]
+
+    def replayable(i: int) -> bool:
+        return pipeline.source.replay_gaps(lineage[i].end_offsets, batches[i + 1 :]) is None
+
+    low, high = 0, len(lineage) - 1
+    while low < high:
+        mid = (low + high) // 2
+        if replayable(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return lineage[low].batch_id if lineage else 0
 
 
 def check_rewind(spec: PipelineSpec, to_batch: int) -> None:

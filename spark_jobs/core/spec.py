@@ -469,6 +469,13 @@ class EngineSpec(_Model):
     """
 
     master: str | None = None
+    #: Where a batch's rows are written (docs/architecture.md, "Where the
+    #: rows go"). `auto`: by Spark's executors, as data files the job's
+    #: process commits; a merged state's small batch is merged in the job's
+    #: process, a big one by the executors. `executors`: every merge by the
+    #: executors too (but a change-feed state's). `driver`: the rows come back
+    #: to the job's process, which writes them (bounded by its memory).
+    state_write: Literal["auto", "executors", "driver"] = "auto"
 
     @field_validator("master")
     @classmethod
@@ -722,8 +729,9 @@ def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str
     inside it would be fed back in as input (or the source would read a
     table's Parquet parts if it sat inside one). A checkpoint inside the
     state table's folder would be deleted by a VACUUM of the state, which
-    removes files its log does not know; and the state cannot be one of the
-    checkpoint's own tables.
+    removes files its log does not know, and so would an archive inside a
+    table's folder (`maintain` removes files no commit references); and the
+    state cannot be one of the checkpoint's own tables.
     """
     source, state, checkpoint = spec.source_path, spec.state_path, spec.checkpoint_path
     found: list[str] = []
@@ -740,6 +748,9 @@ def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str
             problem(loc, f"{other} overlaps source.path {source}; keep the source folder apart from the tables and the archive")
     if _inside(checkpoint, state):
         problem(("checkpoint",), f"{checkpoint} is inside the state table's folder {state}; put it beside it")
+    if spec.archive_path and (_inside(spec.archive_path, state) or _inside(spec.archive_path, checkpoint)):
+        # `maintain` removes files no commit of a table references from its folder.
+        problem(("source", "archive"), f"{spec.archive_path} is inside a table's folder ({state} or {checkpoint}); put it beside them")
     for table in (spec.ledger_path, spec.quarantine_path, spec.consumed_path):
         if _inside(state, table) or _inside(table, state):
             problem(("state", "path"), f"{state} overlaps the checkpoint's table {table}; put the state elsewhere")

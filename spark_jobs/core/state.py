@@ -22,7 +22,7 @@ merge that would overflow a column is refused.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TypeVar
@@ -31,11 +31,12 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.compute import check_result_types
+from spark_jobs.core.compute import FileWriting, check_result_types
 from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
+from spark_jobs.core.staged import Staged, StagedValues, commit_files, delete_files, in_process_rows, read_staged, touched_files
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
@@ -80,8 +81,10 @@ MAINTENANCE_OPERATIONS = frozenset(
 )
 
 
-def merge_expression(column: str, rule: str) -> str:
-    t, s = f"t.{_q(column)}", f"s.{_q(column)}"
+def merge_expression(column: str, rule: str, *, quote: Callable[[str], str] = _q) -> str:
+    """SQL for the value a MERGE stores: the state's (`t`) and the batch's (`s`)
+    by `rule`; `quote` is the engine's identifier quoting."""
+    t, s = f"t.{quote(column)}", f"s.{quote(column)}"
     if rule == "sum":
         return f"CASE WHEN {t} IS NULL THEN {s} WHEN {s} IS NULL THEN {t} ELSE {t} + {s} END"
     if rule in ("min", "max"):
@@ -112,9 +115,9 @@ class StateTable:
     def position(table: DeltaTable | None) -> Position:
         return transaction_position(table, STATE_FENCE) if table is not None else ORIGIN
 
-    def create(self, updates: pa.Table) -> DeltaTable:
+    def create(self, columns: pa.Table | pa.Schema) -> DeltaTable:
         """Create the (empty) state table with the columns of a batch's updates."""
-        schema = pa.schema([*updates.schema, pa.field(BATCH_COLUMN, pa.int64())])
+        schema = pa.schema([*(columns if isinstance(columns, pa.Schema) else columns.schema), pa.field(BATCH_COLUMN, pa.int64())])
         return ensure_table(
             self.path,
             schema,
@@ -123,14 +126,19 @@ class StateTable:
             configuration={CHANGE_FEED: "true"} if self.spec.state.change_feed else None,
         )
 
-    def commit_batch(self, table: DeltaTable, updates: pa.Table, metadata: CommitMetadata) -> tuple[int, int]:
-        """Merge one batch's updates (as `align` returned them); returns (new
-        table version, keys updated). The commit moves the state fence to the
+    def commit_batch(
+        self, table: DeltaTable, updates: pa.Table | Staged, metadata: CommitMetadata, files: FileWriting | None = None
+    ) -> tuple[int, int]:
+        """Merge one batch's updates (as `align` returned them, or as files the
+        executors wrote: `files` is their engine); returns (new table
+        version, keys updated). The commit moves the state fence to the
         batch's position and carries `metadata`.
 
         Raises delta-rs's commit error if another commit carrying the state
         fence landed after `table`'s snapshot (the caller decides what it means).
         """
+        if isinstance(updates, Staged):
+            return self._commit_staged(table, updates, metadata, files)
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
         if is_appended(self.spec):
@@ -173,6 +181,86 @@ class StateTable:
         # `update_incremental()`: that could skip ahead to a later writer's.)
         return table.version(), keys_updated
 
+    def _commit_staged(self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting | None) -> tuple[int, int]:
+        """`commit_batch` of the files the executors wrote (into the state's folder).
+
+        An appended state commits them as they are; so does a merged one
+        whose files hold none of the batch's keys (its first batch, say).
+        Otherwise a merged state's batch of at most `IN_PROCESS_ROWS` rows,
+        or any batch of a state with a change data feed (whose change files
+        only delta-rs's MERGE writes here), is read back and merged in this
+        process; a bigger one is merged by the executors
+        (`FileWriting.merge_files`: the state's files its keys may be in,
+        rewritten with the batch merged in) and committed as their removal
+        and the new files, from `table`'s snapshot. The batch's own files are
+        then dropped: merged in, they are no data of the state."""
+        position = metadata.position
+        if not staged.files:
+            extra = carried(row_counts(table)) if is_appended(self.spec) else None
+            return self._fenced_empty_commit(table, _fenced(metadata, extra)), 0
+        extra = carried(row_counts(table)) if is_appended(self.spec) else None
+        rewritten = [] if is_appended(self.spec) else touched_files(table, self.spec.state.keys, staged)
+        if not rewritten:
+            # Every row of the batch is new to the state: its files are the merge's result.
+            commit_files(table, staged.files, table.schema(), _fenced(metadata, extra))
+            return self._version_of(position), staged.rows
+        try:
+            done = self._merge_staged(table, staged, metadata, files, rewritten)
+        except Exception:
+            delete_files(staged.root, staged.files)
+            raise
+        delete_files(staged.root, staged.files)
+        return done
+
+    def _merge_staged(
+        self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting | None, rewritten: list[str]
+    ) -> tuple[int, int]:
+        """A merged state's batch of files merged in: here when small (or its
+        state has a change feed), else by the executors."""
+        if files is None or self.spec.state.change_feed or staged.rows <= in_process_rows(self.spec):
+            return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
+        merged = files.merge_files(self.spec, self.path, pa.schema(table.schema().to_arrow()), rewritten, staged)
+        # Not deleted if the commit fails: a store may report a failure for
+        # a commit that landed (`protocol._after_conflict`); `maintain`
+        # removes them once no commit names them.
+        commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
+        return self._version_of(metadata.position), staged.rows
+
+    def _version_of(self, position: Position) -> int:
+        """The version of the commit just made at `position` (delta-rs does not
+        move the handle a file commit is made from)."""
+        found = self.find_commit(self.open(), position)
+        return found.version if found is not None else -1
+
+    def fitted(self, table: DeltaTable, columns: pa.Schema) -> pa.Schema:
+        """The schema `make_room` would return, changing nothing."""
+        schema, _, _ = self._fitted(pa.schema(table.schema().to_arrow()), columns)
+        return pa.schema([*schema, pa.field(BATCH_COLUMN, pa.int64())])
+
+    def make_room(self, table: DeltaTable, columns: pa.Schema) -> pa.Schema:
+        """`align` for a batch the executors will write: the state makes room
+        for its `columns` (type checks, merge columns added or widened) before
+        a row is written, and the schema its files are written in comes
+        back: the state's types, `_batch_id` last. The overflow check comes
+        once the files are written (`check_staged`)."""
+        check_result_types(self.spec, columns)
+        existing = pa.schema(table.schema().to_arrow())
+        schema, added, widened = self._fitted(existing, columns)
+        self._make_changes(table, existing, added, widened)
+        return pa.schema([*schema, pa.field(BATCH_COLUMN, pa.int64())])
+
+    def check_staged(self, table: DeltaTable, staged: Staged) -> None:
+        """The overflow check of a batch the executors wrote: from what the
+        writing tasks saw, reading rows only for keys near a column's limit."""
+        self._check_overflow(table, pa.schema(table.schema().to_arrow()), StagedValues(staged))
+
+    def _check_overflow(self, table: DeltaTable, existing: pa.Schema, values: pa.Table | StagedValues) -> None:
+        if is_appended(self.spec):
+            check_merge(self.spec, table, values, folded_sql=state_sql(self.spec.state, existing),
+                        fold_files=fold_files(table, row_counts(table)))
+        else:
+            check_merge(self.spec, table, values)
+
     def align(self, table: DeltaTable, data: pa.Table) -> pa.Table:
         """A batch's updates cast to the state table's column types, once the
         state has made room for them; or an error saying why they cannot be
@@ -205,11 +293,13 @@ class StateTable:
                 f"the transform to the types in {self.path}",
             ) from exc
         # Against the state as it is: adding or widening a column keeps its values.
-        if is_appended(self.spec):
-            check_merge(self.spec, table, aligned, folded_sql=state_sql(self.spec.state, existing),
-                        fold_files=fold_files(table, row_counts(table)))
-        else:
-            check_merge(self.spec, table, aligned)
+        self._check_overflow(table, existing, aligned)
+        self._make_changes(table, existing, added, widened)
+        return aligned
+
+    def _make_changes(self, table: DeltaTable, existing: pa.Schema, added: list[Field], widened: dict[str, pa.DataType]) -> None:
+        """The state's changes a batch needs: merge columns added or widened,
+        the change data feed turned on; each keeps every value."""
         if added:
             with self._changing_columns(f"adding column(s) {', '.join(f.name for f in added)}"):
                 table.alter.add_columns(added)
@@ -220,7 +310,6 @@ class StateTable:
             # Turned on in the spec of an existing state: the feed starts with this batch.
             with self._changing_columns("turning its change data feed on"):
                 table.alter.set_table_properties({CHANGE_FEED: "true"})
-        return aligned
 
     def _fitted(self, existing: pa.Schema, batch: pa.Schema) -> tuple[pa.Schema, list[Field], dict[str, pa.DataType]]:
         """The schema a batch is cast to, the merge columns to add to the

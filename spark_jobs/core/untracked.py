@@ -11,6 +11,10 @@ longer than any run (`maintenance.untracked_files_hours`), as Delta's own
 VACUUM does with untracked files: a younger file may be a write still on
 its way to its commit.
 
+Only Parquet files are data files here (an archived source file or a note
+someone left is not ours to remove), and a folder holding a Delta table of
+its own is another table, left alone.
+
 What counts as referenced: every file of the snapshot at `keep_from` (the
 oldest version `maintain` keeps restorable), and every file any later log
 entry adds or removes, up to the newest entry in storage (not only the
@@ -30,7 +34,7 @@ from urllib.parse import unquote
 from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import version_actions
-from spark_jobs.storage.listing import delete, list_files
+from spark_jobs.storage.listing import StoredFile, delete, list_files
 from spark_jobs.storage.s3 import delta_storage_options
 
 __all__ = ["remove_untracked"]
@@ -46,10 +50,19 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float)
     referenced = _referenced(table, root, keep_from)
     if referenced is None:
         return 0
+    if older_than_hours < 1:
+        log.warning(
+            "maintenance.untracked_files_hours is %g: a write of a run still going that long may lose its files; "
+            "keep it longer than any run", older_than_hours
+        )
     cutoff = time.time() - older_than_hours * 3600
     removed = 0
-    for stored in list_files(root):
-        if stored.path in referenced or stored.mtime > cutoff or _skipped(stored.path):
+    files = list_files(root)
+    nested = _nested_tables(files)
+    for stored in files:
+        if stored.mtime > cutoff or not stored.path.endswith(".parquet") or stored.path.startswith(nested):
+            continue
+        if stored.path in referenced or _skipped(stored.path):
             continue
         delete(stored)
         removed += 1
@@ -76,6 +89,14 @@ def _referenced(table: DeltaTable, root: str, keep_from: int) -> set[str] | None
                     referenced.add(unquote(action[kind]["path"]))
         version += 1
     return referenced
+
+
+def _nested_tables(files: list[StoredFile]) -> tuple[str, ...]:
+    """Folders inside the table's that hold a Delta table of their own
+    (someone else's): never the table's to clean."""
+    return tuple(
+        {f.path.split("/_delta_log/", 1)[0] + "/" for f in files if "/_delta_log/" in f.path}
+    )
 
 
 def _skipped(path: str) -> bool:

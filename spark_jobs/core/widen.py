@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -105,6 +105,8 @@ def sql_type(column_type: pa.DataType) -> str:
         return f"DECIMAL({t.precision},{t.scale})"
     if pa.types.is_timestamp(t):
         return "TIMESTAMP" if t.tz is not None else "TIMESTAMP_NTZ"
+    if pa.types.is_time(t):
+        return "TIME"
     if pa.types.is_duration(t):
         return "INTERVAL DAY TO SECOND"  # what Spark's day-time intervals become in Arrow
     if pa.types.is_list(t) or pa.types.is_large_list(t):
@@ -150,14 +152,14 @@ class SumCheck:
     below: Fraction | None
 
     @classmethod
-    def of(cls, updates: pa.Table, column: str) -> SumCheck | None:
+    def of(cls, updates: BatchValues, column: str) -> SumCheck | None:
         """The check for `column`, or None when the batch cannot overflow it (not a number, all null)."""
-        column_type = updates.schema.field(column).type
+        column_type = updates.type(column)
         limits = value_range(column_type)
-        extremes = pc.min_max(updates.column(column))
-        if limits is None or extremes["max"].as_py() is None:
+        extremes = updates.range(column) if limits is not None else None
+        if limits is None or extremes is None:
             return None
-        low, high = Fraction(extremes["min"].as_py()), Fraction(extremes["max"].as_py())
+        low, high = extremes
         return cls(
             column,
             column_type,
@@ -237,8 +239,59 @@ class Overflow:
         )
 
 
+class BatchValues(Protocol):
+    """A batch's values as the overflow check reads them: rows in memory
+    (`ArrowValues`), or files the executors wrote (`staged.StagedValues`),
+    whose statistics answer the first questions without reading them."""
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def type(self, column: str) -> pa.DataType: ...
+
+    def range(self, column: str) -> tuple[Fraction, Fraction] | None:
+        """The column's smallest and largest value (None: all null)."""
+
+    def non_finite(self, column: str, keys: list[str]) -> tuple[dict[str, Any], Any] | None:
+        """A key whose value of the floating-point `column` is an infinity or a NaN, and the value."""
+
+    def rows(self, columns: list[str], keys: list[str], wanted: pa.Table) -> pa.Table:
+        """The batch's `columns` of the rows whose keys are among `wanted`'s (in `keys`' order)."""
+
+
+class ArrowValues:
+    """A batch's values in memory."""
+
+    def __init__(self, updates: pa.Table) -> None:
+        self.updates = updates
+
+    @property
+    def names(self) -> list[str]:
+        return self.updates.column_names
+
+    def type(self, column: str) -> pa.DataType:
+        return self.updates.schema.field(column).type
+
+    def range(self, column: str) -> tuple[Fraction, Fraction] | None:
+        extremes = pc.min_max(self.updates.column(column))
+        if extremes["max"].as_py() is None:
+            return None
+        return Fraction(extremes["min"].as_py()), Fraction(extremes["max"].as_py())
+
+    def non_finite(self, column: str, keys: list[str]) -> tuple[dict[str, Any], Any] | None:
+        values = self.updates.column(column)
+        bad = pc.fill_null(pc.invert(pc.is_finite(values)), False)
+        if not pc.any(bad).as_py():
+            return None
+        row = pc.index(bad, True).as_py()
+        return {k: self.updates.column(k)[row].as_py() for k in keys}, values[row].as_py()
+
+    def rows(self, columns: list[str], keys: list[str], wanted: pa.Table) -> pa.Table:
+        return self.updates.select(columns)
+
+
 def check_merge(
-    spec: PipelineSpec, table: DeltaTable, updates: pa.Table, folded_sql: str | None = None, fold_files: frozenset[str] = frozenset()
+    spec: PipelineSpec, table: DeltaTable, updates: pa.Table | BatchValues, folded_sql: str | None = None, fold_files: frozenset[str] = frozenset()
 ) -> None:
     """Refuse, with `MergeOverflowError`, a batch whose merge into `table`'s
     snapshot would commit a wrapped integer, a decimal past its precision, or
@@ -255,12 +308,14 @@ def check_merge(
     statistics bound both. Only when that cannot prove the batch safe are the
     keys' values folded here, which reads the whole state.
     """
+    if isinstance(updates, pa.Table):
+        updates = ArrowValues(updates)
     _refuse_non_finite(spec, updates)
     in_state = set(pa.schema(table.schema().to_arrow()).names)
     checks = []
     for column, rule in spec.state.merge.items():
         # A column new to the state holds only nulls there: nothing to add to.
-        if rule == "sum" and column in in_state and column in updates.column_names:
+        if rule == "sum" and column in in_state and column in updates.names:
             check = SumCheck.of(updates, column)
             if check is not None:
                 checks.append(check)
@@ -357,7 +412,7 @@ def rows_per_key(actions: pa.Table) -> int:
 
 
 def exact_overflow(
-    table: DeltaTable, updates: pa.Table, keys: list[str], checks: list[SumCheck], rows: str = "state"
+    table: DeltaTable, updates: pa.Table | BatchValues, keys: list[str], checks: list[SumCheck], rows: str = "state"
 ) -> Overflow | None:
     """The first of the batch's keys whose merged sum leaves its column's
     range, computed exactly; None if there is none. `rows`: the state's rows
@@ -377,7 +432,8 @@ def exact_overflow(
         return None
     # Positional names, so that no column name can clash in the join.
     key_names = [f"k{i}" for i in range(len(keys))]
-    batch = updates.select(columns).rename_columns([*key_names, *(f"b{i}" for i in range(len(checks)))])
+    values = ArrowValues(updates) if isinstance(updates, pa.Table) else updates
+    batch = values.rows(columns, keys, candidates.select(keys)).rename_columns([*key_names, *(f"b{i}" for i in range(len(checks)))])
     state = candidates.rename_columns([*key_names, *(f"s{i}" for i in range(len(checks)))])
     # DataFusion may hand keys back in another layout (a string view): the join needs one type.
     state = state.cast(pa.schema([*list(batch.schema)[: len(keys)], *list(state.schema)[len(keys) :]]))
@@ -398,7 +454,7 @@ def exact_overflow(
     return None
 
 
-def _refuse_non_finite(spec: PipelineSpec, updates: pa.Table) -> None:
+def _refuse_non_finite(spec: PipelineSpec, updates: BatchValues) -> None:
     """Refuse an infinity or NaN in a batch's float merge column.
 
     The source holds only finite numbers (the quarantine refuses others), so
@@ -406,18 +462,17 @@ def _refuse_non_finite(spec: PipelineSpec, updates: pa.Table) -> None:
     3.4e38, say); merged, it would stay in the state for good.
     """
     for column in spec.value_columns:
-        if column not in updates.column_names or not pa.types.is_floating(updates.schema.field(column).type):
+        if column not in updates.names or not pa.types.is_floating(updates.type(column)):
             continue
-        values = updates.column(column)
-        bad = pc.fill_null(pc.invert(pc.is_finite(values)), False)
-        if pc.any(bad).as_py():
-            row = pc.index(bad, True).as_py()
-            key = {k: updates.column(k)[row].as_py() for k in spec.state.keys}
+        found = updates.non_finite(column, list(spec.state.keys))
+        if found is not None:
+            key, value = found
+            column_type = updates.type(column)
             raise MergeOverflowError(
-                f"pipeline {spec.name}: the transform returned {values[row].as_py()} in column {column!r} for key "
+                f"pipeline {spec.name}: the transform returned {value} in column {column!r} for key "
                 f"{key}. The source holds only finite numbers (the quarantine refuses others), so a "
-                f"{sql_type(values.type)} computation in the transform overflowed. Nothing was committed. "
-                + _remedy(values.type, column),
+                f"{sql_type(column_type)} computation in the transform overflowed. Nothing was committed. "
+                + _remedy(column_type, column),
                 pipeline=spec.name,
                 path=spec.state_path,
             )

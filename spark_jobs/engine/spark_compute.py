@@ -38,7 +38,11 @@ from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_res
 from spark_jobs.core.identity import SpecIdentity
 from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
-from spark_jobs.engine import delta_read, exact_read, native_read
+from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
+from spark_jobs.core.staged import Sink, Staged, StagedFile, delete_files
+from spark_jobs.engine import delta_read, exact_read, native_read, spark_state
+from spark_jobs.engine.spark_files import CAST_FAILED
+from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master
 from spark_jobs.errors import ComputeError, MicrobatchError, SourceError, SourceRefusedError, TransformError, first_line
@@ -242,31 +246,74 @@ class SparkCompute:
 
     # -- a batch ------------------------------------------------------------------
 
-    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> ComputeResult:
+    def process(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False, sink: Sink | None = None) -> ComputeResult:
+        """Read `batch`, quarantine its bad records, transform it. With a
+        `sink`, the executors write the result and the quarantined records
+        as data files there (`spark_jobs.engine.spark_state`), and only the
+        files' names and statistics come back."""
+        out = Out(sink, _planned_names(batch)) if sink is not None else None
         with _call_site(self.spark, spec, batch):
-            return self._process(spec, batch, alongside)
+            return self._process(spec, batch, alongside, out)
 
-    def _process(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> ComputeResult:
+    def _process(self, spec: PipelineSpec, batch: BatchRange, alongside: bool, out: Out | None) -> ComputeResult:
         reader = _reader_of(spec, batch)
         if reader.read_on_driver is not None:
-            return reader.read_on_driver(self, spec, batch.manifest)
+            return reader.read_on_driver(self, spec, batch.manifest, out)
+        first = self._take_first(batch)
+
+        def run() -> ComputeResult:
+            return self._finish(spec, first or self._first_read(spec, batch, alongside=alongside), out)
+
+        return reader.as_planned(self._explained(spec, batch, run), batch.manifest)
+
+    def _take_first(self, batch: BatchRange) -> _FirstRead | None:
+        """The first read `check` (or `result_schema`) built for `batch`, once."""
         with self._lock:
             first = self._first
             if first is not None and first.batch == batch:
                 self._first = None
-            else:  # (another run's plan won the race, or this is a read ahead)
-                first = None
+                return first
+            return None  # (another run's plan won the race, or this is a read ahead)
 
-        def run() -> ComputeResult:
-            return self._finish(spec, first or self._first_read(spec, batch, alongside=alongside))
+    # -- the executors' writes (`FileWriting`) ---------------------------------
 
-        return reader.as_planned(self._explained(spec, batch, run), batch.manifest)
+    def result_schema(self, spec: PipelineSpec, batch: BatchRange) -> pa.Schema:
+        """The transform's result columns over `batch`, in the order the state
+        keeps them (keys, then the merge columns), analysed and not run; the
+        batch's first read is kept for `process`."""
+        reader = _reader_of(spec, batch)
+        if reader.columns_on_driver is not None:
+            empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
+            schema = self._transform(spec, empty).schema
+        else:
+            first = self._take_first(batch) or self._explained(spec, batch, lambda: self._first_read(spec, batch))
+            with self._lock:
+                self._first = first
+            schema = first.query.result.schema
+        _check_result(spec, schema)
+        fields = {f.name: pa.field(f.name, _arrow_type(spec, f.name, f.dataType)) for f in schema.fields}
+        return pa.schema([fields[name] for name in [*spec.state.keys, *spec.value_columns]])
+
+    def merge_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+        return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates)
+
+    def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
+        return spark_state.fold_files(self.spark, spec, root, schema, paths)
 
     def _explained(self, spec: PipelineSpec, batch: BatchRange, step: Callable[[], _T]) -> _T:
         """`step`, with a Spark failure turned into an error that names what to look at."""
         try:
             return step()
         except Exception as exc:
+            found = re.search(f"{re.escape(CAST_FAILED)} [^\n]*", str(exc))
+            if found:
+                # A writing task could not cast a value to the state's column type, as `align` refuses it here.
+                raise TransformError(
+                    f"pipeline {spec.name}: this batch's columns do not fit the state table's types ({found.group(0)}); "
+                    f"cast them in the transform to the types in {spec.state_path}",
+                    pipeline=spec.name,
+                    path=spec.state_path,
+                ) from exc
             raise _reader_of(spec, batch).explain(spec, batch.manifest, exc) from exc
 
     def _first_read(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> _FirstRead:
@@ -334,15 +381,18 @@ class SparkCompute:
         """The most bytes Spark reads in one task (``spark.sql.files.maxPartitionBytes``)."""
         return int(self.spark._jsparkSession.sessionState().conf().filesMaxPartitionBytes())
 
-    def _finish(self, spec: PipelineSpec, first: _FirstRead) -> ComputeResult:
+    def _finish(self, spec: PipelineSpec, first: _FirstRead, out: Out | None) -> ComputeResult:
         """Run the first read; read the suspect files again by line, if any."""
         if first.native is None:
-            return self._numbered_result(spec, first.query, first.parsed)
+            return self._numbered_result(spec, first.query, first.parsed, out)
         clean, suspect = first.native
-        updates, seen = self._execute(first.query)
+        updates, seen = self._execute(first.query, spec, out)
         found = _planned_files(clean, seen["suspect"])
         if not found and not suspect:
-            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
+            return self._result(spec, updates, seen, out)
+        if out is not None:
+            # The first read's files hold records of files now read again by line.
+            delete_files(out.sink.root, spark_state.written(updates))
         suspect = suspect + found
         clean = [f for f in clean if f not in found]
         log.info("%d of %d file(s) hold a bad or unusual line: reading them by line", len(suspect), len(clean) + len(suspect))
@@ -350,21 +400,35 @@ class SparkCompute:
         if clean:
             native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
             parsed = parsed.unionByName(_numbered_like_exact(spec, native))
-        return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed)
+        return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed, out)
 
     def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, extra: tuple[str, ...] = ()) -> _Query:
         """The transform of the valid records of `parsed` (records numbered by line)."""
         return self._query(spec, parsed, _split(self.spark, spec, native=False, extra=extra))
 
-    def _numbered_result(self, spec: PipelineSpec, query: _Query, parsed: DataFrame) -> ComputeResult:
+    def _numbered_result(self, spec: PipelineSpec, query: _Query, parsed: DataFrame, out: Out | None) -> ComputeResult:
         """Run `query`; then quarantine the failed records of `parsed`, if any."""
         try:
-            updates, seen = self._execute(query)
-            quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
+            updates, seen = self._execute(query, spec, out)
+            if out is None:
+                quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
+                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]))
+            result = self._result(spec, updates, seen, out)
+            if seen["bad"]:
+                written = spark_state.quarantine_job(parsed, out).toArrow()
+                result.staged_quarantine = Staged(spark_state.written(written), QUARANTINE_SCHEMA, out.sink.quarantine_root)
+            return result
         finally:
             if parsed.is_cached:
                 parsed.unpersist()
-        return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]))
+
+    def _result(self, spec: PipelineSpec, updates: pa.Table, seen: dict[str, Any], out: Out | None) -> ComputeResult:
+        """The batch's result: its rows checked (`validate_updates`), or, when
+        the executors wrote them, their files checked (`spark_state.checked`)."""
+        if out is None:
+            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
+        staged = spark_state.checked(self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink)
+        return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged)
 
     def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split) -> _Query:
         """The transform of the valid rows, with the split's metrics observed over all `rows`:
@@ -400,14 +464,15 @@ class SparkCompute:
         _check_result(spec, result.schema)
         return _Query(result, rows, split.metrics)
 
-    def _execute(self, query: _Query) -> tuple[pa.Table, dict[str, Any]]:
-        """Run `query` (one Spark job): the transform's result, and the metrics."""
-        updates = query.result.toArrow()
-        if _is_connect(self.spark):
-            found = dict(query.result.executionInfo.flows if query.result.executionInfo else []).get(_METRICS)
-        else:
-            observed = query.result._jdf.queryExecution().observedMetrics().get(_METRICS)
-            found = _python_row(self.spark, observed.get()) if observed.isDefined() else None
+    def _execute(self, query: _Query, spec: PipelineSpec | None = None, out: Out | None = None) -> tuple[pa.Table, dict[str, Any]]:
+        """Run `query` (one Spark job): the transform's result, and the metrics.
+        With `out`, the job writes the result as files, and returns what it
+        wrote (`spark_state.result_job`), its own metrics among the others."""
+        job = query.result if out is None else spark_state.result_job(query.result, spec, out.sink)
+        updates = job.toArrow()
+        found = self._observed(job, _METRICS)
+        if out is not None:
+            found = {**(found or {}), spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS)} if found is not None else None
         if found is None:
             # Adaptive execution drops a stage whose output turned out empty
             # (no valid record at all) from the plan it reports, metrics and
@@ -416,6 +481,13 @@ class SparkCompute:
             log.debug("no observed metrics for this batch: counting apart")
             found = query.rows.agg(*query.metrics).first().asDict()
         return updates, found
+
+    def _observed(self, job: DataFrame, name: str) -> dict[str, Any] | None:
+        """The metrics observed as `name` in the plan `job` ran (None: none reported)."""
+        if _is_connect(self.spark):
+            return dict(job.executionInfo.flows if job.executionInfo else []).get(name)
+        observed = job._jdf.queryExecution().observedMetrics().get(name)
+        return _python_row(self.spark, observed.get()) if observed.isDefined() else None
 
     @staticmethod
     def _quarantine(parsed: DataFrame) -> pa.Table:
@@ -433,20 +505,24 @@ class SparkCompute:
         )
         return bad.toArrow().cast(QUARANTINE_COLUMNS)
 
-    def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
+    def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
         """A Delta source's batch: its rows come typed, so nothing is
         quarantined. Read by the driver, or by Spark (`source.reader`): see
         `spark_jobs.engine.delta_read`."""
         if spec.source.reader == "spark":
-            return self._versions_by_spark(spec, manifest)
+            return self._versions_by_spark(spec, manifest, out)
         try:
             rows = delta_read.read_versions(manifest)
         except Exception as exc:
             raise _unreadable_versions(spec, manifest, exc) from exc
-        updates = self._transform(spec, delta_read.arrow_frame(self.spark, rows)).toArrow()
-        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), rows.num_rows)
+        result = self._transform(spec, delta_read.arrow_frame(self.spark, rows))
+        if out is None:
+            return self._result(spec, result.toArrow(), {"records": rows.num_rows}, None)
+        job = spark_state.result_job(result, spec, out.sink)
+        written = job.toArrow()
+        return self._result(spec, written, {"records": rows.num_rows, spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS)}, out)
 
-    def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest) -> ComputeResult:
+    def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
         """The versions read by delta-spark on the executors, transformed in
         the same job, their rows counted as it runs (observed metrics)."""
         from pyspark.sql import functions as F
@@ -455,7 +531,7 @@ class SparkCompute:
             rows = delta_read.spark_versions(self.spark, manifest)
             split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
             query = self._query(spec, rows, split)
-            updates, seen = self._execute(query)
+            updates, seen = self._execute(query, spec, out)
         except MicrobatchError:
             raise
         except Exception as exc:
@@ -469,7 +545,7 @@ class SparkCompute:
                 pipeline=spec.name,
                 path=manifest.uri,
             ) from exc
-        return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
+        return self._result(spec, updates, seen, out)
 
     # -- internals ------------------------------------------------------------
 
@@ -652,7 +728,7 @@ class _Reader:
     first_read: Callable[[SparkCompute, PipelineSpec, BatchRange, bool], _FirstRead] | None = None
     explain: Callable[[PipelineSpec, Any, Exception], Exception] = lambda spec, manifest, exc: exc
     as_planned: Callable[[ComputeResult, Any], ComputeResult] = lambda result, manifest: result
-    read_on_driver: Callable[[SparkCompute, PipelineSpec, Any], ComputeResult] | None = None
+    read_on_driver: Callable[[SparkCompute, PipelineSpec, Any, Out | None], ComputeResult] | None = None
     columns_on_driver: Callable[[PipelineSpec, Any], pa.Schema] | None = None
 
 
@@ -724,3 +800,11 @@ def _arrow_type(spec: PipelineSpec, column: str, data_type: DataType) -> pa.Data
             "cannot hold: cast it (an interval to its months or seconds as BIGINT, say)",
             pipeline=spec.name,
         ) from exc
+
+
+def _planned_names(batch: BatchRange) -> dict[str, str]:
+    """The planned URI of each local file of a files batch, by its decoded
+    path: how quarantined records name their files, whatever Spark's spelling."""
+    if not isinstance(batch.manifest, FilesManifest):
+        return {}
+    return {_local_path(uri): uri for uri in batch.manifest.uris if uri.startswith("file:")}

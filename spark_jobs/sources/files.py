@@ -83,18 +83,35 @@ class SourceFile:
     uri: str
     size: int
     mtime_ms: int
+    #: Which file this is beyond its size and time, where the store says:
+    #: a local file's inode (a file renamed over it is another inode, even
+    #: with the same size and time: `cp -p`, `rsync -t`), an S3 object's
+    #: ETag. None in manifests written before it.
+    tag: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "uri": self.uri, "size": self.size, "mtime_ms": self.mtime_ms}
+        entry = {"name": self.name, "uri": self.uri, "size": self.size, "mtime_ms": self.mtime_ms}
+        return {**entry, "tag": self.tag} if self.tag is not None else entry
+
+    def same_as(self, now: SourceFile) -> bool:
+        """Whether `now` (the file as listed now) is this very file."""
+        same = (now.size, now.mtime_ms) == (self.size, self.mtime_ms)
+        return same and (self.tag is None or now.tag is None or now.tag == self.tag)
 
     @property
     def version(self) -> str:
-        """Which content of the name this is, as far as a listing can tell."""
+        """Which content of the name this is, as far as a listing can tell:
+        size, time and, where known, the tag."""
+        return f"{self.size}:{self.mtime_ms}" + (f":{self.tag}" if self.tag is not None else "")
+
+    @property
+    def untagged(self) -> str:
+        """`version` as recorded before files had tags."""
         return f"{self.size}:{self.mtime_ms}"
 
     @classmethod
     def from_dict(cls, entry: dict[str, Any]) -> SourceFile:
-        return cls(entry["name"], entry["uri"], entry.get("size", 0), entry.get("mtime_ms", 0))
+        return cls(entry["name"], entry["uri"], entry.get("size", 0), entry.get("mtime_ms", 0), entry.get("tag"))
 
 
 @dataclass(frozen=True)
@@ -192,7 +209,7 @@ class LocalLister:
                 if limit_ms is not None and mtime_ms >= limit_ms:
                     continue
                 rel = os.path.relpath(full, root).replace(os.sep, "/")
-                found.append(SourceFile(rel, Path(full).as_uri(), st.st_size, mtime_ms))
+                found.append(SourceFile(rel, Path(full).as_uri(), st.st_size, mtime_ms, _inode(st)))
         return found
 
     def open(self, f: SourceFile) -> IO[bytes]:
@@ -203,7 +220,7 @@ class LocalLister:
             st = os.stat(os.path.join(self.root, f.name))
         except FileNotFoundError:
             return None
-        return SourceFile(f.name, f.uri, st.st_size, st.st_mtime_ns // 1_000_000)
+        return SourceFile(f.name, f.uri, st.st_size, st.st_mtime_ns // 1_000_000, _inode(st))
 
     def remove(self, f: SourceFile) -> bool:
         return self._release(f, os.unlink)
@@ -226,7 +243,7 @@ class LocalLister:
             checked = os.stat(path)
         except FileNotFoundError:
             return False
-        if (checked.st_size, checked.st_mtime_ns // 1_000_000) != (f.size, f.mtime_ms):
+        if not f.same_as(SourceFile(f.name, f.uri, checked.st_size, checked.st_mtime_ns // 1_000_000, _inode(checked))):
             return False
         held = os.path.join(os.path.dirname(path), f"{RELEASE_PREFIX}{uuid.uuid4().hex}-{os.path.basename(path)}")
         try:
@@ -262,7 +279,7 @@ class LocalLister:
                 if now - st.st_ctime < HELD_GRACE_S:  # a rename sets the change time
                     continue
                 original = os.path.relpath(os.path.join(folder, name[len(RELEASE_PREFIX) :].split("-", 1)[1]), self.root)
-                f = SourceFile(original.replace(os.sep, "/"), Path(self.root, original).as_uri(), st.st_size, st.st_mtime_ns // 1_000_000)
+                f = SourceFile(original.replace(os.sep, "/"), Path(self.root, original).as_uri(), st.st_size, st.st_mtime_ns // 1_000_000, _inode(st))
                 if not consumed(f):
                     _restore(held, os.path.join(self.root, original))
                 elif archive is None:
@@ -388,7 +405,7 @@ class FilesSource:
         seen = lineage.consumed({f.name for f in files})
         if self.release == "keep":
             return [f.name in seen for f in files]
-        return [f.version in seen.get(f.name, ()) for f in files]
+        return [_consumed_version(f, seen.get(f.name, set())) for f in files]
 
     def pending(self, lineage: Lineage, until: datetime | None = None) -> list[SourceFile]:
         """Ready files not yet consumed by `lineage`."""
@@ -458,8 +475,9 @@ class FilesSource:
         wanted = [f for b in batches for f in cast(FilesManifest, b.manifest).files]
         if not wanted:
             return None
-        present = {(f.name, f.version) if self.release != "keep" else f.name for f in self.lister.list(None)}
-        gone = [f.name for f in wanted if ((f.name, f.version) if self.release != "keep" else f.name) not in present]
+        listed = self.lister.list(None)
+        present = {f.name for f in listed} if self.release == "keep" else {(f.name, v) for f in listed for v in (f.version, f.untagged)}
+        gone = [f.name for f in wanted if (f.name if self.release == "keep" else (f.name, f.version)) not in present]
         if not gone:
             return None
         where = {
@@ -504,11 +522,13 @@ class FilesSource:
         manifest = cast(FilesManifest, batch.manifest)  # this source decodes only its own
         for planned in manifest.files:
             now = self.lister.stat(planned)
-            if now is not None and (now.size, now.mtime_ms) == (planned.size, planned.mtime_ms):
+            if now is not None and planned.same_as(now):
                 continue
             yield planned, "is gone" if now is None else (
                 f"was rewritten (planned: {planned.size:,} bytes, modified {_when(planned.mtime_ms)}; "
-                f"now: {now.size:,} bytes, modified {_when(now.mtime_ms)})"
+                f"now: {now.size:,} bytes, modified {_when(now.mtime_ms)}"
+                + (", another file of the same size and time" if (now.size, now.mtime_ms) == (planned.size, planned.mtime_ms) else "")
+                + ")"
             )
 
     def plan(self, lineage: Lineage, *, until: datetime | None = None, caps: Caps = Caps()) -> BatchRange | None:
@@ -558,6 +578,20 @@ class FilesSource:
         return BatchRange(
             FileOffsets(start), FileOffsets(start + len(pending)), FilesManifest(tuple(pending)), waiting_after=waiting - len(pending)
         )
+
+
+def _consumed_version(f: SourceFile, versions: set[str]) -> bool:
+    """Whether `f` is one of the consumed `versions` of its name: the very
+    file where both know its tag; by size and time where one does not (a
+    version recorded before files had tags, or a file known without one)."""
+    if f.tag is not None:
+        return f.version in versions or f.untagged in versions
+    return f.untagged in {":".join(v.split(":", 2)[:2]) for v in versions}
+
+
+def _inode(st: os.stat_result) -> str:
+    """A local file's identity: its device and inode."""
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def _when(mtime_ms: int) -> str:

@@ -431,7 +431,11 @@ class KafkaSource:
         """The ranges the batches read after `start` that retention has deleted since."""
         if not batches:
             return None
-        gone = self._gone(self.decode(start, start, {}).start, batches[-1].end, batches)
+        try:
+            gone = self._gone(self.decode(start, start, {}).start, batches[-1].end, batches)
+        except SourceChangedError:
+            # Deleted and created again: every record those batches read went with the old topic.
+            gone = [f"{self.topic} (deleted and created again since)"]
         if not gone:
             return None
         if self.spec.on_data_loss == "skip":

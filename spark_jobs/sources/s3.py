@@ -88,7 +88,7 @@ class S3Lister:
                     mtime_ms = int(obj["LastModified"].timestamp() * 1000)
                     if limit_ms is not None and mtime_ms >= limit_ms:
                         continue
-                    found.append(SourceFile(name, f"s3://{self.location.bucket}/{obj['Key']}", obj["Size"], mtime_ms))
+                    found.append(SourceFile(name, f"s3://{self.location.bucket}/{obj['Key']}", obj["Size"], mtime_ms, obj.get("ETag")))
         except (BotoCoreError, ClientError) as exc:
             raise SourceError(
                 f"cannot list source {self.root}: {exc}. Check the bucket name in source.path, "
@@ -110,7 +110,7 @@ class S3Lister:
             if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise SourceError(f"cannot read source object {f.uri}: {exc}", path=f.uri) from exc
-        return SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000))
+        return SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000), head.get("ETag"))
 
     def remove(self, f: SourceFile) -> bool:
         version = self._still(f)
@@ -153,7 +153,7 @@ class S3Lister:
             if _code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
-        if (head["ContentLength"], int(head["LastModified"].timestamp() * 1000)) != (f.size, f.mtime_ms):
+        if not f.same_as(SourceFile(f.name, f.uri, head["ContentLength"], int(head["LastModified"].timestamp() * 1000), head.get("ETag"))):
             return None
         version_id = head.get("VersionId")
         return _Version(head["ETag"], version_id if version_id not in (None, "null") else None)

@@ -41,6 +41,17 @@ def test_random_kills_and_overlapping_runs_end_exact(spec_path):
     print(counts)
 
 
+def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp_path):
+    """Issue 47: the same chaos with every merge made by Spark's executors
+    (`engine.state_write: executors`: a copy-on-write merge of the state's
+    files, committed by the job), so kills land inside the executors'
+    writes and between them and the commit."""
+    spec_path = write_spec(tmp_path, oracle_spec_dict(engine={"state_write": "executors"}))
+    counts = _chaos(spec_path, rounds=3, seed=5)
+    print(counts)
+    assert counts["killed"], counts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_chaos_soak(spec_path, seed):
@@ -202,7 +213,7 @@ def _outside_commit(path: str, rng: random.Random, counts: dict[str, int]) -> No
         counts["outside commits lost"] += 1
 
 
-def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
+def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int, state_write: str = "auto") -> dict[str, int]:
     """Issue 46: an appended state through overlapping catch-up runs,
     `maintain` (folds, VACUUM, untracked files) and rewinds all at once,
     SIGKILLs at random, and commits from outside the job (a property, an
@@ -226,6 +237,7 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int) -> dict[st
         state={**base["state"], "layout": "appended", "fold_at": 0.001},  # a fold every ~3 batches
         batch={"max_files": 1},
         maintenance={"keep_batches": 100, "untracked_files_hours": 0.02},  # 72 s: longer than any run here
+        engine={"state_write": state_write},
     ))
     spec = load_spec(spec_path)
     landing = folder / "landing"
@@ -276,7 +288,9 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int) -> dict[st
 
 
 def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark):
-    counts = _appended_concurrent_chaos(tmp_path, spark, rounds=3, seed=46)
+    """With `engine.state_write: executors`, every fold `maintain` makes is
+    Spark's executors' (issue 47), racing the batches and the rewinds."""
+    counts = _appended_concurrent_chaos(tmp_path, spark, rounds=3, seed=46, state_write="executors")
     print(counts)
     assert counts["maintains"] and counts["outside commits"], counts
 
@@ -284,5 +298,6 @@ def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # 20 rounds of about 40 s, then a rewind to every batch
 @pytest.mark.parametrize("seed", [47, 48, 49])
-def test_appended_concurrent_chaos_soak(tmp_path, spark, seed):
-    print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed))
+@pytest.mark.parametrize("state_write", ["auto", "executors"])
+def test_appended_concurrent_chaos_soak(tmp_path, spark, seed, state_write):
+    print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed, state_write=state_write))

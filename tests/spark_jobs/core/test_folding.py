@@ -384,7 +384,7 @@ TYPED = {
     "struct": "IF(m IS NULL, NULL, named_struct('n', m, 's', CAST(m AS STRING)))",
     "nested": "IF(m IS NULL, NULL, array(named_struct('m', map('k', array(m)))))",
 }
-ORDERABLE = ("bool", "tiny", "small", "int", "big", "flt", "dbl", "dec", "str", "bin", "date", "ts", "ntz")
+ORDERABLE = ("bool", "tiny", "small", "int", "big", "flt", "dbl", "dec", "str", "bin", "date", "ts", "ntz", "arr", "struct")
 #: FLOAT sums are refused in an appended state (`check_result_types`): not compared here.
 SUMMABLE = ("tiny", "small", "int", "big", "dbl", "dec")
 #: Three batches, one file each: key a has a null in batch 2, b skips batch 3,
@@ -469,6 +469,8 @@ def test_an_appended_state_merges_every_type_a_transform_returns_as_the_merged_l
     ("column", "expr", "rule", "layout", "says"),
     [
         ("m", "map('k', max(n))", "max", "merged", "column 'm' is MAP<STRING, BIGINT>, which `max` cannot order"),
+        ("a", "array(named_struct('m', map('k', max(n))))", "min", "appended", "which `min` cannot order"),
+        ("t", "current_time()", "last", "merged", "column 't' is TIME, which a Delta table cannot hold: cast the time of day"),
         ("f", "CAST(sum(n) AS FLOAT)", "sum", "appended", "column 'f' is FLOAT summed in an appended state"),
         ("d", "make_dt_interval(0, 0, 0, sum(n))", "last", "merged", "column 'd' is INTERVAL DAY TO SECOND, which a Delta table cannot hold"),
         ("y", "make_ym_interval(1, 0)", "last", "appended", "column 'y' is INTERVAL YEAR TO MONTH, which a Delta table cannot hold"),

@@ -420,8 +420,8 @@ def test_no_cleanup_writes_on_unwind():
 
     No bare ``except:`` or ``except BaseException`` in the protocol's
     modules, no ``with`` but files opened for reading and
-    ``storage_errors(...)`` and ``_changing_columns(...)`` (which only
-    translate an OSError or a lost race into our errors) and ``steps(...)``
+    ``storage_errors(...)``, ``_changing_columns(...)`` and ``_racing(...)``
+    (which only translate an OSError or a lost race into our errors) and ``steps(...)``
     (which times a step in memory, and only when it completes), and
     ``finally`` only releases the compute engine (in `catch_up`, whose
     engine first waits for the reads ahead already begun and cancels the
@@ -440,4 +440,5 @@ def test_no_cleanup_writes_on_unwind():
             if isinstance(node, ast.With):
                 for item in node.items:
                     expr = ast.unparse(item.context_expr)
-                    assert expr.startswith(("open(", "self.open(", "self.lister.open(", "storage_errors(", "self._changing_columns(", "steps(")), f"{name}:{node.lineno} uses {expr}"
+                    allowed = ("open(", "self.open(", "self.lister.open(", "storage_errors(", "self._changing_columns(", "_racing(", "steps(")
+                    assert expr.startswith(allowed), f"{name}:{node.lineno} uses {expr}"

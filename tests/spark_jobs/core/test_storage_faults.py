@@ -164,6 +164,12 @@ def test_fault_on_a_delta_log_entry(spec_path, tmp_path, case, syscall, errno, c
 
 @needs_strace
 def test_disk_full_on_the_state_data_file(spec_path, tmp_path):
+    """The state's data file written by delta-rs in the job's process
+    (`engine.state_write: driver`; the executors' writes happen in Spark's
+    workers, which the attached strace does not follow)."""
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    spec_path = write_spec(spec_path.parent, oracle_spec_dict(engine={"state_write": "driver"}))
     spec = _pipeline(spec_path, bad_lines=False)
     # Plan batch 1 in process, crashing right after (no JVM needed): the CLI
     # run below replays the plan and so writes no ledger row before the state.

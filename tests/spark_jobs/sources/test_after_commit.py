@@ -268,7 +268,8 @@ def test_a_file_renamed_over_a_planned_one_before_the_read_is_never_counted_for_
     _, err = run.communicate(timeout=300)
     assert run.returncode == 2, err[-2000:]
     assert "orders.json" in err and "while this batch read it" in err
-    assert not (tmp_path / "lake" / "state").exists(), "nothing of the batch was written"
+    assert not (tmp_path / "lake" / "state" / "_delta_log").exists(), "no state table: nothing committed"
+    assert not list((tmp_path / "lake" / "state").rglob("*.parquet")), "the files the read wrote were dropped"
     again = run_cli("run", str(spec_path))
     assert again.returncode == 2 and "was rewritten" in again.stderr, again.stderr[-2000:]
     assert run_cli("rewind", str(spec_path), "--to-batch", "0").returncode == 0

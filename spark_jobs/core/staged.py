@@ -1,0 +1,252 @@
+"""Rows the executors wrote as a table's data files, committed by the job.
+
+On the executors' path (`state.write`, docs/architecture.md "Where the rows
+go"), Spark's tasks write a batch's rows (its state updates, its quarantined
+records, a fold's result) straight into the table's folder as Parquet files
+(`spark_jobs.engine.spark_write`), and hand back only what the log needs of
+each: its name, size, record count and statistics. This module commits such
+files with delta-rs, in one commit that carries the fence and the commit
+metadata: the protocol's commit points do not change, and the rows never
+pass through the job's process.
+
+The files' statistics are exact bounds of what the tasks wrote, so the
+checks that read a batch's values (`Staged.ranges`: the overflow check) get
+them from the log instead of the rows.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable
+from deltalake.transaction import AddAction, RemoveAction
+
+from spark_jobs.core.delta_io import arrow
+from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.storage.listing import StoredFile, delete
+from spark_jobs.storage.s3 import is_s3, read_bytes
+
+log = logging.getLogger("microbatch")
+
+__all__ = [
+    "IN_PROCESS_ROWS",
+    "Sink",
+    "Staged",
+    "StagedFile",
+    "StagedValues",
+    "commit_files",
+    "delete_files",
+    "in_process_rows",
+    "read_staged",
+    "touched_files",
+]
+
+
+#: A merged state's batch of at most this many rows is merged by delta-rs in
+#: the job's process (its rows read back from the files the executors
+#: wrote): a MERGE that prunes the state's files by the batch's keys, which
+#: a small batch's keys allow. A bigger one is merged by Spark's executors.
+#: About 100 MB in the job's process at the most (docs/state-at-scale.md).
+IN_PROCESS_ROWS = 500_000
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where the executors write a batch's rows (`Compute.process(sink=...)`):
+    its state updates in the state's types, each tagged with the batch id,
+    and its quarantined records, each tagged with the batch's position."""
+
+    #: The folder the updates' files go to: the state table's (an appended
+    #: state commits them as they are; a merged one merges them in, then
+    #: drops them).
+    root: str
+    #: The updates' columns in the state's types, `_batch_id` last.
+    schema: pa.Schema
+    #: The quarantine table's folder (`quarantine.SCHEMA`).
+    quarantine_root: str
+    pipeline: str
+    epoch: int
+    batch_id: int
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One data file a task wrote: its path relative to the table's folder."""
+
+    path: str
+    size: int
+    records: int
+    #: Delta's statistics JSON (numRecords, minValues, maxValues, nullCount).
+    stats: str
+    #: Floating-point columns holding an infinity or a NaN (no bounds in `stats`).
+    nonfinite: tuple[str, ...] = ()
+    #: Exact bounds of the numeric columns, JSON: column to [low, high] as text.
+    bounds: str = "{}"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Rows written as data files in the folder `root`, not yet committed, in `schema`."""
+
+    files: tuple[StagedFile, ...]
+    schema: pa.Schema
+    root: str
+
+    @property
+    def rows(self) -> int:
+        return sum(f.records for f in self.files)
+
+    def ranges(self, column: str) -> tuple[Fraction, Fraction] | None:
+        """The numeric column's smallest and largest value over every file,
+        exactly (None: all null)."""
+        exact = (lambda text: Fraction(float(text))) if pa.types.is_floating(self.schema.field(column).type) else (lambda text: Fraction(Decimal(text)))
+        lows, highs = [], []
+        for f in self.files:
+            found = json.loads(f.bounds).get(column)
+            if found is not None:
+                lows.append(exact(found[0]))
+                highs.append(exact(found[1]))
+        return (min(lows), max(highs)) if lows else None
+
+
+class StagedValues:
+    """A staged batch's values as the overflow check reads them
+    (`widen.BatchValues`): bounds from what the writing tasks saw, rows read
+    here only for the keys the check names (those near a column's limit)."""
+
+    def __init__(self, staged: Staged) -> None:
+        self.root = staged.root
+        self.staged = staged
+
+    @property
+    def names(self) -> list[str]:
+        return self.staged.schema.names
+
+    def type(self, column: str) -> pa.DataType:
+        return self.staged.schema.field(column).type
+
+    def range(self, column: str) -> tuple[Fraction, Fraction] | None:
+        return self.staged.ranges(column)
+
+    def non_finite(self, column: str, keys: list[str]) -> tuple[dict[str, Any], Any] | None:
+        for f in self.staged.files:
+            if column not in f.nonfinite:
+                continue
+            rows = read_staged(Staged((f,), self.staged.schema, self.root), [*keys, column])
+            bad = pc.fill_null(pc.invert(pc.is_finite(rows.column(column))), False)
+            if pc.any(bad).as_py():
+                row = pc.index(bad, True).as_py()
+                return {k: rows.column(k)[row].as_py() for k in keys}, rows.column(column)[row].as_py()
+        return None
+
+    def rows(self, columns: list[str], keys: list[str], wanted: pa.Table) -> pa.Table:
+        wanted = wanted.select(keys).cast(pa.schema([self.staged.schema.field(k) for k in keys]))
+        parts = []
+        for f in self.staged.files:
+            rows = read_staged(Staged((f,), self.staged.schema, self.root), columns)
+            parts.append(rows.join(wanted, keys=keys, join_type="left semi").select(columns))
+        return pa.concat_tables(parts) if parts else pa.schema([self.staged.schema.field(c) for c in columns]).empty_table()
+
+
+def read_staged(staged: Staged, columns: list[str] | None = None) -> pa.Table:
+    """A staged result's rows (or some of its columns), read in this process:
+    for results small enough (`IN_PROCESS_ROWS`), or the few rows a check names."""
+    parts = []
+    for f in staged.files:
+        location = f"{staged.root.rstrip('/')}/{f.path}"
+        source = pq.ParquetFile(io.BytesIO(read_bytes(location)) if is_s3(location) else location)
+        parts.append(source.read(columns=columns))
+    schema = staged.schema if columns is None else pa.schema([staged.schema.field(c) for c in columns])
+    return pa.concat_tables(parts).cast(schema) if parts else schema.empty_table()
+
+
+def in_process_rows(spec: PipelineSpec) -> int:
+    """Up to how many rows a merged state's batch is merged in the job's process."""
+    return -1 if spec.engine.state_write == "executors" else IN_PROCESS_ROWS
+
+
+def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: Staged) -> list[str]:
+    """The paths of the snapshot's files that may hold a key of the batch:
+    with one key column, those whose key range (from their statistics)
+    meets the batch's; else, or without statistics, every file. (Keys that
+    come back from all over the state touch every file: a copy-on-write
+    merge rewrites them all, as delta-rs's MERGE does.)"""
+    actions = arrow(table.get_add_actions(flatten=True))
+    paths = actions.column("path").to_pylist()
+    if len(keys) != 1:
+        return paths
+    key = keys[0]
+    batch = _key_range(staged, key)
+    lows, highs = f"min.{key}", f"max.{key}"
+    if batch is None or lows not in actions.column_names or highs not in actions.column_names:
+        return paths
+    touched = []
+    for path, low, high in zip(paths, actions.column(lows).to_pylist(), actions.column(highs).to_pylist()):
+        if low is None or high is None or not (_text(high) < batch[0] or _text(low) > batch[1]):
+            touched.append(path)
+    return touched
+
+
+def _key_range(staged: Staged, key: str) -> tuple[Any, Any] | None:
+    """The batch's smallest and largest key, from its files' statistics (None: unknown)."""
+    lows, highs = [], []
+    for f in staged.files:
+        stats = json.loads(f.stats)
+        low, high = stats.get("minValues", {}).get(key), stats.get("maxValues", {}).get(key)
+        if low is None or high is None:
+            return None
+        lows.append(low)
+        highs.append(high)
+    return (min(lows), max(highs)) if lows else None
+
+
+def _text(value: Any) -> Any:
+    """A statistics value as the JSON statistics spell it (dates and times as
+    text), so that the log's and the files' bounds compare alike."""
+    if isinstance(value, datetime):
+        return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    if isinstance(value, date):
+        return value.isoformat()
+    return value
+
+
+def delete_files(root: str, files: tuple[StagedFile, ...]) -> None:
+    """Delete files written but never to be committed (best effort: `maintain`
+    removes what is left once older than its window)."""
+    for f in files:
+        location = f"{root.rstrip('/')}/{f.path}"
+        try:
+            delete(StoredFile(f.path, 0.0, location))
+        except Exception as exc:  # noqa: BLE001 - clean-up only
+            log.debug("could not delete %s (%s)", location, exc)
+
+
+def commit_files(
+    table: DeltaTable,
+    added: tuple[StagedFile, ...],
+    schema: pa.Schema,
+    properties: CommitProperties,
+    *,
+    removed: list[str] | None = None,
+    data_change: bool = True,
+) -> None:
+    """Commit `added` (files already in the table's folder) and the removal of
+    `removed` (paths of `table`'s snapshot) as one version, from `table`'s
+    snapshot, with `properties` (the fence, the metadata). Raises delta-rs's
+    commit error when a conflicting commit landed first. The handle does not
+    move: find the version by its fence (`StateTable.find_commit`)."""
+    now = int(time.time() * 1000)
+    actions: list[Any] = [AddAction(f.path, f.size, {}, now, data_change, f.stats) for f in added]
+    actions += [RemoveAction(path, data_change, now) for path in removed or []]
+    table.create_write_transaction(actions, mode="append", schema=schema, commit_properties=properties)

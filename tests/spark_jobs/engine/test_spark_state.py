@@ -1,0 +1,156 @@
+"""Where the rows go (issue 47): the executors write a batch's updates, its
+quarantined records, a merged state's merge and an appended state's fold as
+data files; the job's process commits them and never holds a row.
+
+Real Spark (the suite's session), real Delta tables in `tmp_path`, the real
+protocol. "Never holds a row" is checked where rows could come back: every
+`DataFrame.toArrow()` the job calls is counted, and a batch of thousands of
+keys brings back one short row per file written.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pyspark.sql.classic.dataframe import DataFrame  # what a classic session makes
+
+from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.folding import read_state, row_counts
+from spark_jobs.core.maintain import maintain
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.rewind import rewind
+from spark_jobs.core.spec import load_spec
+from spark_jobs.demo.clickstream import write_wave
+from tests.conftest import assert_exact, assert_versions_carry_batches, oracle_spec_dict, write_spec
+
+
+@pytest.fixture
+def arrow_rows(monkeypatch):
+    """The rows each `toArrow()` of this process brought back, in order."""
+    counts: list[int] = []
+    real = DataFrame.toArrow
+
+    def counted(self):
+        table = real(self)
+        counts.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(DataFrame, "toArrow", counted)
+    return counts
+
+
+def _spec(tmp_path, layout: str = "merged", state_write: str = "auto", **state):
+    base = oracle_spec_dict()
+    return write_spec(tmp_path, oracle_spec_dict(
+        state={**base["state"], "layout": layout, **state},
+        engine={"state_write": state_write},
+        batch={"max_files": 1},
+    ))
+
+
+def _run(spec_path, compute) -> str:
+    return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
+
+
+@pytest.mark.parametrize("layout", ["merged", "appended"])
+def test_a_batch_s_rows_are_written_by_the_executors_and_only_file_names_come_back(tmp_path, compute, arrow_rows, layout):
+    """3,000 users in a batch: what reaches the job's process is one row per
+    file the tasks wrote (and the quarantine's files, the same way), never a
+    user's row; the state is exact, and each ledger row names its commit."""
+    spec_path = _spec(tmp_path, layout, state_write="executors")
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=6000, users=3000, bad_every=500)
+    assert _run(spec_path, compute) == "committed"
+    assert arrow_rows and max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
+    write_wave(tmp_path / "landing", 1, files=1, records_per_file=6000, users=3000, bad_every=500)
+    assert _run(spec_path, compute) == "committed"
+    assert max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
+    assert_exact(spec_path)
+    assert_versions_carry_batches(spec_path)
+    spec = load_spec(spec_path)
+    quarantined = read_all(open_table(spec.quarantine_path))
+    assert quarantined.num_rows == 2 * (6000 // 500)
+    assert set(quarantined.column("batch_id").to_pylist()) == {1, 2}
+    assert all(uri.startswith("file:///") for uri in quarantined.column("file").to_pylist()), "named by their planned URIs"
+    assert _untracked(spec.state_path) == set(), "a batch's files merged in are dropped, the others committed"
+
+
+def _untracked(path: str) -> set[str]:
+    """The Parquet files in a table's folder that no version of its log adds."""
+    from pathlib import Path
+
+    from spark_jobs.core.delta_io import version_actions
+
+    added, version = set(), 0
+    while (actions := version_actions(path, version)) is not None:
+        added |= {a["add"]["path"] for a in actions if "add" in a}
+        version += 1
+    return {p.name for p in Path(path).glob("*.parquet")} - added
+
+
+def test_a_merged_state_s_big_batch_is_merged_by_the_executors_as_a_merge_in_process_would(tmp_path, compute):
+    """The copy-on-write merge on the executors (`state_write: executors`)
+    against the MERGE in the job's process (`driver`), the same batches:
+    every rule, keys coming back and new, nulls; the same state."""
+    states = {}
+    for way in ("executors", "driver"):
+        folder = tmp_path / way
+        spec_path = _spec(folder, state_write=way)
+        for wave in range(3):
+            write_wave(folder / "landing", wave, files=1, records_per_file=900, users=300 + 100 * wave, seed=7)
+            assert _run(spec_path, compute) == "committed"
+        assert_exact(spec_path)
+        states[way] = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
+    assert states["executors"] == states["driver"]
+
+
+def test_a_fold_by_the_executors_keeps_every_value_and_every_kept_batch_rewinds(tmp_path, compute, arrow_rows):
+    """`maintain` folds an appended state on the executors (`state_write:
+    executors`): one row per key again, the same values, no row through the
+    job's process, and a rewind to each batch before the fold still exact."""
+    spec_path = _spec(tmp_path, "appended", state_write="executors", fold_at=10.0)
+    for wave in range(3):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=600, users=200)
+        assert _run(spec_path, compute) == "committed"
+    spec = load_spec(spec_path)
+    before = {r["user_id"]: r for b in read_state(spec) for r in b.to_pylist()}
+    assert row_counts(open_table(spec.state_path)).appended > 0
+    arrow_rows.clear()
+    report = maintain(spec, compute_factory=compute)
+    assert max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
+    counts = row_counts(open_table(spec.state_path))
+    assert counts.appended == 0 and counts.rows == len(before)
+    assert {r["user_id"]: r for b in read_state(spec) for r in b.to_pylist()} == before
+    assert report.kept_batches == [1, 2, 3]
+    for batch in (2, 1):
+        assert rewind(spec, batch, run_id=f"test-{batch}").status == "rewound"
+        assert [r.batch_id for r in assert_exact(spec_path, drained=False)] == list(range(1, batch + 1))
+
+
+def test_a_value_the_state_column_cannot_hold_fails_the_batch_by_name_before_any_commit(tmp_path, compute):
+    """A batch whose values do not cast to the state's column type is a spec
+    error the writing tasks find: terminal, named as `align` names it in the
+    job's process, nothing committed; the spec fixed, the replay commits."""
+    from spark_jobs.errors import TransformError, exit_code
+
+    def spec(transform: str):
+        return write_spec(tmp_path, {
+            "name": "narrow",
+            "source": {"type": "files", "path": "landing", "format": "json", "schema": "k STRING, n BIGINT"},
+            "transform": transform,
+            "state": {"path": "lake/state", "keys": ["k"], "merge": {"v": "last"}},
+            "checkpoint": "lake/_checkpoints/narrow",
+            "batch": {"max_files": 1},
+        })
+
+    spec_path = spec("SELECT k, CAST(max(n) AS DOUBLE) AS v FROM batch GROUP BY k")
+    (tmp_path / "landing" / "a.json").write_text('{"k": "a", "n": 1}\n')
+    assert _run(spec_path, compute) == "committed"
+    (tmp_path / "landing" / "b.json").write_text('{"k": "a", "n": 2}\n')
+    spec_path = spec("SELECT k, concat(CAST(max(n) AS STRING), 'x') AS v FROM batch GROUP BY k")
+    version = open_table(load_spec(spec_path).state_path).version()
+    with pytest.raises(TransformError, match="do not fit the state table's types.*'v'") as caught:
+        _run(spec_path, compute)
+    assert exit_code(caught.value) == 2
+    assert open_table(load_spec(spec_path).state_path).version() == version
+    spec_path = spec("SELECT k, CAST(max(n) AS DOUBLE) AS v FROM batch GROUP BY k")
+    assert _run(spec_path, compute) == "committed"
+    assert read_all(open_table(load_spec(spec_path).state_path)).to_pylist()[0]["v"] == 2.0

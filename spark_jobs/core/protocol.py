@@ -124,9 +124,14 @@ from spark_jobs.sources import BatchRange, Caps
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare", "reconcile", "run_batch", "sink_for"]
+__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "executors_write", "prepare", "reconcile", "run_batch", "sink_for"]
 
 log = logging.getLogger("microbatch")
+
+#: `engine.state_write: auto`: a batch reading more than this many bytes has
+#: its rows written by Spark's executors. A million keys of Parquet input
+#: weigh about 17 MB; their result in this process, about 170 MB.
+EXECUTORS_FROM_BYTES = 32 * 1024 * 1024
 
 #: How often step 1 reads the tables again when a run recorded a row while
 #: it looked: each try sees a newer ledger, so only runs landing again and
@@ -377,7 +382,7 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     write the batch's updates and bad records as data files, and only the
     files' names and statistics reach this process (`_read_by_executors`)."""
     spec, n = pipeline.spec, plan.position
-    if spec.engine.state_write != "driver" and engine.writes_files:
+    if executors_write(spec, plan.batch, engine):
         return _read_by_executors(pipeline, plan, engine)
     # Spark reads the planned files by name: one replaced meanwhile was read in
     # its place, and must not be recorded (and released) as the planned one:
@@ -401,6 +406,25 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
         log.info("quarantined %d of %d records", quarantined, result.records_in)
     _boundary("after_quarantine", spec)
     return Processed(updates, result.records_in, quarantined)
+
+
+def executors_write(spec: PipelineSpec, batch: BatchRange, engine: Engine) -> bool:
+    """Whether Spark's executors write this batch's rows (`engine.state_write`).
+
+    `auto`: when the batch reads more than `EXECUTORS_FROM_BYTES`, or when
+    a Delta source is read by Spark (`source.reader: spark`: its rows were
+    never in this process). A smaller batch's result comes back here and is
+    written by delta-rs: its rows fit, and a Spark job of Python tasks
+    would cost a cold run a third of its time (docs/benchmarks.md)."""
+    mode = spec.engine.state_write
+    if mode == "driver" or not engine.writes_files:
+        return False
+    if mode == "executors":
+        return True
+    size = batch.manifest.input_bytes()
+    if size is None:
+        return getattr(spec.source, "reader", "driver") == "spark"
+    return size > EXECUTORS_FROM_BYTES
 
 
 def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:

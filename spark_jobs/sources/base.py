@@ -51,6 +51,11 @@ class Manifest(Protocol):
     def inputs(self) -> list[str]:
         """What the batch reads, named for people (file names, partition ranges)."""
 
+    def input_bytes(self) -> int | None:
+        """About how many bytes the batch reads (None: not known without
+        reading more than the manifest): whether its rows are best written
+        by Spark's executors (`engine.state_write: auto`)."""
+
     def describe(self) -> str:
         """A short phrase for logs and outcomes, e.g. ``3 file(s)``."""
 

@@ -91,6 +91,9 @@ class DeltaManifest:
     def inputs(self) -> list[str]:
         return [f"{self.uri}@v{self.first}" + (f"..v{self.last}" if self.last != self.first else "")]
 
+    def input_bytes(self) -> int | None:
+        return None  # (the versions' files are named in their log entries, not here)
+
     def describe(self) -> str:
         count = self.last - self.first + 1
         lost = sum(b - a + 1 for a, b in self.skipped)

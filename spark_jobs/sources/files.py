@@ -136,6 +136,9 @@ class FilesManifest:
     def inputs(self) -> list[str]:
         return [f.name for f in self.files]
 
+    def input_bytes(self) -> int | None:
+        return sum(f.size for f in self.files)
+
     def describe(self) -> str:
         return f"{len(self.files)} file(s)"
 

@@ -212,6 +212,10 @@ class PartitionOffsets:
         return cls(topic, {int(p): int(n) for p, n in (data.get(topic) or {}).items()}, data.get(CLUSTER_KEY), data.get(TOPIC_ID_KEY))
 
 
+#: What a batch's record is taken to weigh before it is read (`KafkaManifest.input_bytes`).
+RECORD_BYTES = 256
+
+
 @dataclass(frozen=True)
 class KafkaManifest:
     """The offset ranges one batch reads, and those retention had deleted (skipped)."""
@@ -232,6 +236,10 @@ class KafkaManifest:
 
     def inputs(self) -> list[str]:
         return [f"kafka://{self.topic}/{p} [{s}, {e})" for p, s, e in self.ranges]
+
+    def input_bytes(self) -> int | None:
+        # Records are not sized before they are read: a small JSON event's size, per offset.
+        return RECORD_BYTES * sum(e - s for _, s, e in self.ranges)
 
     def describe(self) -> str:
         offsets = sum(e - s for _, s, e in self.ranges)

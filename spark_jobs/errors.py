@@ -33,6 +33,7 @@ __all__ = [
     "MergeOverflowError",
     "MicrobatchError",
     "NewerFormatError",
+    "ResultTooLargeError",
     "RewindError",
     "SourceChangedError",
     "SourceError",
@@ -107,6 +108,12 @@ class SpecError(Terminal, MicrobatchError):
 
 class TransformError(Terminal, MicrobatchError):
     """The transform SQL failed or returned a result that cannot be merged."""
+
+
+class ResultTooLargeError(Terminal, MicrobatchError):
+    """A batch's result was to come back to the job's process and is bigger
+    than Spark lets one (``spark.driver.maxResultSize``). A retry meets the
+    same size: the message names the setting that writes it by the executors."""
 
 
 class SpecChangedError(Terminal, MicrobatchError):

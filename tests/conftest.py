@@ -357,6 +357,18 @@ def commit_updates(state, table, updates, position):
     return state.commit_batch(table, state.align(table, updates), batch_metadata(state.spec.name, position))
 
 
+def reach(point: str, spec_path: Path) -> None:
+    """Make fault point `point` reachable by the pipeline at `spec_path`:
+    ``mid_executor_write`` fires only while Spark's executors write a batch's
+    rows, and ``engine.state_write: auto`` keeps a test's small batches in the
+    job's process, so that point's runs set ``state_write: executors``."""
+    if point != "mid_executor_write":
+        return
+    spec = yaml.safe_load(spec_path.read_text())
+    spec.setdefault("engine", {})["state_write"] = "executors"
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
 class SimulatedCrash(Exception):
     """Stands for a kill at a fault point, for in-process runs."""
 

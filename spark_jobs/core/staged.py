@@ -40,6 +40,7 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 log = logging.getLogger("microbatch")
 
 __all__ = [
+    "CAST_FAILED",
     "IN_PROCESS_ROWS",
     "Sink",
     "Staged",
@@ -59,6 +60,11 @@ __all__ = [
 #: a small batch's keys allow. A bigger one is merged by Spark's executors.
 #: About 100 MB in the job's process at the most (docs/state-at-scale.md).
 IN_PROCESS_ROWS = 500_000
+
+#: Starts the message of a value that does not cast to the state's column
+#: type, in a writing task or in the job's process alike; the job turns it
+#: into a `TransformError` (the spec's to fix).
+CAST_FAILED = "microbatch: cannot store column"
 
 
 @dataclass(frozen=True)

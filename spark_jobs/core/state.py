@@ -36,7 +36,7 @@ from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_confl
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
-from spark_jobs.core.staged import Staged, StagedValues, commit_files, delete_files, in_process_rows, read_staged, touched_files
+from spark_jobs.core.staged import CAST_FAILED, Staged, StagedValues, commit_files, delete_files, in_process_rows, read_staged, touched_files
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
@@ -97,6 +97,13 @@ def merge_expression(column: str, rule: str, *, quote: Callable[[str], str] = _q
     raise ValueError(f"unknown merge rule {rule!r}")
 
 
+#: What an appended state's table description says, for a user reading the
+#: table directly (Spark, Databricks SQL, DuckDB): its rows are partial.
+APPENDED_NOTE = (
+    "[microbatch: appended layout: several rows per key until a fold; read the state through "
+    "`microbatch query SPEC`, or the SQL `microbatch query SPEC --sql spark` prints]"
+)
+
 #: The Delta table property that makes every commit write its row changes.
 CHANGE_FEED = "delta.enableChangeDataFeed"
 
@@ -122,9 +129,15 @@ class StateTable:
             self.path,
             schema,
             name=self.spec.name,
-            description=self.spec.description or None,
+            description=self._description(),
             configuration={CHANGE_FEED: "true"} if self.spec.state.change_feed else None,
         )
+
+    def _description(self) -> str | None:
+        """The table's description: the spec's, and for an appended state how
+        to read it (its rows are partial: `APPENDED_NOTE`)."""
+        parts = [self.spec.description or "", APPENDED_NOTE if is_appended(self.spec) else ""]
+        return " ".join(p for p in parts if p) or None
 
     def commit_batch(
         self, table: DeltaTable, updates: pa.Table | Staged, metadata: CommitMetadata, files: FileWriting | None = None
@@ -289,13 +302,24 @@ class StateTable:
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             raise self._error(
                 TransformError,
-                f"this batch's columns do not fit the state table's types ({exc}); cast them in "
-                f"the transform to the types in {self.path}",
+                f"this batch's columns do not fit the state table's types ({self._unfit(data, schema, exc)}); "
+                f"cast them in the transform to the types in {self.path}",
             ) from exc
         # Against the state as it is: adding or widening a column keeps its values.
         self._check_overflow(table, existing, aligned)
         self._make_changes(table, existing, added, widened)
         return aligned
+
+    @staticmethod
+    def _unfit(data: pa.Table, schema: pa.Schema, exc: Exception) -> str:
+        """Which column failed the cast, worded as the executors' writing
+        tasks word it (Arrow's own message does not name the column)."""
+        for field in schema:
+            try:
+                data.column(field.name).cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as failed:
+                return f"{CAST_FAILED} {field.name!r} as {field.type}: {failed}"
+        return str(exc)
 
     def _make_changes(self, table: DeltaTable, existing: pa.Schema, added: list[Field], widened: dict[str, pa.DataType]) -> None:
         """The state's changes a batch needs: merge columns added or widened,
@@ -306,6 +330,10 @@ class StateTable:
         if widened:
             with self._changing_columns(f"widening column(s) {', '.join(widened)}"):
                 self._widen(table, existing, widened)
+        if is_appended(self.spec) and APPENDED_NOTE not in (table.metadata().description or ""):
+            # A merged state turned appended: whoever reads the table learns how to read it.
+            with self._changing_columns("marking its layout in its description"):
+                table.alter.set_table_description(self._description() or "")
         if self.spec.state.change_feed and table.metadata().configuration.get(CHANGE_FEED) != "true":
             # Turned on in the spec of an existing state: the feed starts with this batch.
             with self._changing_columns("turning its change data feed on"):

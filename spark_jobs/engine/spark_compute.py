@@ -39,13 +39,12 @@ from spark_jobs.core.identity import SpecIdentity
 from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
-from spark_jobs.core.staged import Sink, Staged, StagedFile, delete_files
+from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
 from spark_jobs.engine import delta_read, exact_read, native_read, spark_state
-from spark_jobs.engine.spark_files import CAST_FAILED
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master
-from spark_jobs.errors import ComputeError, MicrobatchError, SourceError, SourceRefusedError, TransformError, first_line
+from spark_jobs.errors import ComputeError, MicrobatchError, ResultTooLargeError, SourceError, SourceRefusedError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
 from spark_jobs.sources.files import HADOOP_GLOB_CHARS, FilesManifest, SourceFile
@@ -305,6 +304,16 @@ class SparkCompute:
         try:
             return step()
         except Exception as exc:
+            too_big = re.search(r"Total size of serialized results[^\n]*maxResultSize[^\n)]*\)", str(exc))
+            if too_big:
+                raise ResultTooLargeError(
+                    f"pipeline {spec.name}: this batch's result is bigger than Spark lets come back to the job's "
+                    f"process ({too_big.group(0)}). Nothing was committed; a retry meets the same size. Set "
+                    "`engine.state_write: executors` in the spec to have Spark's executors write it (the way "
+                    "batches this big are written: docs/architecture.md, \"Where the rows go\"), or raise "
+                    "spark.driver.maxResultSize and give the driver the memory for it.",
+                    pipeline=spec.name,
+                ) from exc
             found = re.search(f"{re.escape(CAST_FAILED)} [^\n]*", str(exc))
             if found:
                 # A writing task could not cast a value to the state's column type, as `align` refuses it here.

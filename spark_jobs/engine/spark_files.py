@@ -35,13 +35,13 @@ import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from spark_jobs.core.staged import StagedFile
+from spark_jobs.core.staged import CAST_FAILED, StagedFile
 
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["CAST_FAILED", "MAX_READ_TASKS", "read_files", "write_files", "writing", "written"]
+__all__ = ["MAX_READ_TASKS", "read_files", "write_files", "writing", "written"]
 
 #: What each task returns: one row per file it wrote.
 WRITTEN = "path STRING, size BIGINT, records BIGINT, stats STRING, nonfinite STRING, bounds STRING"
@@ -204,11 +204,6 @@ def _renamed(batch: pa.RecordBatch, rename: tuple[str, dict[str, str]]) -> pa.Re
         for v in batch.column(index).to_pylist()
     ]
     return batch.set_column(index, batch.schema.field(index), pa.array(values, pa.string()))
-
-
-#: Starts the message of a task that could not cast a value to the table's
-#: type; the driver turns it into a `TransformError` (the spec's to fix).
-CAST_FAILED = "microbatch: cannot store column"
 
 
 def _cast(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

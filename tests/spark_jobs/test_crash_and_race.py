@@ -20,7 +20,7 @@ from spark_jobs.core.faults import MARKER, POINTS
 from spark_jobs.core.inspect import history
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.spec import load_spec
-from tests.conftest import assert_exact, run_cli, start_cli
+from tests.conftest import assert_exact, reach, run_cli, start_cli
 
 SEEDS = (3, 7, 11)
 #: The fault matrix: every point with every seed in `make soak`; in `make
@@ -51,6 +51,7 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, se
     input (in `make test`, one seed per boundary: `FAULT_MATRIX`)."""
     landing = spec_path.parent / "landing"
     files = 1 + seed % 3
+    reach(point, spec_path)
     # Batch 1 lands normally (in-process: only the crash and the recovery need new processes).
     write_wave(landing, 0, files=files, records_per_file=150, users=30, seed=seed, bad_every=37)
     assert run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status == "committed"

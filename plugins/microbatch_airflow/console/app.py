@@ -119,7 +119,9 @@ def _source_text(spec: PipelineSpec) -> str:
 
 def _summary(spec: PipelineSpec) -> dict[str, Any]:
     """One pipeline's line of ``GET /api/pipelines`` (runs in a worker thread)."""
-    base: dict[str, Any] = {"name": spec.name, "dag_id": spec.name, "source": _source_text(spec), "spec_path": str(spec.spec_path)}
+    base: dict[str, Any] = {
+        "name": spec.name, "dag_id": spec.name, "source": _source_text(spec), "spec_path": str(spec.spec_path), "layout": spec.state.layout,
+    }
     try:
         with connections(spec):
             st = inspect.status(spec)

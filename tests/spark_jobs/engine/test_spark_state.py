@@ -125,10 +125,11 @@ def test_a_fold_by_the_executors_keeps_every_value_and_every_kept_batch_rewinds(
         assert [r.batch_id for r in assert_exact(spec_path, drained=False)] == list(range(1, batch + 1))
 
 
-def test_a_value_the_state_column_cannot_hold_fails_the_batch_by_name_before_any_commit(tmp_path, compute):
+@pytest.mark.parametrize("state_write", ["executors", "driver"])
+def test_a_value_the_state_column_cannot_hold_fails_the_batch_by_name_before_any_commit(tmp_path, compute, state_write):
     """A batch whose values do not cast to the state's column type is a spec
-    error the writing tasks find: terminal, named as `align` names it in the
-    job's process, nothing committed; the spec fixed, the replay commits."""
+    error the writing tasks find (or `align`, in the job's process): terminal,
+    named the same either way, nothing committed; the spec fixed, the replay commits."""
     from spark_jobs.errors import TransformError, exit_code
 
     def spec(transform: str):
@@ -139,6 +140,7 @@ def test_a_value_the_state_column_cannot_hold_fails_the_batch_by_name_before_any
             "state": {"path": "lake/state", "keys": ["k"], "merge": {"v": "last"}},
             "checkpoint": "lake/_checkpoints/narrow",
             "batch": {"max_files": 1},
+            "engine": {"state_write": state_write},
         })
 
     spec_path = spec("SELECT k, CAST(max(n) AS DOUBLE) AS v FROM batch GROUP BY k")
@@ -147,10 +149,37 @@ def test_a_value_the_state_column_cannot_hold_fails_the_batch_by_name_before_any
     (tmp_path / "landing" / "b.json").write_text('{"k": "a", "n": 2}\n')
     spec_path = spec("SELECT k, concat(CAST(max(n) AS STRING), 'x') AS v FROM batch GROUP BY k")
     version = open_table(load_spec(spec_path).state_path).version()
-    with pytest.raises(TransformError, match="do not fit the state table's types.*'v'") as caught:
+    with pytest.raises(TransformError, match="do not fit the state table's types.*cannot store column 'v' as double") as caught:
         _run(spec_path, compute)
     assert exit_code(caught.value) == 2
     assert open_table(load_spec(spec_path).state_path).version() == version
     spec_path = spec("SELECT k, CAST(max(n) AS DOUBLE) AS v FROM batch GROUP BY k")
     assert _run(spec_path, compute) == "committed"
     assert read_all(open_table(load_spec(spec_path).state_path)).to_pylist()[0]["v"] == 2.0
+
+
+def test_a_result_too_big_to_come_back_fails_for_good_naming_the_setting_and_the_executors_write_it(tmp_path):
+    """Issue 47: a batch whose result passed `spark.driver.maxResultSize`
+    failed with exit 1, retried forever. Now exit 2 names
+    `engine.state_write: executors`, and with it the same batch commits.
+    (A 512 KB limit, from a spark-defaults.conf, stands for the 1 GB one;
+    every task's own result carries some 10 KB of metrics besides.)"""
+    import json as json_module
+
+    from tests.conftest import run_cli
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "spark-defaults.conf").write_text("spark.driver.maxResultSize 512k\n")
+    env = {"SPARK_CONF_DIR": str(conf)}
+    spec_path = _spec(tmp_path, state_write="driver")
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=30000, users=20000)
+    refused = run_cli("run", str(spec_path), env=env)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "engine.state_write: executors" in refused.stderr
+    assert "Total size of serialized results" in refused.stderr and "maxResultSize (512.0 KiB)" in refused.stderr
+    spec_path = _spec(tmp_path, state_write="executors")
+    done = run_cli("run", str(spec_path), "--json", env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json_module.loads(done.stdout)["status"] == "committed"
+    assert_exact(spec_path)

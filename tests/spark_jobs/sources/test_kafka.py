@@ -45,7 +45,7 @@ from spark_jobs.sources import kafka as kafka_source
 from spark_jobs.sources import make_source
 from spark_jobs.sources.base import Caps
 from spark_jobs.sources.kafka import fair_shares
-from tests.conftest import ROOT, BatchesLineage, crash_at, run_cli
+from tests.conftest import ROOT, BatchesLineage, crash_at, reach, run_cli
 
 TRANSFORM = (
     "SELECT user_id, count(*) AS events, sum(amount_cents) AS cents, max(_kafka_offset) AS last_offset "
@@ -427,9 +427,10 @@ def test_transactions_idempotence_and_bad_records_exact_through_a_crash_at_every
         values.extend(new)
 
     abort_a_transaction(kafka, topic, f"{topic}-aborting")
-    path = spec_file(tmp_path, kafka, topic)
     for i, point in enumerate(POINTS):
         send(60, tx=f"{topic}-tx" if i % 2 else None)
+        path = spec_file(tmp_path, kafka, topic)
+        reach(point, path)
         with crash_at(point):
             run(path, compute)
         # The next run redoes the batch, or (a crash after the state commit) completes it.

@@ -347,7 +347,10 @@ async function select(name) {
   if (!pipeline) return;
   $("#detail").hidden = false;
   $("#detail-name").textContent = name;
-  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}`;
+  const layout = pipeline.layout === "appended"
+    ? "; state: appended layout (partial rows: read it with `microbatch query`, or the SQL `microbatch query --sql spark` prints)"
+    : "";
+  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}${layout}`;
   $("#dag-link").href = `${AIRFLOW}/dags/${encodeURIComponent(pipeline.dag_id)}`;
   state.batches = await api(`pipelines/${encodeURIComponent(name)}/batches?limit=100&group=batch`);
   renderCharts(pipeline);

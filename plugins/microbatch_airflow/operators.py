@@ -22,6 +22,7 @@ commit protocol.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
@@ -221,12 +222,16 @@ class MicroBatchOperator(BaseOperator):
         context["outlet_events"][batches_alias(spec)].add(state_asset(spec), extra=extra)
 
     def _emit_earlier_attempts(self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome) -> list[int]:
-        """Asset events for batches an earlier attempt of this run committed.
+        """Asset events for batches an earlier attempt of this run committed
+        and no event announced yet.
 
         An attempt killed after its state commit (or failing after it, e.g. on
-        the ledger row) never emitted its event; the retry then finds the
-        batch done. Without this, downstream DAGs would not hear of that
-        batch until the next one.
+        the ledger row) never emitted its event: Airflow records a task's
+        events only when it succeeds. The retry then finds the batch done, and
+        without this downstream DAGs would not hear of that batch until the
+        next one. An attempt that succeeded did announce it: a re-run of its
+        run (cleared, or a backfill reprocessing it) must not announce it
+        again, or downstream DAGs run twice for one batch.
         """
         from spark_jobs.core.inspect import history
         from spark_jobs.core.ledger import RowStatus
@@ -241,16 +246,48 @@ class MicroBatchOperator(BaseOperator):
                 outcome.status is Outcome.COMMITTED and (row.epoch, row.batch_id) == (outcome.epoch, outcome.batch_id)
             )
         ]
+        announced = self._announced(spec, earlier)
+        unannounced = []
         for row in earlier:
+            if (row.epoch, row.batch_id) in announced:
+                self.log.info(
+                    "batch %s (epoch %s) was committed by attempt %s of this run, and its asset event was sent then",
+                    row.batch_id,
+                    row.epoch,
+                    row.attempt,
+                )
+                continue
             self.log.info(
-                "batch %s (epoch %s) was committed by attempt %s of this run, which either died before "
-                "emitting its asset event or was cleared since: emitting the event now",
+                "batch %s (epoch %s) was committed by attempt %s of this run, which ended before its asset event "
+                "was sent: sending it now",
                 row.batch_id,
                 row.epoch,
                 row.attempt,
             )
             self._emit(context, spec, row)
-        return [row.batch_id for row in earlier]
+            unannounced.append(row.batch_id)
+        return unannounced
+
+    @staticmethod
+    def _announced(spec: PipelineSpec, rows: list[Any]) -> set[tuple[int, int]]:
+        """(epoch, batch) of the state asset's events Airflow holds for
+        `rows`' batches: those sent since the earliest of them committed (an
+        hour's margin for clocks), read through the task's own API."""
+        from airflow.sdk.execution_time.context import InletEventsAccessor
+
+        if not rows:
+            return set()
+        times = [row.committed_at for row in rows if row.committed_at is not None]
+        asset = state_asset(spec)
+        events = InletEventsAccessor(asset_name=asset.name, asset_uri=asset.uri)
+        if times:
+            events = events.after((min(times) - timedelta(hours=1)).isoformat())
+        found = set()
+        for event in events:
+            extra = event.extra or {}
+            if extra.get("pipeline") == spec.name and "batch_id" in extra:
+                found.add((extra.get("epoch"), extra["batch_id"]))
+        return found
 
     def _spec(self) -> PipelineSpec:
         try:

@@ -93,6 +93,12 @@ def _csv(kind: str, option: str) -> Callable[[PipelineSpec], Any]:
     return _when(kind, lambda s: getattr(s.source.csv, option) if s.source.format == "csv" else _ABSENT)
 
 
+def _strict(kind: str) -> Callable[[PipelineSpec], Any]:
+    """`unknown_fields`, held only when not its default: a spec that does
+    not set it keeps the fingerprint it had before the field existed."""
+    return _when(kind, lambda s: s.source.unknown_fields if s.source.unknown_fields != "ignore" else _ABSENT)
+
+
 #: A value a spec does not have (another source type's field, a CSV option of JSON).
 _ABSENT = object()
 
@@ -163,6 +169,7 @@ def _judge_release(path: str, old: str, new: str, *_: Any) -> tuple[list[str], l
 
 _LOCATION = "where the records come from: another location is another source"
 _PARSE = "how bytes become records"
+_UNKNOWN = "which records are quarantined for fields the schema does not name; nothing is lost either way"
 _READER = "read by the first batch of a lineage (and after `rewind --to-batch 0`); later batches go on from the ledger"
 
 #: Every field of the spec model, by path (`source.<type>.<field>` for a
@@ -179,6 +186,7 @@ SPEC_RULES: dict[str, FieldRule] = {
     "source.files.schema": FieldRule(Rule.REFUSE, _PARSE + ": columns may be added or widened, not removed, narrowed or (CSV without a header) moved", value=_when("files", _schema), judge=_judge_schema),
     "source.files.csv.header": FieldRule(Rule.REFUSE, _PARSE + ": whether a file's first line is a record", value=_csv("files", "header")),
     "source.files.csv.delimiter": FieldRule(Rule.REFUSE, _PARSE, value=_csv("files", "delimiter")),
+    "source.files.unknown_fields": FieldRule(Rule.RECORD, _UNKNOWN, value=_strict("files")),
     "source.files.max_line_bytes": FieldRule(Rule.RECORD, "which lines are quarantined unparsed; nothing is lost either way", value=_when("files", lambda s: s.source.max_line_bytes)),
     "source.files.after_commit": FieldRule(Rule.REFUSE, "which files count as consumed: by name with `keep`, by name, size and mtime with `delete` or `archive` (switching between those two is recorded)", value=_when("files", lambda s: s.source.after_commit), judge=_judge_release),
     "source.files.archive": FieldRule(Rule.RECORD, "where consumed files go; they leave the source folder either way", value=_when("files", lambda s: s.archive_path)),
@@ -194,6 +202,7 @@ SPEC_RULES: dict[str, FieldRule] = {
     "source.kafka.csv.delimiter": FieldRule(Rule.REFUSE, _PARSE, value=_csv("kafka", "delimiter")),
     "source.kafka.starting_offsets": FieldRule(Rule.RECORD, _READER, value=_when("kafka", lambda s: s.source.starting_offsets)),
     "source.kafka.on_data_loss": FieldRule(Rule.RECORD, "what a later batch does when retention deleted records it needs", value=_when("kafka", lambda s: s.source.on_data_loss)),
+    "source.kafka.unknown_fields": FieldRule(Rule.RECORD, _UNKNOWN, value=_strict("kafka")),
     "source.kafka.max_line_bytes": FieldRule(Rule.RECORD, "which values are quarantined unparsed; nothing is lost either way", value=_when("kafka", lambda s: s.source.max_line_bytes)),
     "source.kafka.options": FieldRule(Rule.FREE, "client settings (security, timeouts); never secrets, never what a record is"),
     "state.path": FieldRule(Rule.REFUSE, "where the state is: another path is another state", value=lambda s: s.state_path),

@@ -196,6 +196,14 @@ class CsvOptions(_Model):
         return value
 
 
+def _check_unknown_fields(data_format: str, unknown_fields: str) -> None:
+    if unknown_fields == "quarantine" and data_format != "json":
+        raise ValueError(
+            f"unknown_fields: quarantine is for JSON records; a {data_format} record has no field names "
+            "(a CSV record with more columns than the schema is quarantined already): leave it out"
+        )
+
+
 class FilesSourceSpec(_Model):
     """A folder of files; each file is consumed exactly once."""
 
@@ -210,6 +218,14 @@ class FilesSourceSpec(_Model):
     #: deleted, or moved under `archive` (outside the source folder).
     after_commit: Literal["keep", "delete", "archive"] = "keep"
     archive: str | None = Field(default=None, min_length=1)
+    #: JSON fields `schema` does not name: ignored, or their record quarantined
+    #: (a misspelled field is otherwise read as a missing one: a null).
+    unknown_fields: Literal["ignore", "quarantine"] = "ignore"
+
+    @model_validator(mode="after")
+    def _unknown_fields_of_json(self) -> FilesSourceSpec:
+        _check_unknown_fields(self.format, self.unknown_fields)
+        return self
 
     @model_validator(mode="after")
     def _archive_named(self) -> FilesSourceSpec:
@@ -293,6 +309,13 @@ class KafkaSourceSpec(_Model):
     max_line_bytes: int = Field(default=DEFAULT_MAX_LINE_BYTES, ge=64, le=512 * 1024 * 1024)
     #: Extra librdkafka settings (security.protocol, sasl.mechanism, ...): no secrets.
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    #: As for files: JSON fields `schema` does not name, ignored or quarantined.
+    unknown_fields: Literal["ignore", "quarantine"] = "ignore"
+
+    @model_validator(mode="after")
+    def _unknown_fields_of_json(self) -> KafkaSourceSpec:
+        _check_unknown_fields(self.format, self.unknown_fields)
+        return self
 
     @model_validator(mode="after")
     def _schema_fits_format(self) -> KafkaSourceSpec:

@@ -203,6 +203,8 @@ def parse_lines(spec: PipelineSpec, lines: DataFrame, checks: list[Check], extra
         return lines.select(FILE, LINE, RAW, parse_input.alias("value"), reason(checks).alias(REASON), keep.alias(KEEP), *extra)
     if spec.source.format == "json":
         record = F.from_json(parse_input, text_schema(spec), reader_options(spec))
+        if getattr(spec.source, "unknown_fields", "ignore") == "quarantine":
+            checks.append(_unknown_fields(spec, parse_input))
     else:
         record = F.from_csv(parse_input, text_schema(spec), reader_options(spec))
     parsed = lines.withColumn("__r", record)
@@ -211,6 +213,24 @@ def parse_lines(spec: PipelineSpec, lines: DataFrame, checks: list[Check], extra
     text = {f.name: F.col(f"__r.{spark_identifier(f.name)}") for f in spec.source.fields}
     typed, field_checks = typed_fields(spec, text, malformed)
     return parsed.select(FILE, LINE, RAW, *typed, reason(checks + field_checks).alias(REASON), keep.alias(KEEP), *extra)
+
+
+def _unknown_fields(spec: PipelineSpec, text: Column) -> Check:
+    """A JSON record naming a field `source.schema` does not (names match
+    exactly, as the parser matches them): `source.unknown_fields:
+    quarantine`. A record that is no JSON object has no keys, and fails by
+    its shape instead."""
+    from pyspark.sql import functions as F
+
+    unknown = F.array_except(F.json_object_keys(text), F.array(*[F.lit(f.name) for f in spec.source.fields]))
+    return Check(
+        F.size(unknown) > 0,
+        F.concat(
+            F.lit("unknown field(s) "),
+            F.substring(F.array_join(unknown, ", "), 1, 200),
+            F.lit(" (source.schema does not name them; source.unknown_fields: quarantine)"),
+        ),
+    )
 
 
 def _cast_problem(sql_type: str) -> str:

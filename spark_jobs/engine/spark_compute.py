@@ -341,8 +341,8 @@ class SparkCompute:
 
     def _read_files(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> _FirstRead:
         """Files: local JSON and CSV files natively, but for those found
-        suspect on the driver (`native_read.suspect_on_driver`); S3 objects
-        and Parquet files the exact way.
+        suspect on the driver (`native_read.suspect_on_driver`); S3 objects,
+        Parquet files and JSON with `unknown_fields: quarantine` the exact way.
 
         A native read `alongside` others (a `catch_up`, whose reads run at
         once) of no more than Spark's split size
@@ -359,7 +359,10 @@ class SparkCompute:
         """
         entries = list(batch.manifest.files)
         remote = any(is_s3(f.uri) for f in entries)
-        if remote or spec.source.format == "parquet" or not self._native_reads:
+        # Spark's JSON reader keeps no record's text, whose keys
+        # `unknown_fields: quarantine` checks: such a source is read the exact way.
+        strict = spec.source.unknown_fields == "quarantine"
+        if remote or spec.source.format == "parquet" or strict or not self._native_reads:
             read = exact_read.parquet_records if spec.source.format == "parquet" else exact_read.text_records
             parsed = read(self.spark, spec, [f.uri if remote else spark_path(f.uri) for f in entries])
             # S3 objects are cached for the same reason as Kafka records.

@@ -241,8 +241,13 @@ def test_backfill_processes_each_interval_once(live):
         assert ti["try_number"] == 2, f"{run['dag_run_id']} ran {ti['try_number']} times\n{live.run_story('yearly_clicks', run['dag_run_id'], [again])}"
         outcome = live.xcom("yearly_clicks", run["dag_run_id"])
         assert outcome["status"] == "no_new_data" and "already covered" in outcome["message"]
+        # Issue 49: the re-run announced its interval's batch a second time, and downstream DAGs ran twice.
+        assert not outcome.get("committed_by_earlier_attempts"), outcome
+        assert ti["state"] == "skipped", ti
     assert len(_committed(spec_file)) == 3
     assert_exact(spec_file)
+    announced = [(e["extra"]["epoch"], e["extra"]["batch_id"]) for e in live.asset_events() if e["source_dag_id"] == "yearly_clicks"]
+    assert sorted(announced) == [(0, 1), (0, 2), (0, 3)], "each batch's asset event once"
 
 
 def test_sensor_defers_until_data_lands_then_soft_fails_on_timeout(live):

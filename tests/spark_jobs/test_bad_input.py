@@ -160,6 +160,41 @@ def test_invalid_utf8_raw_keeps_the_readable_part(tmp_path, spark):
     assert row["raw"] == '{"event_id":"b","user_id":"u\ufffd","amount":1}'
 
 
+def test_a_misspelled_field_is_quarantined_when_unknown_fields_says_so(tmp_path, spark):
+    """Issue 49: `{"amuont": 7.5}` under `amount DOUBLE` went in as a null
+    amount, silently. With `source.unknown_fields: quarantine` (JSON, read
+    the exact way) a field the schema does not name quarantines its record,
+    by name; the default still ignores it. A NOT NULL field that is missing
+    is quarantined either way."""
+    from spark_jobs.errors import SpecError
+
+    content = b"\n".join([
+        GOOD,
+        _line({"event_id": "t", "user_id": "u1", "amuont": 7.5, "n": 1}),
+        _line({"event_id": "x", "user_id": "u2", "amount": 1.0, "n": 2, "extra": {"a": 1}, "z": 0}),
+        b"[1, 2]",
+        _line({"event_id": "m", "amount": 1.0}),
+        _line({"event_id": "c", "user_id": "u3", "Amount": 2.0}),
+    ]) + b"\n"
+    why = " (source.schema does not name them; source.unknown_fields: quarantine)"
+    malformed = "malformed JSON: not a JSON object on one line"
+    strict = _process(spark, _spec(tmp_path / "strict", unknown_fields="quarantine"), {"case.json": content})
+    reasons = {row["line"]: row["reason"] for row in strict.quarantine.to_pylist()}
+    assert reasons == {
+        2: "unknown field(s) amuont" + why,
+        3: "unknown field(s) extra, z" + why,
+        4: malformed,
+        5: NOT_NULL,
+        6: "unknown field(s) Amount" + why,  # names match exactly, as the parser matches them
+    }
+    assert strict.records_in == 6 and sum(strict.updates.column("events").to_pylist()) == 1
+    lenient = _process(spark, _spec(tmp_path / "lenient"), {"case.json": content})
+    assert {row["line"]: row["reason"] for row in lenient.quarantine.to_pylist()} == {4: malformed, 5: NOT_NULL}
+    assert sum(lenient.updates.column("events").to_pylist()) == 4
+    with pytest.raises(SpecError, match="unknown_fields: quarantine is for JSON records"):
+        _spec(tmp_path / "csv", format="csv", unknown_fields="quarantine")
+
+
 def test_parquet_nan_and_not_null_are_quarantined(tmp_path, spark):
     spec = _spec(tmp_path, format="parquet")
     table = pa.table({"event_id": ["a", "b", "c"], "user_id": ["u1", "u1", None], "amount": [1.0, float("nan"), 2.0]})

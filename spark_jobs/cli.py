@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"microbatch {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only print the result")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the job's own details too (DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Every command reads the spec's locations, so every command takes the roots.
     common = argparse.ArgumentParser(add_help=False)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Spark's py4j bridge logs every connection at INFO.
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    if args.verbose and not args.quiet:
+        logging.getLogger("microbatch").setLevel(logging.DEBUG)
     # SIGTERM (Airflow stopping a task, a container stopping) stops the run at
     # the next protocol boundary with a clear, retryable error.
     shutdown.install()

@@ -187,17 +187,20 @@ class MicroBatchOperator(BaseOperator):
             self._emit(context, spec, outcome)
         if options.attempt > 1:
             summary["committed_by_earlier_attempts"] = self._emit_earlier_attempts(context, spec, options.run_id, outcome)
-        # Said once, with where to see it: the log view makes the URL a link.
-        said = f"{headline(spec, outcome)}. Console: {console_url(self.dag_id, options.run_id)}"
+        # Said once, with where to see it on a line of its own (the log view
+        # makes the URL a link, and a long line cuts it off), and said here
+        # even for a run that is skipped: Airflow logs a skip's reason in
+        # the collapsed "Post Execute" group, where nobody looks.
+        said = headline(spec, outcome)
+        self.log.info("%s", said)
+        self.log.info("Console: %s", console_url(self.dag_id, options.run_id))
         idle = outcome.status in (Outcome.NO_NEW_DATA, Outcome.ALREADY_COMMITTED, Outcome.DRY_RUN)
         if idle and rewound is None and not summary.get("committed_by_earlier_attempts"):
             # Skipped, not green: nothing changed, and the grid should say so
-            # at a glance. The summary is still the task's XCom; Airflow logs
-            # the reason.
+            # at a glance. The summary is still the task's XCom.
             context["ti"].xcom_push(key="return_value", value=summary)
             self._summary = summary  # for lineage: a skipped run still says what it found
             raise AirflowSkipException(said)
-        self.log.info("%s", said)
         return summary
 
     def on_kill(self) -> None:

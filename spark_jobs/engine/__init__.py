@@ -107,7 +107,7 @@ def compute_factory(
     delta = spec.source.type == "delta" and spec.source.reader == "spark"
     hint = IdleHint(spec) if start_driver and not remote else None
     if hint is not None and hint.unchanged():
-        log.info("the source is as the last run, which found nothing new, left it: no early driver launch")
+        log.debug("the source is as the last run, which found nothing new, left it: no early driver launch")
         start_driver = False
     early = launch_driver(resolved, short_lived=short_lived, delta=delta) if start_driver and not remote else None
     return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta, hint=hint)

@@ -100,10 +100,11 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     # output is logged at its own level, the notices dropped.
     records = live.task_log("clicks_per_user", run_id)
     assert any("attempt=1.log" in str(r.get("event")) for r in records), records  # the log was read
-    # The whole log, at INFO: the batch's summary is in it once, with the console's URL.
-    said = [str(r.get("event")) for r in records if "records read" in str(r.get("event")) or "committed batch" in str(r.get("event"))]
-    assert len(said) == 1 and said[0].startswith("clicks_per_user batch 1 (epoch 0) committed: 2 input(s), 200 records read"), said
-    assert f"Console: http://127.0.0.1:{live.port}/microbatch/?dag_id=clicks_per_user&run_id=" in said[0]
+    # The whole log, at INFO: the batch's summary is in it once, and the console's URL on the next line.
+    events = [str(r.get("event")) for r in records]
+    said = [i for i, e in enumerate(events) if "records read" in e or "committed batch" in e]
+    assert len(said) == 1 and events[said[0]].startswith("clicks_per_user batch 1 (epoch 0) committed: 2 input(s), 200 records read"), said
+    assert events[said[0] + 1].startswith(f"Console: http://127.0.0.1:{live.port}/microbatch/?dag_id=clicks_per_user&run_id="), events
     errors = [r for r in records if str(r.get("level", "")).lower() in ("error", "critical")]
     assert errors == [], errors
     assert not any("log4j" in str(r.get("event")) or "NativeCodeLoader" in str(r.get("event")) for r in records)

@@ -17,11 +17,11 @@ from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.idle_hint import IdleHint
 from tests.conftest import assert_exact, chain_specs, oracle_spec_dict, run_cli, write_spec
 
-SKIPPED = "no early driver launch"
+SKIPPED = "no early driver launch"  # logged at DEBUG: `--verbose`
 
 
 def _run(spec_path, env) -> tuple[str, str]:
-    result = run_cli("run", str(spec_path), "--json", env=env)
+    result = run_cli("--verbose", "run", str(spec_path), "--json", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)["status"], result.stderr
 

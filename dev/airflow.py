@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from dev.postgres import PostgresMissing, PostgresServer
@@ -55,6 +56,34 @@ WORKER_LOG_PORT_BASE = 8794
 
 def _say(message: str) -> None:
     print(message, flush=True)
+
+
+def _api_url(env: dict[str, str]) -> str:
+    return f"http://{env.get('AIRFLOW__API__HOST', '127.0.0.1')}:{env.get('AIRFLOW__API__PORT', '8080')}"
+
+
+def _api_ready(env: dict[str, str]) -> bool:
+    """Whether the UI answers (its health endpoint), asked once a half-second until it does."""
+    try:
+        with urllib.request.urlopen(f"{_api_url(env)}/api/v2/monitor/health", timeout=2) as answer:
+            return answer.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _banner(env: dict[str, str], database: PostgresServer, grace: float) -> str:
+    """What a user needs once the UI is up, set apart from the components'
+    hundred lines: where, who, how to stop, where the data is."""
+    url = _api_url(env)
+    lines = [
+        f"Airflow is ready: {url}/",
+        f"  the pipelines' console: \"Micro-batches\" in Airflow's navigation, or {url}/microbatch/",
+        "  login: none; every visitor is an admin (SimpleAuthManager, all_admins): keep it on this machine",
+        f"  stop: Ctrl-C once (a running batch stops at its next protocol boundary; whatever runs after {grace:.0f} s is killed)",
+        f"  metadata: PostgreSQL in {database.folder}: kept across stops; deleting .airflow/ starts afresh",
+    ]
+    rule = "=" * max(len(line) for line in lines)
+    return "\n".join([rule, *lines, rule])
 
 
 def _sessions_alive(sessions: list[int]) -> bool:
@@ -192,7 +221,11 @@ def main() -> None:
             processes.append(subprocess.Popen(command, env=command_env, start_new_session=True))
             sessions.append(processes[-1].pid)
         watched = processes + ([engine] if engine is not None else [])
+        announced = False
         while not stopping and all(p.poll() is None for p in watched):
+            if not announced and _api_ready(env):
+                announced = True
+                _say(_banner(env, database, args.grace))
             time.sleep(0.5)
         if not stopping:  # a component (or the engine) ended on its own: the rest go too
             _say("an Airflow process or the Spark engine ended: stopping the rest")

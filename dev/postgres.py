@@ -31,6 +31,7 @@ import argparse
 import glob
 import hashlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -104,10 +105,7 @@ class PostgresServer:
     def kept(cls, home: Path, *, start: bool = True) -> PostgresServer:
         """The server of an Airflow home, started (`start`) on the port it
         first got; created (with its `airflow` database) on first start."""
-        folder = home / "postgres"
-        if os.geteuid() == 0:
-            digest = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]
-            folder = Path(tempfile.gettempdir()) / f"microbatch-airflow-pg-{digest}"
+        folder = home / "postgres" if os.geteuid() != 0 else cls._root_folder(home)
         folder.mkdir(parents=True, exist_ok=True)
         as_user = _as_postgres(folder)
         port_file = folder / "port"
@@ -125,6 +123,24 @@ class PostgresServer:
             server.create_database("airflow")
             port_file.write_text(str(port))
         return server
+
+    @classmethod
+    def _root_folder(cls, home: Path) -> Path:
+        """Where root's server keeps its data: the postgres user it runs as
+        cannot enter root's home, so the folder is in the system temp
+        folder, named by the home and by a token the home holds. Deleting
+        the home (`rm -rf .airflow`) drops the token: the next start makes a
+        new, empty database, and removes the old one's folder."""
+        home.mkdir(parents=True, exist_ok=True)
+        token_file = home / "postgres-folder-token"
+        if not token_file.exists():
+            token_file.write_text(secrets.token_hex(6))
+        prefix = f"microbatch-airflow-pg-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]}"
+        folder = Path(tempfile.gettempdir()) / f"{prefix}-{token_file.read_text().strip()}"
+        for stale in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+            if stale != folder:
+                cls(folder=stale, port=0, bin_dir=_bin_dir(), as_user=_as_postgres(stale), throw_away=True).stop()
+        return folder
 
     def running(self) -> bool:
         """Whether the server runs (`pg_ctl status`: a stale pid file after a kill does not count)."""

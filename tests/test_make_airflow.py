@@ -105,7 +105,11 @@ def _make_airflow(tmp_path: Path, pipelines: Path, *settings: str):
         broker = RedisServer.kept(tmp_path / "home", start=False)
         broker.stop()
         shutil.rmtree(broker.folder, ignore_errors=True)
-    assert "stopping Airflow" in (tmp_path / "make.log").read_text()
+    said = (tmp_path / "make.log").read_text()
+    assert "stopping Airflow" in said
+    # One banner, once the UI answered: its URL, the login, how to stop it (issue 49).
+    assert said.count(f"Airflow is ready: http://127.0.0.1:{port}/\n") == 1, said[-3000:]
+    assert "every visitor is an admin" in said and "stop: Ctrl-C once" in said
     # The metadata was in the home's own PostgreSQL (stopped with Airflow, data kept), not in SQLite.
     assert (database.folder / "data" / "PG_VERSION").exists() and not (tmp_path / "home" / "airflow.db").exists()
     shutil.rmtree(database.folder, ignore_errors=True)

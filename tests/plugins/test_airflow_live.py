@@ -495,6 +495,15 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             log = details.locator("a", has_text="task log").get_attribute("href")
             assert log == f"{base}/dags/console_clicks/runs/{quote(replay.run_id)}/tasks/run_batch?try_number=1"
             page.screenshot(path=str(shots / "console.png"), full_page=True)
+            # No rewind is offered to the newest batch, where it would change nothing (issue 49).
+            assert page.locator('#batches tr[data-batch="1.2"] button.rewind').count() == 0
+            assert page.locator('#batches tr[data-batch="0.1"] button.rewind').count() == 1
+            # A paused DAG says so, with the way to its switch; one that runs does not.
+            paused = {d["dag_id"]: d["is_paused"] for d in live.api("GET", "/api/v2/dags?tags=microbatch&limit=100")["dags"]}
+            for name, is_paused in paused.items():
+                note = page.locator(f"#pipelines tr[data-name={name}] a.paused")
+                assert note.count() == (1 if is_paused else 0), name
+            assert any(paused.values()) and not paused["console_clicks"]
             # The confirmation comes first; cancelling it triggers nothing.
             before = len(live.runs("console_clicks"))
             page.locator("button.rewind").first.click()

@@ -289,11 +289,51 @@ async def pipelines(request: Request, user: User) -> list[dict[str, Any]]:
     probes.forget_all_but(specs.values())
     visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
     results = await probes.summaries(visible)
+    _waiting_for_upstreams(results, specs)
+    await _mark_paused(request, results)
     if errors and _allowed(user, "GET", None):
         # A spec that does not load has no DAG: shown to those who may read every DAG.
         for path, message in errors.items():
             results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
     return results
+
+def _waiting_for_upstreams(results: list[dict[str, Any]], specs: dict[str, PipelineSpec]) -> None:
+    """A pipeline whose Delta source is another pipeline's state, which has
+    no table yet, is waiting for that pipeline's first batch, not broken."""
+    by_state = {spec.state_path.rstrip("/"): spec.name for spec in specs.values()}
+    for result in results:
+        spec = specs.get(result["name"])
+        if spec is None or spec.source.type != "delta" or result.get("status") != "problem":
+            continue
+        upstream = by_state.get(spec.source_path.rstrip("/"))
+        if upstream is not None and any("not a Delta table" in p for p in result.get("problems") or []):
+            result["status"] = "waiting"
+            result["problems"] = [f"waiting for {upstream}'s first batch: its state table, this pipeline's source, does not exist yet"]
+
+
+async def _mark_paused(request: Request, results: list[dict[str, Any]]) -> None:
+    """Each pipeline's DAG paused or not (`paused`; None where Airflow did not
+    say), asked of Airflow's REST API as the caller: a paused DAG is why a
+    pipeline with data waiting runs no batch."""
+    for result in results:
+        result["paused"] = None
+    token = _token(request, await bearer_scheme(request))
+    paused: dict[str, bool] = {}
+    try:
+        async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
+            while True:  # pages of Airflow's page limit ([api] maximum_page_limit, 100 by default)
+                answer = await client.get("/api/v2/dags", params={"tags": "microbatch", "limit": 100, "offset": len(paused)})
+                if answer.status_code != 200:
+                    break
+                page = answer.json()
+                paused.update({dag["dag_id"]: dag.get("is_paused") for dag in page.get("dags", [])})
+                if not page.get("dags") or len(paused) >= page.get("total_entries", 0):
+                    break
+    except httpx.HTTPError:
+        pass
+    for result in results:
+        result["paused"] = paused.get(result.get("dag_id"))
+
 
 @router.get("/api/pipelines/{name}/batches")
 async def batches(

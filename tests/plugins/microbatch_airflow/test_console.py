@@ -83,3 +83,38 @@ def test_a_probe_that_hangs_shows_as_probing_and_holds_up_no_other():
     finally:
         release.set()
         probes.close()
+
+
+def test_a_downstream_whose_upstream_has_no_table_yet_is_waiting_not_broken(tmp_path):
+    """Issue 49: it showed a red "problem" ("is not a Delta table ... create
+    it, or fix source.path"); it is only waiting for its upstream."""
+    from microbatch_airflow.console.app import _waiting_for_upstreams
+    from spark_jobs.core.spec import load_spec
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    up = load_spec(write_spec(tmp_path, oracle_spec_dict(name="up"), "up.yaml"))
+    down = load_spec(write_spec(tmp_path, {
+        "name": "down",
+        "source": {"type": "delta", "path": "lake/state"},
+        "transform": "SELECT user_id, events FROM batch",
+        "state": {"path": "lake/down", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/down",
+    }, "down.yaml"))
+    lost = load_spec(write_spec(tmp_path, {
+        "name": "lost",
+        "source": {"type": "delta", "path": "lake/nowhere"},
+        "transform": "SELECT user_id, events FROM batch",
+        "state": {"path": "lake/lost", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/lost",
+    }, "lost.yaml"))
+    missing = "source table file:///x is not a Delta table (or does not exist yet); create it, or fix source.path"
+    results = [
+        {"name": "up", "status": "new", "problems": []},
+        {"name": "down", "status": "problem", "problems": [missing]},
+        {"name": "lost", "status": "problem", "problems": [missing]},
+    ]
+    _waiting_for_upstreams(results, {s.name: s for s in (up, down, lost)})
+    assert results[1] == {"name": "down", "status": "waiting", "problems": [
+        "waiting for up's first batch: its state table, this pipeline's source, does not exist yet"]}
+    assert results[2]["status"] == "problem", "no pipeline writes that table: a real problem"
+    assert results[0]["status"] == "new"

@@ -121,8 +121,11 @@ function renderPipelines() {
       // data-label: a phone shows each pipeline as a card of "label: value" lines.
       el("td", { class: "name" }, p.name || ""),
       el("td", { class: "status" }, el("span", { class: `badge ${String(p.status).replace(/ /g, "-")}`, title: checked }, statusText),
-        p.probing && p.probed_at ? el("span", { class: "muted small stale" }, ` ${age(p.probe_age_s)} old`) : ""),
-      el("td", { class: "mono", "data-label": "position" }, p.batch_id === null || p.batch_id === undefined ? "" : `epoch ${p.epoch}, batch ${p.batch_id}`),
+        ...(p.paused ? [" ", el("a", { class: "paused", href: `${AIRFLOW}/dags/${encodeURIComponent(p.dag_id)}`, target: "_top",
+          title: "its DAG is paused: no run starts until it is unpaused (the switch on the DAG's page)", onclick: (e) => e.stopPropagation() }, "paused: unpause")] : []),
+        // The answer's age, apart from the status: "up to date 6 s old" read as a lag.
+        p.probing && p.probed_at ? el("span", { class: "muted small stale" }, ` (checked ${age(p.probe_age_s)} ago)`) : ""),
+      el("td", { class: "mono", "data-label": "position" }, position(p)),
       el("td", { class: "num optional", "data-label": "state version" }, fmt(p.state_version)),
       el("td", { "data-label": "waiting" }, lag ? `${fmt(lag.count)} ${lag.count === 1 ? lag.unit.replace(/s$/, "") : lag.unit}` : ""),
       el("td", { class: "optional", "data-label": "oldest waiting" }, lag ? age(lag.oldest_age_s) : ""),
@@ -134,6 +137,12 @@ function renderPipelines() {
       body.append(el("tr", { class: "problems", "data-name": p.name || "" }, el("td", { colspan: "8", class: "error" }, p.problems.join("\n"))));
     }
   }
+}
+
+function position(p) {
+  if (p.status === "probing" || p.status === "unreadable" || p.status === "broken") return "";
+  if (!p.batch_id && !p.epoch) return "no batch yet";
+  return `epoch ${p.epoch}, batch ${p.batch_id}`;
 }
 
 async function loadPipelines() {
@@ -191,10 +200,12 @@ function renderBatches(pipeline) {
   body.replaceChildren();
   const rows = state.batches.slice().reverse();
   const oldest = pipeline.oldest_rewindable;
+  // A rewind to the newest batch would change nothing: not offered there.
+  const newest = Math.max(-1, ...rows.filter((r) => r.phase === "committed" && r.live).map((r) => r.batch_id));
   const wanted = { run: params.get("run_id"), epoch: params.get("epoch"), batch: params.get("batch_id") };
   for (const r of rows) {
     const key = `${r.epoch}.${r.batch_id}`;
-    const rewindable = r.phase === "committed" && r.live && oldest !== null && r.batch_id >= oldest;
+    const rewindable = r.phase === "committed" && r.live && oldest !== null && r.batch_id >= oldest && r.batch_id < newest;
     const highlight =
       (wanted.run && r.run_id === wanted.run) ||
       (wanted.batch !== null && String(r.batch_id) === wanted.batch && String(r.epoch) === (wanted.epoch || "0"));

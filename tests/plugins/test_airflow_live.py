@@ -527,6 +527,22 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(26, 32, 44)"
             page.screenshot(path=str(shots / "console-dark.png"))
 
+            # A rewind from the page (issue 49: the dialog closed, nothing else): the
+            # run it triggered, linked, followed until it ends, then what it did.
+            context = browser.new_context(viewport={"width": 1400, "height": 900})
+            context.add_cookies([{"name": "_token", "value": live.token("admin"), "url": base}])
+            page = context.new_page()
+            page.goto(f"{base}/microbatch/?dag_id=console_clicks")
+            page.locator('#batches tr[data-batch="0.1"] button.rewind').click()
+            page.locator("#rewind-confirm").click()
+            status = page.locator("#rewind-status")
+            status.locator("a").wait_for()
+            assert status.locator("a").get_attribute("href").startswith(f"{base}/dags/console_clicks/runs/")
+            page.wait_for_function("document.querySelector('#rewind-status').textContent.includes('done:')", timeout=180_000)
+            assert "batch 2 of epoch 1 left the state; now epoch 2, at batch 1" in status.inner_text(), status.inner_text()
+            assert status.locator(".badge").inner_text() == "success"
+            page.screenshot(path=str(shots / "console-rewind.png"))
+
             # Inside Airflow's own UI: the nav entry's page embeds the console.
             page.goto(f"{base}/plugin/microbatch")
             page.frame_locator("iframe").locator("#pipelines tbody tr").first.wait_for()

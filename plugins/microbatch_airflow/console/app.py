@@ -17,7 +17,9 @@ Routes (under the API server's ``/microbatch`` prefix):
   with counts by reason; ``&format=csv`` downloads every matching record.
 * ``POST /api/pipelines/{name}/rewind``: triggers a run of the pipeline's DAG
   with ``rewind_to_batch`` through Airflow's own REST API, as the caller, so
-  the rewind is a DAG run like any other: audited, visible in the grid.
+  the rewind is a DAG run like any other: audited, visible in the grid;
+  ``GET /api/pipelines/{name}/runs/{run_id}``: that run's state, which the
+  page follows until it ends.
 * ``GET /``: the page; ``/static/...``: its script and styles (served from
   here: the machines that run Airflow may have no internet).
 
@@ -38,6 +40,7 @@ import html
 import io
 import threading
 from pathlib import Path
+from urllib.parse import quote
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -352,6 +355,19 @@ async def batches(
         await _resolve_pending(client, spec, views)
         await _link_downstream(client, spec, views)
     return views
+
+@router.get("/api/pipelines/{name}/runs/{run_id}")
+async def run_state(name: str, run_id: str, request: Request, user: User) -> dict[str, Any]:
+    """A run of the pipeline's DAG as Airflow has it (its state), asked as
+    the caller: the page follows the run a rewind triggered until it ends."""
+    spec = await _spec(name, user)
+    token = _token(request, await bearer_scheme(request))
+    async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
+        answer = await client.get(f"/api/v2/dags/{spec.name}/dagRuns/{quote(run_id, safe='')}")
+    if answer.status_code != 200:
+        raise HTTPException(answer.status_code, f"Airflow answered {answer.status_code} for run {run_id} of {spec.name}")
+    run = answer.json()
+    return {"dag_id": spec.name, "run_id": run_id, "state": run.get("state"), "note": run.get("note")}
 
 @router.get("/api/pipelines/{name}/quarantine", response_model=None)
 async def quarantine(

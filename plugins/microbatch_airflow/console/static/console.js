@@ -384,12 +384,42 @@ function askRewind(pipeline, batchId) {
         body: JSON.stringify({ batch_id: batchId, rewind_only: $("#rewind-only").checked }),
       });
       showError(null);
-      $("#updated").textContent = `triggered ${run.dag_run_id}`;
+      await followRewind(pipeline, batchId, run.dag_run_id);
     } catch (err) {
       showError(err);
     }
   };
   dialog.showModal();
+}
+
+// The run a rewind triggered: linked, its state until it ends, then what it did.
+async function followRewind(pipeline, batchId, runId) {
+  const before = { epoch: pipeline.epoch, batch: pipeline.batch_id };
+  const box = $("#rewind-status");
+  const badge = el("span", { class: "badge planned" }, "queued");
+  const result = el("span", {});
+  box.hidden = false;
+  box.replaceChildren(`Rewind of ${pipeline.name} to batch ${batchId}: run `,
+    el("a", { href: runUrl(pipeline.dag_id, runId), target: "_top" }, runId), " ", badge, " ", result);
+  await refresh();
+  for (;;) {
+    const run = await api(`pipelines/${encodeURIComponent(pipeline.name)}/runs/${encodeURIComponent(runId)}`);
+    badge.textContent = run.state || "queued";
+    badge.className = `badge ${run.state === "success" ? "committed" : run.state === "failed" ? "problem" : "planned"}`;
+    if (run.state === "success" || run.state === "failed") break;
+    await new Promise((done) => setTimeout(done, 2000));
+  }
+  await refresh();
+  const now = state.pipelines.find((p) => p.name === pipeline.name) || {};
+  if (badge.textContent === "failed") {
+    result.textContent = "the rewind failed: its task log says why; nothing changed";
+  } else if (now.epoch !== before.epoch) {
+    const cut = before.batch > batchId + 1 ? `batches ${batchId + 1} to ${before.batch} of epoch ${before.epoch} left the state; `
+      : before.batch === batchId + 1 ? `batch ${before.batch} of epoch ${before.epoch} left the state; ` : "";
+    result.textContent = `done: ${cut}now epoch ${now.epoch}, at batch ${now.batch_id}`;
+  } else {
+    result.textContent = "done: nothing to rewind (the pipeline was at that batch already)";
+  }
 }
 
 // -- start ---------------------------------------------------------------------

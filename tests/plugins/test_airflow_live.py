@@ -519,6 +519,12 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             box = problem.bounding_box()
             assert box["x"] >= 0 and box["x"] + box["width"] <= 390
             assert page.locator("#pipelines tr[data-name=alerting_clicks] .badge").inner_text() == "lagging"
+            # The batch table's Rewind buttons are on screen, not past a sideways scroll (issue 49).
+            page.locator("#pipelines tr[data-name=console_clicks]").click()
+            button = page.locator('#batches tr[data-batch="0.1"] button.rewind')
+            button.wait_for()
+            box = button.bounding_box()
+            assert box["x"] + box["width"] <= 390, box
             page.screenshot(path=str(shots / "console-narrow.png"), full_page=True)
 
             # Airflow's dark mode.

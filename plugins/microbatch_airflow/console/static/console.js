@@ -7,10 +7,12 @@ const AIRFLOW = BASE.replace(/\/microbatch$/, "");
 const params = new URLSearchParams(location.search);
 const state = {
   pipelines: [], selected: params.get("dag_id"), batches: [], quarantine: null,
-  reason: null, scope: null, scopeRow: null, open: new Set(), showRewound: false, quarantineAll: false, search: "",
+  reason: null, scope: null, scopeRow: null, open: new Set(), showRewound: false, quarantineAll: false, search: "", quarantineShown: 25,
 };
 
 const $ = (sel) => document.querySelector(sel);
+// Quarantined records shown at a time.
+const QUARANTINE_PAGE = 25;
 const fmt = (n) => (n === null || n === undefined ? "" : Number(n).toLocaleString("en-US"));
 
 function el(tag, attrs = {}, ...children) {
@@ -222,10 +224,10 @@ function renderBatches(pipeline) {
       el("td", { class: "num" }, fmt(r.records_in)),
       el("td", { class: "num" }, quarantined),
       el("td", { class: "num optional" }, fmt(r.keys_updated)),
-      el("td", { class: "num" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
+      el("td", { class: "num narrow-hidden" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
       el("td", { class: "num optional" }, r.arrival_to_commit_s === null || r.arrival_to_commit_s === undefined ? "" : age(r.arrival_to_commit_s)),
       el("td", { class: "num optional" }, fmt(r.state_version)),
-      el("td", { title: when(r.committed_at || r.planned_at) }, ago(r.committed_at || r.planned_at)),
+      el("td", { class: "narrow-hidden", title: when(r.committed_at || r.planned_at) }, ago(r.committed_at || r.planned_at)),
       el("td", {}, rewindable ? el("button", { class: "rewind", onclick: (e) => { e.stopPropagation(); askRewind(pipeline, r.batch_id); } }, "Rewind here") : ""),
     ));
     if (state.open.has(key)) body.append(details(pipeline, r));
@@ -329,12 +331,24 @@ function renderQuarantine(pipeline) {
   if (state.scopeRow) { csv.set("batch_id", state.scopeRow.batch_id); csv.set("epoch", state.scopeRow.epoch); }
   $("#quarantine-csv").href = `${BASE}/api/pipelines/${encodeURIComponent(pipeline.name)}/quarantine?${csv}`;
   const needle = state.search.toLowerCase();
+  const matching = [];
   for (const r of q.rows) {
     if (state.reason && r.reason !== state.reason) continue;
     const where = r.file && r.file.startsWith("kafka://") ? `${r.file} offset ${r.line}` : `${r.file}:${r.line}`;
     if (needle && !`${where} ${r.reason} ${r.raw}`.toLowerCase().includes(needle)) continue;
+    matching.push([r, where]);
+  }
+  // A page at a time: every record at once made the page 9,400 px tall.
+  for (const [r, where] of matching.slice(0, state.quarantineShown)) {
     body.append(el("tr", {}, el("td", { class: "mono", "data-label": "batch" }, String(r.batch_id)), el("td", { class: "mono", "data-label": "epoch" }, String(r.epoch)),
       el("td", { class: "mono where" }, where), el("td", {}, r.reason), el("td", { class: "raw" }, r.raw)));
+  }
+  const more = matching.length - state.quarantineShown;
+  if (more > 0) {
+    body.append(el("tr", { class: "more" }, el("td", { colspan: "5" }, el("button", { class: "rewind", onclick: () => {
+      state.quarantineShown += QUARANTINE_PAGE;
+      renderQuarantine(pipeline);
+    } }, `show ${Math.min(more, QUARANTINE_PAGE)} more (${fmt(more)} not shown)`))));
   }
 }
 
@@ -347,6 +361,7 @@ async function loadQuarantine(pipeline, row, keepReason = false) {
   state.scope = row ? `in batch ${batchName(row)}` : null;
   state.scopeRow = row || null;
   state.quarantine = await api(`pipelines/${encodeURIComponent(pipeline.name)}/quarantine?${query}`);
+  state.quarantineShown = QUARANTINE_PAGE;
   renderQuarantine(pipeline);
 }
 
@@ -440,7 +455,7 @@ function current() {
 
 $("#show-rewound").addEventListener("change", (e) => { state.showRewound = e.target.checked; if (current()) renderCharts(current()); });
 $("#quarantine-all").addEventListener("change", (e) => { state.quarantineAll = e.target.checked; if (current()) loadQuarantine(current(), state.scopeRow).catch(showError); });
-$("#quarantine-search").addEventListener("input", (e) => { state.search = e.target.value; if (current()) renderQuarantine(current()); });
+$("#quarantine-search").addEventListener("input", (e) => { state.search = e.target.value; state.quarantineShown = QUARANTINE_PAGE; if (current()) renderQuarantine(current()); });
 $("#quarantine-every").addEventListener("click", (e) => { e.preventDefault(); if (current()) loadQuarantine(current(), null).catch(showError); });
 applyTheme();
 matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme);

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from microbatch_airflow.console import CONSOLE_PREFIX, LazyConsole
+from microbatch_airflow.console import CONSOLE_PREFIX, RUN_VIEW, LazyConsole
 from microbatch_airflow.links import ConsoleLink
 
 
@@ -31,6 +31,14 @@ class MicrobatchPlugin(AirflowPlugin):
             "href": f"{CONSOLE_PREFIX}/?dag_id={{DAG_ID}}",
             "destination": "dag",
             "url_route": "microbatch-dag",
+            "icon": f"{CONSOLE_PREFIX}/static/icon.svg",
+        },
+        {
+            # A run's batch, opened: where task logs and the task's extra link point.
+            "name": "Micro-batch",
+            "href": f"{CONSOLE_PREFIX}/?dag_id={{DAG_ID}}&run_id={{RUN_ID}}",
+            "destination": "dag_run",
+            "url_route": RUN_VIEW,
             "icon": f"{CONSOLE_PREFIX}/static/icon.svg",
         },
     ]

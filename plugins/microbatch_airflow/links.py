@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
-from microbatch_airflow.console import CONSOLE_PREFIX, airflow_root
+from microbatch_airflow.console import RUN_VIEW, airflow_root
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey
@@ -23,12 +23,14 @@ def console_url(dag_id: str, run_id: str) -> str:
 
 
 def _path(dag_id: str, run_id: str) -> str:
-    return f"{CONSOLE_PREFIX}/?dag_id={quote(dag_id)}&run_id={quote(run_id)}"
+    """The console's tab on the run's page in Airflow's UI (inside Airflow's
+    frame, not the bare console page), its batch highlighted and opened."""
+    return f"/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}/plugin/{RUN_VIEW}"
 
 
 class ConsoleLink(BaseOperatorLink):
-    """The console page of the task's pipeline, with the batch its run made
-    highlighted (the page finds it by run id in the ledger)."""
+    """The console's tab on the task's run, with the batch the run made
+    highlighted and opened (the page finds it by run id in the ledger)."""
 
     name = "Micro-batch console"
 

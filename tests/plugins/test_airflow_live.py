@@ -104,7 +104,8 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     events = [str(r.get("event")) for r in records]
     said = [i for i, e in enumerate(events) if "records read" in e or "committed batch" in e]
     assert len(said) == 1 and events[said[0]].startswith("clicks_per_user batch 1 (epoch 0) committed: 2 input(s), 200 records read"), said
-    assert events[said[0] + 1].startswith(f"Console: http://127.0.0.1:{live.port}/microbatch/?dag_id=clicks_per_user&run_id="), events
+    # Inside Airflow's frame, on the run's own page (issue 49: it opened the bare console page).
+    assert events[said[0] + 1] == f"Console: http://127.0.0.1:{live.port}/dags/clicks_per_user/runs/{quote(run_id, safe='')}/plugin/microbatch-run", events
     errors = [r for r in records if str(r.get("level", "")).lower() in ("error", "critical")]
     assert errors == [], errors
     assert not any("log4j" in str(r.get("event")) or "NativeCodeLoader" in str(r.get("event")) for r in records)
@@ -398,7 +399,7 @@ def test_console_api_shows_the_checkpoint_to_viewers_and_refuses_strangers(live)
     assert (newest["epoch"], newest["batch_id"], newest["status"]) == (1, 1, "rewound")
     # The task links to its batch in the console.
     links = live.api("GET", f"/api/v2/dags/console_clicks/dagRuns/{runs[0]['dag_run_id']}/taskInstances/run_batch/links")
-    assert links["extra_links"]["Micro-batch console"] == f"/microbatch/?dag_id=console_clicks&run_id={quote(runs[0]['dag_run_id'])}"
+    assert links["extra_links"]["Micro-batch console"] == f"/dags/console_clicks/runs/{quote(runs[0]['dag_run_id'], safe='')}/plugin/microbatch-run"
 
 
 def _console_replayed(live) -> list:
@@ -554,5 +555,11 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             page.frame_locator("iframe").locator("#pipelines tbody tr").first.wait_for()
             page.frame_locator("iframe").locator("#batches tbody tr[data-batch]").first.wait_for()
             page.screenshot(path=str(shots / "console-in-airflow.png"))
+            # Where a task's log and its extra link lead: the run's own tab in Airflow, its batch opened.
+            page.goto(f"{base}/dags/console_clicks/runs/{quote(first_run, safe='')}/plugin/microbatch-run")
+            frame = page.frame_locator("iframe")
+            frame.locator('#batches tr.highlight[data-batch="0.1"]').wait_for()
+            frame.locator('#batches tr[data-details="0.1"]').wait_for()
+            page.screenshot(path=str(shots / "console-run-tab.png"))
         finally:
             browser.close()

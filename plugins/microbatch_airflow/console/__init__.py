@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONSOLE_PREFIX", "LazyConsole", "airflow_root"]
+__all__ = ["CONSOLE_PREFIX", "RUN_VIEW", "LazyConsole", "airflow_root"]
 
 #: Where the API server mounts the console (the plugin's `url_prefix`).
 CONSOLE_PREFIX = "/microbatch"
+#: The console's tab on a DAG run's page in Airflow's UI (the plugin's
+#: `external_views`): ``/dags/<dag>/runs/<run>/plugin/<RUN_VIEW>``.
+RUN_VIEW = "microbatch-run"
 
 
 class LazyConsole:

@@ -214,6 +214,11 @@ function renderBatches(pipeline) {
     const quarantined = r.records_quarantined
       ? el("a", { href: "#quarantine", onclick: (e) => { e.stopPropagation(); loadQuarantine(pipeline, r); } }, fmt(r.records_quarantined))
       : fmt(r.records_quarantined);
+    if (highlight && !state.openedLinked) {
+      // The batch a link named (a task log's, the run's tab): opened once.
+      state.openedLinked = true;
+      state.open.add(key);
+    }
     const toggle = () => { state.open.has(key) ? state.open.delete(key) : state.open.add(key); renderBatches(pipeline); };
     const live = r.live || r.phase === "pending" || r.phase === "rewind";
     body.append(el(

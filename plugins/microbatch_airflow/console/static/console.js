@@ -13,7 +13,12 @@ const state = {
 const $ = (sel) => document.querySelector(sel);
 // Quarantined records shown at a time.
 const QUARANTINE_PAGE = 25;
-const fmt = (n) => (n === null || n === undefined ? "" : Number(n).toLocaleString("en-US"));
+// A number as the page shows it; nothing for a null, never "NaN".
+const fmt = (n) => {
+  if (n === null || n === undefined || n === "") return "";
+  const x = Number(n);
+  return Number.isFinite(x) ? x.toLocaleString("en-US") : String(n);
+};
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);

@@ -14,6 +14,7 @@ names up front keeps error messages readable and injection impossible.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -596,6 +597,30 @@ class PipelineSpec(_Model):
 # -- loading ----------------------------------------------------------------
 
 
+class _Lines(Mapping[tuple[str, ...], int]):
+    """Each YAML mapping path's 1-based line, for error messages: found on
+    the first look-up, so a valid spec never pays for it (composing a
+    spec's node tree in pure Python cost more than loading it)."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._found: dict[tuple[str, ...], int] | None = None
+
+    def _index(self) -> dict[tuple[str, ...], int]:
+        if self._found is None:
+            self._found = _line_index(self._text)
+        return self._found
+
+    def __getitem__(self, key: tuple[str, ...]) -> int:
+        return self._index()[key]
+
+    def __iter__(self) -> Iterator[tuple[str, ...]]:
+        return iter(self._index())
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+
 def _line_index(text: str) -> dict[tuple[str, ...], int]:
     """Map each YAML mapping path to its 1-based line, for error messages."""
     lines: dict[tuple[str, ...], int] = {}
@@ -620,14 +645,14 @@ def _line_index(text: str) -> dict[tuple[str, ...], int]:
     return lines
 
 
-def _at(lines: dict[tuple[str, ...], int], loc: tuple[str, ...], problem: str) -> str:
+def _at(lines: Mapping[tuple[str, ...], int], loc: tuple[str, ...], problem: str) -> str:
     """A problem as reported: "line N, field `a.b`: ...", with the line of the
     field or, if the field is missing, of its nearest parent."""
     line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), None)
     return f"{f'line {line}, ' if line else ''}field `{'.'.join(loc) or '(top level)'}`: {problem}"
 
 
-def _describe(error: dict[str, Any], lines: dict[tuple[str, ...], int]) -> str:
+def _describe(error: dict[str, Any], lines: Mapping[tuple[str, ...], int]) -> str:
     loc = tuple("schema" if p == "schema_" else str(p) for p in error["loc"])
     if loc[:1] == ("source",) and loc[1:2] in (("files",), ("delta",), ("kafka",)):
         loc = loc[:1] + loc[2:]  # the source type's tag, which pydantic puts in the path
@@ -673,7 +698,7 @@ MOVED_TO_AIRFLOW = {
 
 
 def _moved_fields(data: dict[str, Any], text: str) -> list[str]:
-    lines = _line_index(text)
+    lines = _Lines(text)
     found = []
     for loc, target in MOVED_TO_AIRFLOW.items():
         node: Any = data
@@ -688,6 +713,8 @@ def _moved_fields(data: dict[str, Any], text: str) -> list[str]:
 
 
 _ABSENT = object()
+#: libyaml's safe loader when PyYAML was built with it (several times faster).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def parse_spec(
@@ -699,7 +726,7 @@ def parse_spec(
     `spark_jobs.storage.roots`); None reads ``MICROBATCH_STORAGE_ROOTS``.
     """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -723,7 +750,7 @@ def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) ->
         roots = parse_roots(storage_roots)
     except ValueError as exc:
         raise SpecError(spec.spec_path, [f"storage roots: {exc}"]) from None
-    lines = _line_index(text)
+    lines = _Lines(text)
     problems = []
     locations = [(("state", "path"), spec.state.path), (("checkpoint",), spec.checkpoint)]
     if not isinstance(spec.source, KafkaSourceSpec):  # a topic is not a storage location
@@ -745,7 +772,7 @@ def _inside(location: str, folder: str) -> bool:
     return location == folder or location.startswith(folder + "/")
 
 
-def _overlaps(spec: PipelineSpec, lines: dict[tuple[str, ...], int]) -> list[str]:
+def _overlaps(spec: PipelineSpec, lines: Mapping[tuple[str, ...], int]) -> list[str]:
     """Locations that would read or clobber each other's files.
 
     The source lists every file under its folder, so a state or checkpoint

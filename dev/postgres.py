@@ -105,7 +105,9 @@ class PostgresServer:
     def kept(cls, home: Path, *, start: bool = True) -> PostgresServer:
         """The server of an Airflow home, started (`start`) on the port it
         first got; created (with its `airflow` database) on first start."""
-        folder = home / "postgres" if os.geteuid() != 0 else cls._root_folder(home)
+        folder = home / "postgres" if os.geteuid() != 0 else cls._root_folder(home, create=start)
+        if not start and not folder.exists():  # nothing of this home's to look at or stop
+            return cls(folder=folder, port=0, bin_dir=_bin_dir(), as_user=[], throw_away=False)
         folder.mkdir(parents=True, exist_ok=True)
         as_user = _as_postgres(folder)
         port_file = folder / "port"
@@ -125,21 +127,32 @@ class PostgresServer:
         return server
 
     @classmethod
-    def _root_folder(cls, home: Path) -> Path:
+    def _root_folder(cls, home: Path, *, create: bool = True) -> Path:
         """Where root's server keeps its data: the postgres user it runs as
         cannot enter root's home, so the folder is in the system temp
         folder, named by the home and by a token the home holds. Deleting
         the home (`rm -rf .airflow`) drops the token: the next start makes a
-        new, empty database, and removes the old one's folder."""
-        home.mkdir(parents=True, exist_ok=True)
-        token_file = home / "postgres-folder-token"
-        if not token_file.exists():
-            token_file.write_text(secrets.token_hex(6))
+        new, empty database, and removes the old one's folder. A home from
+        before the token keeps the folder it had (named by the home alone).
+        `create`: False only looks (`stop`): no home made, nothing removed."""
         prefix = f"microbatch-airflow-pg-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12]}"
-        folder = Path(tempfile.gettempdir()) / f"{prefix}-{token_file.read_text().strip()}"
-        for stale in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
-            if stale != folder:
-                cls(folder=stale, port=0, bin_dir=_bin_dir(), as_user=_as_postgres(stale), throw_away=True).stop()
+        temp = Path(tempfile.gettempdir())
+        token_file = home / "postgres-folder-token"
+        if token_file.exists():
+            token = token_file.read_text().strip()
+        elif not create:
+            token = "none"  # no token, no database of this home's: a folder that is not there
+        else:
+            home.mkdir(parents=True, exist_ok=True)
+            kept_from_before = (temp / prefix).exists() and any(p.name != "postgres-folder-token" for p in home.iterdir())
+            token = "" if kept_from_before else secrets.token_hex(6)
+            token_file.write_text(token)
+        folder = temp / (f"{prefix}-{token}" if token else prefix)
+        if create:
+            # Another token's folder, or the tokenless one of a home made afresh.
+            for stale in [temp / prefix, *temp.glob(f"{prefix}-*")]:
+                if stale != folder and stale.exists():
+                    cls(folder=stale, port=0, bin_dir=_bin_dir(), as_user=_as_postgres(stale), throw_away=True).stop()
         return folder
 
     def running(self) -> bool:

@@ -15,12 +15,10 @@ which raises `BrokenPipelineSpecs` when there are any).
 from __future__ import annotations
 
 import os
-import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import yaml
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param
 
 from microbatch_airflow.airflow_spec import DEFAULT_RETRIES, AirflowSpec, airflow_spec
@@ -43,12 +41,6 @@ __all__ = [
 ]
 
 PIPELINES_DIR_ENV = "MICROBATCH_PIPELINES_DIR"
-#: libyaml's loader when PyYAML has it (several times faster on a folder of specs).
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-#: A spec's top-level ``name:`` line (the last one wins, as in YAML), its value ...
-_NAME_LINE = re.compile(r"^name:[ \t]*(.*?)[ \t]*$", re.MULTILINE)
-#: ... unless it starts as no plain scalar does (or is empty: the value is below).
-_NOT_PLAIN = ("{", "[", "&", "*", "!", "|", ">", "%", "@", "`")
 
 
 def _optional_int(title: str, description: str, minimum: int) -> Param:
@@ -226,18 +218,23 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, P
     """The valid specs (`*.yaml`, `*.yml`) in `folder` by pipeline name, and
     by file an error for each spec that is not (naming its line and field).
 
-    `names`: load only the specs whose `name` is one of these (the others
-    are only read as YAML, a tenth of a validated load, and not reported)."""
+    `names`: only the specs named one of these, and no errors. A file is
+    loaded only if its text holds one of the names (a read and a search,
+    not a load: a spec's name is written in it), so a task's parse of a
+    folder of specs loads its own and those that mention its name. (A name
+    spelled through YAML escapes is not found that way.)"""
     errors: dict[Path, str] = {}
     specs: dict[str, PipelineSpec] = {}
     for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
-        if names is not None and str(_named(path)) not in names:
+        if names is not None and not _mentions(path, names):
             continue
         try:
             spec = load_spec(path.resolve())
             airflow_spec(spec)
         except SpecError as exc:
             errors[path] = str(exc)
+            continue
+        if names is not None and spec.name not in names:
             continue
         if spec.name in specs:
             errors[path] = f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique"
@@ -264,15 +261,14 @@ def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None, *
 
     `only`: the one DAG id wanted, as Airflow's parsing context names it in
     a task process (`dags/microbatch_pipelines.py`). Then only the specs
-    that may define it are loaded (`scan_specs(names=...)`): a task in a
-    folder of N specs costs one spec's load, not N. A pipeline reading a
+    that mention the names that decide it are loaded (`scan_specs(names=...)`):
+    a task in a folder of N specs costs about one spec's load, not N. A pipeline reading a
     Delta table loads them all, since its upstream (which sets its schedule)
     is whichever spec writes that table. The DAG built is the one a full
     parse builds."""
     specs, _ = scan_specs(folder, names=_defining(only) if only else None)
     if only and (not specs or any(spec.source.type == "delta" for spec in specs.values())):
-        # (None found by its bare `name`, which validation may have spelled
-        # otherwise: the full parse decides.)
+        # (None found: the full parse decides, naming a spec's errors as well.)
         specs, _ = scan_specs(folder)
     dags: dict[str, DAG] = {}
     # A Delta source that is another pipeline's state chains the two.
@@ -291,9 +287,16 @@ def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None, *
 
 
 def _defining(dag_id: str) -> set[str]:
-    """The pipeline names whose specs may define DAG `dag_id`: the pipeline
-    of that name, or the one whose maintenance DAG it is."""
-    return {dag_id, dag_id.removesuffix(MAINTENANCE_SUFFIX)}
+    """The pipeline names whose specs decide DAG `dag_id`: the pipeline of
+    that name, the one whose maintenance DAG it is, and so on down (a
+    maintenance DAG's owner may itself clash with another's)."""
+    names = {dag_id}
+    while dag_id.endswith(MAINTENANCE_SUFFIX):
+        # `x_maintenance_maintenance`: pipeline `x_maintenance`'s maintenance
+        # DAG, unless pipeline `x` has one, which makes `x_maintenance` a clash.
+        dag_id = dag_id.removesuffix(MAINTENANCE_SUFFIX)
+        names.add(dag_id)
+    return names
 
 
 def raise_spec_errors(folder: Path) -> None:
@@ -305,24 +308,11 @@ def raise_spec_errors(folder: Path) -> None:
         raise BrokenPipelineSpecs(list(errors.values()))
 
 
-def _named(path: Path) -> object | None:
-    """The `name` a spec file gives (None when the file is not readable
-    YAML: such a file defines no DAG). Read from its top-level ``name:``
-    line when that holds a plain scalar (a line at column 0 is always a
-    top-level key; a full YAML load costs 1.5 ms a file, a thousand specs
-    1.5 s), else from the whole file."""
+def _mentions(path: Path, names: set[str]) -> bool:
+    """Whether the file's text holds one of `names` (an unreadable file is
+    loaded, to report it the way the full parse does)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return None
-    lines = _NAME_LINE.findall(text)
-    if lines and lines[-1] and not lines[-1].startswith(_NOT_PLAIN):
-        try:
-            return yaml.load(lines[-1], Loader=_YAML_LOADER)
-        except yaml.YAMLError:
-            return None
-    try:
-        raw = yaml.load(text, Loader=_YAML_LOADER)
-    except yaml.YAMLError:
-        return None
-    return raw.get("name") if isinstance(raw, dict) else None
+        return True
+    return any(name in text for name in names)

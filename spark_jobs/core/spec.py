@@ -637,7 +637,9 @@ def _line_index(text: str) -> dict[tuple[str, ...], int]:
                 walk(item, path + (str(i),))
 
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        # The loader that loaded the spec: libyaml accepts tabs the
+        # pure-Python one refuses, which would leave every error lineless.
+        root = yaml.compose(text, Loader=_YAML_LOADER)
     except yaml.YAMLError:
         return lines
     if root is not None:

@@ -227,7 +227,8 @@ def _unknown_fields(spec: PipelineSpec, text: Column) -> Check:
         F.size(unknown) > 0,
         F.concat(
             F.lit("unknown field(s) "),
-            F.substring(F.array_join(unknown, ", "), 1, 200),
+            # Quoted: a key may hold a comma, or be empty.
+            F.substring(F.array_join(F.transform(unknown, lambda name: F.concat(F.lit("'"), name, F.lit("'"))), ", "), 1, 200),
             F.lit(" (source.schema does not name them; source.unknown_fields: quarantine)"),
         ),
     )

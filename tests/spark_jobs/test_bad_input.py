@@ -181,11 +181,11 @@ def test_a_misspelled_field_is_quarantined_when_unknown_fields_says_so(tmp_path,
     strict = _process(spark, _spec(tmp_path / "strict", unknown_fields="quarantine"), {"case.json": content})
     reasons = {row["line"]: row["reason"] for row in strict.quarantine.to_pylist()}
     assert reasons == {
-        2: "unknown field(s) amuont" + why,
-        3: "unknown field(s) extra, z" + why,
+        2: "unknown field(s) 'amuont'" + why,
+        3: "unknown field(s) 'extra', 'z'" + why,
         4: malformed,
         5: NOT_NULL,
-        6: "unknown field(s) Amount" + why,  # names match exactly, as the parser matches them
+        6: "unknown field(s) 'Amount'" + why,  # names match exactly, as the parser matches them
     }
     assert strict.records_in == 6 and sum(strict.updates.column("events").to_pylist()) == 1
     lenient = _process(spark, _spec(tmp_path / "lenient"), {"case.json": content})

@@ -238,6 +238,41 @@ def test_the_dag_a_task_builds_is_the_one_the_dag_processor_builds(tmp_path, mon
         alone, loaded = _parsed_as_a_task(monkeypatch, tmp_path, dag_id)
         assert alone.dag_ids == [dag_id]
         assert DagSerialization.to_dict(alone.dags[dag_id]) == DagSerialization.to_dict(full.dags[dag_id]), dag_id
-        assert len(loaded) == {"chained": 1 + 4, "kept_maintenance": 2}.get(dag_id, 1), (dag_id, loaded)
+        # The files that mention the names deciding it; a chained pipeline then loads them all.
+        assert len(loaded) == {"chained": 1 + 4, "kept": 3, "kept_maintenance": 3}.get(dag_id, 1), (dag_id, loaded)
     alone, _ = _parsed_as_a_task(monkeypatch, tmp_path, "kept_maintenance")
     assert [t.task_id for t in alone.dags["kept_maintenance"].tasks] == ["maintain"], "the maintenance DAG, not the clash"
+
+
+def test_a_task_builds_what_the_full_parse_builds_where_a_quick_look_would_not(tmp_path, monkeypatch):
+    """Found by trying to break the parsing context's path: a `name:` line
+    inside a quoted description, beside a duplicate of the real name; and a
+    maintenance DAG id two clashes deep. The task builds what the full
+    parse builds, or nothing where it builds nothing."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    (tmp_path / "landing").mkdir()
+    real = oracle_spec_dict(name="real", checkpoint="lake/_checkpoints/a")
+    del real["description"]
+    # A quoted description over three lines, the second at column 0.
+    (tmp_path / "a.yaml").write_text('description: "Events per user\nname: fake\n  and more"\n' + yaml.safe_dump(real, sort_keys=False))
+    twin = oracle_spec_dict(name="real", checkpoint="lake/_checkpoints/b")
+    twin["state"]["path"] = "lake/b"
+    write_spec(tmp_path, twin, "b.yaml")
+    p = oracle_spec_dict(name="p", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/p")
+    p["state"]["path"] = "lake/p"
+    write_spec(tmp_path, p, "p.yaml")
+    pm = oracle_spec_dict(name="p_maintenance", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/pm")
+    pm["state"]["path"] = "lake/pm"
+    write_spec(tmp_path, pm, "pm.yaml")
+    full, _ = _parsed_as_a_task(monkeypatch, tmp_path, None)
+    assert sorted(full.dag_ids) == ["p", "p_maintenance", "real"]
+    assert full.dags["real"].tasks[0].spec_path.endswith("a.yaml")
+    for dag_id in ["real", "p", "p_maintenance", "p_maintenance_maintenance"]:
+        alone, _ = _parsed_as_a_task(monkeypatch, tmp_path, dag_id)
+        if dag_id in full.dag_ids:
+            assert alone.dag_ids == [dag_id]
+            assert DagSerialization.to_dict(alone.dags[dag_id]) == DagSerialization.to_dict(full.dags[dag_id]), dag_id
+        else:
+            assert alone.dag_ids == [], dag_id
+

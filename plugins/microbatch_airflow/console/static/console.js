@@ -435,10 +435,11 @@ async function followRewind(pipeline, batchId, runId) {
     await new Promise((done) => setTimeout(done, 2000));
   }
   await refresh();
-  const now = state.pipelines.find((p) => p.name === pipeline.name) || {};
+  // The ledger's rewind row this run wrote (the pipelines' summary may still be the last probe's).
+  const now = (state.selected === pipeline.name && state.batches.find((r) => r.phase === "rewind" && r.run_id === runId)) || null;
   if (badge.textContent === "failed") {
     result.textContent = "the rewind failed: its task log says why; nothing changed";
-  } else if (now.epoch !== before.epoch) {
+  } else if (now) {
     const cut = before.batch > batchId + 1 ? `batches ${batchId + 1} to ${before.batch} of epoch ${before.epoch} left the state; `
       : before.batch === batchId + 1 ? `batch ${before.batch} of epoch ${before.epoch} left the state; ` : "";
     result.textContent = `done: ${cut}now epoch ${now.epoch}, at batch ${now.batch_id}`;

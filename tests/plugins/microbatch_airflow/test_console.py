@@ -93,20 +93,17 @@ def test_a_downstream_whose_upstream_has_no_table_yet_is_waiting_not_broken(tmp_
     from tests.conftest import oracle_spec_dict, write_spec
 
     up = load_spec(write_spec(tmp_path, oracle_spec_dict(name="up"), "up.yaml"))
-    down = load_spec(write_spec(tmp_path, {
-        "name": "down",
-        "source": {"type": "delta", "path": "lake/state"},
-        "transform": "SELECT user_id, events FROM batch",
-        "state": {"path": "lake/down", "keys": ["user_id"], "merge": {"events": "sum"}},
-        "checkpoint": "lake/_checkpoints/down",
-    }, "down.yaml"))
-    lost = load_spec(write_spec(tmp_path, {
-        "name": "lost",
-        "source": {"type": "delta", "path": "lake/nowhere"},
-        "transform": "SELECT user_id, events FROM batch",
-        "state": {"path": "lake/lost", "keys": ["user_id"], "merge": {"events": "sum"}},
-        "checkpoint": "lake/_checkpoints/lost",
-    }, "lost.yaml"))
+    def reading(name: str, source: str):
+        """A pipeline whose Delta source is the table at `source`."""
+        return load_spec(write_spec(tmp_path, {
+            "name": name,
+            "source": {"type": "delta", "path": source},
+            "transform": "SELECT user_id, events FROM batch",
+            "state": {"path": f"lake/{name}", "keys": ["user_id"], "merge": {"events": "sum"}},
+            "checkpoint": f"lake/_checkpoints/{name}",
+        }, f"{name}.yaml"))
+
+    down, lost = reading("down", "lake/state"), reading("lost", "lake/nowhere")
     missing = "source table file:///x is not a Delta table (or does not exist yet); create it, or fix source.path"
     results = [
         {"name": "up", "status": "new", "problems": []},

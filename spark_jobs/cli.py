@@ -232,9 +232,9 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
                 _print_outcome(outcome, args.json, lines=True)
                 sys.stdout.flush()  # each batch as it commits, also into a pipe or a log
 
-            catch_up(spec, options, factory, max_batches=args.max_batches, on_outcome=shown)
+            catch_up(factory.spec, options, factory, max_batches=args.max_batches, on_outcome=shown)
             return EXIT_OK
-        outcome = run_batch(spec, options, factory)
+        outcome = run_batch(factory.spec, options, factory)
     _print_outcome(outcome, args.json)
     return EXIT_OK
 
@@ -314,7 +314,7 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
 
     # Spark starts only for a fold too big for this process (docs/architecture.md, "Where the rows go").
     with compute_factory(spec, getattr(args, "master", None), process_ends=args.process_ends) as factory:
-        report = maintain(spec, args.keep_batches, factory)
+        report = maintain(factory.spec, args.keep_batches, factory)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return EXIT_OK

@@ -163,7 +163,7 @@ class MicroBatchOperator(BaseOperator):
                         return {"status": "rewound", "rewound_to_batch": int(rewind_to), "message": "rewound by an earlier attempt of this run"}
                     self._emit(context, spec, rewound, rewind=True)
                     return {**rewound.to_dict(), "rewound_to_batch": int(rewind_to)}
-                outcome = run_batch(spec, options, factory)
+                outcome = run_batch(factory.spec, options, factory)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise
@@ -384,7 +384,7 @@ class MaintenanceOperator(BaseOperator):
             conn_id = airflow_spec(spec).spark_conn_id
             # Spark starts only for a fold too big for the task's process.
             with aws_connection(spec, self.aws_conn_id), compute_factory(spec, spark_master(conn_id) if conn_id else None) as factory:
-                report = maintain(spec, self.keep_batches, factory)
+                report = maintain(factory.spec, self.keep_batches, factory)
         except MicrobatchError as exc:
             if is_retryable(exc):
                 raise

@@ -261,10 +261,14 @@ class DeltaSourceSpec(_Model):
     #: Versions the pipeline still needs but the table no longer has (its log
     #: was cleaned up): stop (`fail`), or record them as skipped and go on.
     on_data_loss: Literal["fail", "skip"] = "fail"
-    #: Who reads a batch's versions: `driver` (delta-rs, handed to Spark as
-    #: Arrow) or `spark` (delta-spark on the executors, for batches of
-    #: millions of change rows on a cluster: docs/benchmarks.md).
-    reader: Literal["driver", "spark"] = "driver"
+    #: Who reads a batch's versions: `driver` (delta-rs in the job's
+    #: process, handed to Spark as Arrow), `spark` (delta-spark on the
+    #: executors: no row passes through the job's process) or `auto`: Spark
+    #: on a cluster or over Spark Connect, where the job's process may be a
+    #: small Airflow task, the driver on `local[*]`, where both are one
+    #: machine and delta-rs is the faster (docs/benchmarks.md). Resolved once
+    #: a run knows its master (`spark_jobs.engine.compute_factory`).
+    reader: Literal["auto", "driver", "spark"] = "auto"
 
     @property
     def format(self) -> str:

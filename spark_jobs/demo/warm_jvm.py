@@ -42,7 +42,8 @@ def _warm_up(workdir: str) -> None:
     (folder / "warm.yaml").write_text(yaml.safe_dump(spec))
     write_wave(folder / "in", 0, files=2, records_per_file=500, bad_every=50)
     loaded = load_spec(folder / "warm.yaml")
-    run_batch(loaded, RunOptions(run_id="warm-jvm"), compute_factory(loaded))
+    factory = compute_factory(loaded)
+    run_batch(factory.spec, RunOptions(run_id="warm-jvm"), factory)
     # The archive is written when the JVM exits: end it and wait.
     gateway = SparkContext._gateway
     if gateway is not None:

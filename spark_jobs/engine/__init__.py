@@ -33,6 +33,7 @@ class SparkFactory:
 
     def __init__(
         self,
+        spec: PipelineSpec,
         master: str | None,
         *,
         process_ends: bool,
@@ -41,6 +42,8 @@ class SparkFactory:
         delta: bool = False,
         hint: IdleHint | None = None,
     ) -> None:
+        #: The spec as runs on this engine read it (`session.with_reader`): run it, not the one given.
+        self.spec = spec
         self._master = master
         self._process_ends = process_ends
         self._early = early
@@ -95,14 +98,16 @@ def compute_factory(
     `short_lived`: the local session runs one batch (JVM flags for a fast
     start, `spark_jobs.engine.jvm_cache`); False for a run of many batches
     (`catch_up`), whose JVM compiles for the long run. A Delta source read by
-    Spark (`source.reader: spark`) gets a session with delta-spark. No JVM is
-    launched early when the source looks as it did when the last run found
-    nothing new (`idle_hint`): such a run stays JVM-free.
+    Spark (`source.reader: spark`, or `auto` off `local[*]`) gets a session
+    with delta-spark; the factory's `spec` is the one to run, its reader
+    resolved. No JVM is launched early when the source looks as it did when
+    the last run found nothing new (`idle_hint`): such a run stays JVM-free.
     """
     from spark_jobs.engine.idle_hint import IdleHint
-    from spark_jobs.engine.session import launch_driver, resolve_master
+    from spark_jobs.engine.session import launch_driver, resolve_master, with_reader
 
     resolved = resolve_master(master, spec)
+    spec = with_reader(spec, resolved)
     remote = resolved is not None and resolved.startswith("sc://")
     delta = spec.source.type == "delta" and spec.source.reader == "spark"
     hint = IdleHint(spec) if start_driver and not remote else None
@@ -110,4 +115,4 @@ def compute_factory(
         log.debug("the source is as the last run, which found nothing new, left it: no early driver launch")
         start_driver = False
     early = launch_driver(resolved, short_lived=short_lived, delta=delta) if start_driver and not remote else None
-    return SparkFactory(resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta, hint=hint)
+    return SparkFactory(spec, resolved, process_ends=process_ends, early=early, short_lived=short_lived, delta=delta, hint=hint)

@@ -50,6 +50,7 @@ __all__ = [
     "launch_driver",
     "redact_master",
     "resolve_master",
+    "with_reader",
     "session_options",
     "under_spark_submit",
 ]
@@ -263,6 +264,19 @@ def resolve_master(explicit: str | None, spec: PipelineSpec) -> str | None:
     if under_spark_submit():
         return None
     return spec.engine.master or os.environ.get("MICROBATCH_SPARK_MASTER") or "local[*]"
+
+
+def with_reader(spec: PipelineSpec, master: str | None) -> PipelineSpec:
+    """`spec` as a run on `master` reads it, its Delta source's `reader: auto`
+    resolved: Spark's executors, unless the run is on `local[*]`, where the
+    job's process and the executors share one machine and delta-rs reads the
+    small batches chained pipelines make faster. Under spark-submit (`master`
+    None) the cluster is not known before the session: Spark reads."""
+    if spec.source.type != "delta" or spec.source.reader != "auto":
+        return spec
+    local = master is not None and master.startswith("local")
+    source = spec.source.model_copy(update={"reader": "driver" if local else "spark"})
+    return spec.model_copy(update={"source": source})
 
 
 def redact_master(master: str | None) -> str:

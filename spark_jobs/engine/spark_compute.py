@@ -539,6 +539,7 @@ class SparkCompute:
         the same job, their rows counted as it runs (observed metrics)."""
         from pyspark.sql import functions as F
 
+        log.info("versions %d..%d of %s read by delta-spark on the executors", manifest.first, manifest.last, manifest.uri)
         try:
             rows = delta_read.spark_versions(self.spark, manifest)
             split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
@@ -550,7 +551,7 @@ class SparkCompute:
             if "DATA_SOURCE_NOT_FOUND" not in str(exc):
                 raise _unreadable_versions(spec, manifest, exc) from exc
             raise SourceRefusedError(
-                f"pipeline {spec.name}: `source.reader: spark` reads {manifest.uri} with delta-spark, which this "
+                f"pipeline {spec.name}: `source.reader: spark` (or `auto`, off `local[*]`) reads {manifest.uri} with delta-spark, which this "
                 f"Spark session does not have. Fetch its JARs (`make jars`; a run finds them itself, or in "
                 f"${SPARK_JARS_ENV}); on Spark Connect, start the server with them and Delta's SQL extension "
                 "(docker/README.md); or read on the driver (`source.reader: driver`). Nothing was committed.",

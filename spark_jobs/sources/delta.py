@@ -121,8 +121,11 @@ class DeltaSource:
     ) -> None:
         self.uri = uri
         self.read = read
-        #: Who reads the batches (`source.reader`): only the driver's reader refuses column mapping.
-        self.reader = reader
+        #: Who reads the batches (`source.reader`): only the driver's reader
+        #: refuses column mapping. A run resolves `auto` once it knows its
+        #: master (`engine.session.with_reader`); left unresolved (a plan
+        #: without an engine) it is the reader of `local[*]`, the driver's.
+        self.reader = "driver" if reader == "auto" else reader
         self.on_data_loss = on_data_loss
         self.max_versions = max_versions
         #: Who reads: the position is recorded in the upstream as this pipeline's (`storage.consumers`).

@@ -137,13 +137,14 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
     assert len(lineage) == 2
 
 
-@pytest.mark.parametrize(("engine", "reader"), [("cluster", "spark"), ("connect", "spark"), ("connect", "driver")])
+@pytest.mark.parametrize(("engine", "reader"), [("cluster", "spark"), ("connect", "auto"), ("connect", "driver")])
 def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reader, tmp_path):
-    """`source.reader: spark` on each engine: delta-spark reads the upstream's
-    change feed on the cluster's executors (its JARs shipped by `spark.jars`)
-    or on the Connect server (started with them). And the driver's reader
-    over Connect, whose check of the transform over no rows once failed
-    there (Connect cannot infer a schema from an empty table)."""
+    """`source.reader: spark` on each engine (over Connect as `auto`
+    resolves it): delta-spark reads the upstream's change feed on the
+    cluster's executors (its JARs shipped by `spark.jars`) or on the Connect
+    server (started with them), and no row comes to the job's process. And
+    the driver's reader over Connect, whose check of the transform over no
+    rows once failed there (Connect cannot infer a schema from an empty table)."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     master = request.getfixturevalue(engine)
@@ -156,6 +157,7 @@ def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reade
         assert result.returncode == 0, result.stderr[-3000:]
         if json.loads(result.stdout)["status"] == "no_new_data":
             break
+        assert ("read by delta-spark on the executors" in result.stderr) == (reader != "driver"), result.stderr[-3000:]
     assert_chain_exact(upstream, downstream)
 
 

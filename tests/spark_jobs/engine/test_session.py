@@ -1,0 +1,40 @@
+"""Which reader a run's Delta source gets (`session.with_reader`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spark_jobs.core.spec import load_spec
+from spark_jobs.engine.session import with_reader
+from tests.conftest import chain_specs
+
+
+@pytest.mark.parametrize(
+    ("reader", "master", "resolved"),
+    [
+        ("auto", "local[*]", "driver"),
+        ("auto", "local[2]", "driver"),
+        ("auto", "spark://host:7077", "spark"),
+        ("auto", "sc://host:15002", "spark"),
+        ("auto", None, "spark"),  # under spark-submit: its master is not known before the session
+        ("driver", "sc://host:15002", "driver"),
+        ("spark", "local[*]", "spark"),
+    ],
+)
+def test_auto_reads_on_the_executors_off_local(tmp_path, reader, master, resolved):
+    """`auto` keeps a Delta source's rows out of the job's process where that
+    process is not the machine the executors run on; a chosen reader stays."""
+    _, downstream = chain_specs(tmp_path, reader=reader)
+    spec = load_spec(downstream)
+    run = with_reader(spec, master)
+    assert run.source.reader == resolved
+    assert run.name == spec.name and run.base_dir == spec.base_dir and run.spec_path == spec.spec_path
+
+
+def test_the_default_is_auto_and_other_sources_are_untouched(tmp_path):
+    from spark_jobs.core.spec import DeltaSourceSpec
+
+    assert DeltaSourceSpec(type="delta", path="lake/state").reader == "auto"
+    upstream, _ = chain_specs(tmp_path)
+    files = load_spec(upstream)
+    assert with_reader(files, "sc://host:15002") is files

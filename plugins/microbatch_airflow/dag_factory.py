@@ -14,7 +14,10 @@ which raises `BrokenPipelineSpecs` when there are any).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,9 @@ from microbatch_airflow.airflow_spec import DEFAULT_RETRIES, AirflowSpec, airflo
 from microbatch_airflow.assets import batches_alias, source_asset, state_asset
 from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
 from microbatch_airflow.sensors import NewDataSensor
+from microbatch_airflow.spec_cache import SpecCache
 from spark_jobs.errors import SpecError
-from spark_jobs.core.spec import PipelineSpec, load_spec
+from spark_jobs.core.spec import PipelineSpec
 
 __all__ = [
     "BrokenPipelineSpecs",
@@ -222,14 +226,19 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, P
     loaded only if its text holds one of the names (a read and a search,
     not a load: a spec's name is written in it), so a task's parse of a
     folder of specs loads its own and those that mention its name. (A name
-    spelled through YAML escapes is not found that way.)"""
+    spelled through YAML escapes is not found that way.)
+
+    A spec whose file has not changed since a parse kept it is not loaded
+    again (`spec_cache.SpecCache`)."""
     errors: dict[Path, str] = {}
     specs: dict[str, PipelineSpec] = {}
-    for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+    kept = SpecCache(folder)
+    paths = [p.resolve() for p in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])]
+    for path in paths:
         if names is not None and not _mentions(path, names):
             continue
         try:
-            spec = load_spec(path.resolve())
+            spec = kept.load(path)
             airflow_spec(spec)
         except SpecError as exc:
             errors[path] = str(exc)
@@ -240,6 +249,7 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, P
             errors[path] = f"{path}: pipeline name {spec.name!r} is used by another spec; names must be unique"
             continue
         specs[spec.name] = spec
+    kept.save(paths if names is None else None)
     # A pipeline's maintenance DAG is `<name>_maintenance`: a pipeline of that
     # name would share its DAG id, and each would overwrite the other.
     for name, spec in list(specs.items()):
@@ -276,14 +286,51 @@ def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None, *
     # (A DAG built in a `with` block registers itself with the parse, kept
     # or not: a task process builds none but its own.)
     wanted = (lambda dag_id: dag_id == only) if only else (lambda dag_id: True)
-    for spec in specs.values():
-        if wanted(spec.name):
-            upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
-            dags[spec.name] = build_dag(spec, upstream, default_args)
-        maintenance = f"{spec.name}{MAINTENANCE_SUFFIX}"
-        if airflow_spec(spec).maintenance_schedule and wanted(maintenance):
-            dags[maintenance] = build_maintenance_dag(spec, default_args)
+    with _each_schema_checked_once():
+        for spec in specs.values():
+            if wanted(spec.name):
+                upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
+                dags[spec.name] = build_dag(spec, upstream, default_args)
+            maintenance = f"{spec.name}{MAINTENANCE_SUFFIX}"
+            if airflow_spec(spec).maintenance_schedule and wanted(maintenance):
+                dags[maintenance] = build_maintenance_dag(spec, default_args)
     return dags
+
+
+@contextmanager
+def _each_schema_checked_once() -> Iterator[None]:
+    """While the DAGs are built, `jsonschema.validate` checks each distinct
+    schema against its metaschema once, not at every call.
+
+    A scheduled DAG validates its Params' defaults as it is made, and each
+    `Param.resolve` calls `jsonschema.validate`, which first checks the
+    schema itself against JSON Schema's metaschema: 60% of building a DAG,
+    for the same five trigger-form schemas in every one (a dag-processor's
+    parse of 200 pipelines checked them 1,000 times). The values are still
+    validated each time, as `jsonschema.validate` does; a schema is checked
+    the same way, once. Restored on the way out: the parse is one thread."""
+    import jsonschema
+    from jsonschema.exceptions import best_match
+    from jsonschema.validators import validator_for
+
+    original = jsonschema.validate
+    checked: set[str] = set()
+
+    def validate(instance: Any, schema: Any, cls: Any = None, *args: Any, **kwargs: Any) -> None:
+        cls = cls or validator_for(schema)
+        key = f"{cls.__name__}:{json.dumps(schema, sort_keys=True, default=repr)}"
+        if key not in checked:
+            cls.check_schema(schema)
+            checked.add(key)
+        error = best_match(cls(schema, *args, **kwargs).iter_errors(instance))
+        if error is not None:
+            raise error
+
+    jsonschema.validate = validate
+    try:
+        yield
+    finally:
+        jsonschema.validate = original
 
 
 def _defining(dag_id: str) -> set[str]:

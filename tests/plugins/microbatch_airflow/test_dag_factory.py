@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import yaml
@@ -166,22 +167,24 @@ def test_run_on_data_schedules_the_dag_on_its_source_watcher_and_refuses_a_clock
     assert {"both", "waiting"}.isdisjoint(bag.dag_ids)
 
 
-def _parsed_as_a_task(monkeypatch, folder, dag_id: str | None):
+def _parsed_as_a_task(monkeypatch, folder, dag_id: str | None, cache=None):
     """`dags/microbatch_pipelines.py` parsed as Airflow's task runner parses
     it (its parsing context naming `dag_id`; None: as the dag-processor does),
-    and how many specs that parse loaded."""
+    and which specs that parse loaded. `cache`: the folder of kept specs
+    (`spec_cache`), by default a new one: nothing kept from other parses."""
     from airflow.dag_processing.dagbag import DagBag
 
-    from microbatch_airflow import dag_factory
+    from microbatch_airflow import spec_cache
 
     loaded: list[str] = []
-    real = dag_factory.load_spec
+    real = spec_cache.load_spec
 
     def counting(path, **kwargs):
         loaded.append(str(path))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(dag_factory, "load_spec", counting)
+    monkeypatch.setattr(spec_cache, "load_spec", counting)
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(cache or folder / ".cache" / uuid.uuid4().hex))
     monkeypatch.setenv("MICROBATCH_PIPELINES_DIR", str(folder))
     if dag_id is None:
         monkeypatch.delenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", raising=False)
@@ -238,8 +241,9 @@ def test_the_dag_a_task_builds_is_the_one_the_dag_processor_builds(tmp_path, mon
         alone, loaded = _parsed_as_a_task(monkeypatch, tmp_path, dag_id)
         assert alone.dag_ids == [dag_id]
         assert DagSerialization.to_dict(alone.dags[dag_id]) == DagSerialization.to_dict(full.dags[dag_id]), dag_id
-        # The files that mention the names deciding it; a chained pipeline then loads them all.
-        assert len(loaded) == {"chained": 1 + 4, "kept": 3, "kept_maintenance": 3}.get(dag_id, 1), (dag_id, loaded)
+        # The files that mention the names deciding it; a chained pipeline
+        # then loads them all (its own kept from the first look: `spec_cache`).
+        assert len(loaded) == {"chained": 4, "kept": 3, "kept_maintenance": 3}.get(dag_id, 1), (dag_id, loaded)
     alone, _ = _parsed_as_a_task(monkeypatch, tmp_path, "kept_maintenance")
     assert [t.task_id for t in alone.dags["kept_maintenance"].tasks] == ["maintain"], "the maintenance DAG, not the clash"
 

@@ -1,0 +1,90 @@
+"""Issue 48: the dag-processor loads a spec only when its file changed
+(`spec_cache`), and builds the same DAGs from the specs it kept."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+from tests.conftest import oracle_spec_dict, write_spec
+from tests.plugins.microbatch_airflow.test_dag_factory import _parsed_as_a_task
+
+
+def _folder(tmp_path):
+    folder = tmp_path / "pipelines"
+    (folder / "landing").mkdir(parents=True)
+    write_spec(folder, oracle_spec_dict(name="plain", checkpoint="lake/_checkpoints/plain"), "plain.yaml")
+    kept = oracle_spec_dict(name="kept", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/kept")
+    kept["state"]["path"] = "lake/kept"
+    write_spec(folder, kept, "kept.yaml")
+    chained = {
+        "name": "chained",
+        "source": {"type": "delta", "path": "lake/kept"},
+        "transform": "SELECT user_id, events FROM batch",
+        "state": {"path": "lake/chained", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/chained",
+    }
+    write_spec(folder, chained, "chained.yaml")
+    return folder
+
+
+def test_an_unchanged_spec_is_not_loaded_again_and_its_dag_is_the_same(tmp_path, monkeypatch):
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    first, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert len(loaded) == 3
+    again, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert loaded == []
+    assert sorted(again.dag_ids) == ["chained", "kept", "kept_maintenance", "plain"]
+    for dag_id in first.dag_ids:
+        assert DagSerialization.to_dict(again.dags[dag_id]) == DagSerialization.to_dict(first.dags[dag_id]), dag_id
+    # A task's parse reads what the dag-processor kept, too.
+    alone, loaded = _parsed_as_a_task(monkeypatch, folder, "plain", cache)
+    assert alone.dag_ids == ["plain"] and loaded == []
+
+
+def test_an_edit_shows_at_the_next_parse_even_with_its_size_and_time_kept(tmp_path, monkeypatch):
+    """The edit a cache keyed on size and modification time would miss: the
+    same number of bytes, the old modification time put back (`cp -p`,
+    `touch -r`, some editors and sync tools). The change time still moves."""
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    first, _ = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert "test pipeline" in first.dags["plain"].doc_md
+    spec = folder / "plain.yaml"
+    before = spec.stat()
+    text = spec.read_text()
+    assert "test pipeline" in text
+    spec.write_text(text.replace("test pipeline", "best pipeline", 1))
+    os.utime(spec, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (spec.stat().st_size, spec.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    edited, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert loaded == [str(spec)]
+    assert "best pipeline" in edited.dags["plain"].doc_md
+
+
+def test_a_broken_spec_is_not_kept_a_removed_one_is_forgotten_and_a_damaged_cache_is_ignored(tmp_path, monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.conftest import ROOT
+
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    (folder / "broken.yaml").write_text("name: broken\nsource: {type: files}\n")
+    _parsed_as_a_task(monkeypatch, folder, None, cache)
+    monkeypatch.setenv("MICROBATCH_PIPELINES_DIR", str(folder))
+    # Its error, again at each parse of the errors' file.
+    for _ in range(2):
+        bag = DagBag(dag_folder=str(ROOT / "dags" / "microbatch_spec_errors.py"))
+        (error,) = bag.import_errors.values()
+        assert "broken.yaml" in error
+    (kept_file,) = (cache / "specs").glob("*.pickle")
+    assert sorted(os.path.basename(p) for p in pickle.loads(kept_file.read_bytes())["specs"]) == ["chained.yaml", "kept.yaml", "plain.yaml"]
+    write_spec(folder, oracle_spec_dict(name="broken", checkpoint="lake/_checkpoints/broken"), "broken.yaml")
+    (folder / "kept.yaml").unlink()
+    fixed, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert loaded == [str(folder / "broken.yaml")]
+    assert sorted(fixed.dag_ids) == ["broken", "chained", "plain"]
+    assert sorted(os.path.basename(p) for p in pickle.loads(kept_file.read_bytes())["specs"]) == ["broken.yaml", "chained.yaml", "plain.yaml"]
+    kept_file.write_bytes(b"not a pickle")
+    damaged, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert sorted(damaged.dag_ids) == ["broken", "chained", "plain"] and len(loaded) == 3

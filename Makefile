@@ -32,9 +32,11 @@ demo: setup spark-jars
 DURATIONS ?= 25
 # Test processes (pytest-xdist). Most of the suite waits on JVMs, Airflow and
 # servers rather than computing: two processes took the suite from 42 to 33
-# minutes on 2 cores. A test file stays in one process (its module
-# fixtures, such as a live Airflow, start once). TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# minutes on 2 cores, and at 61 minutes two processes still kept the 2 cores
+# 35% busy (40 CPU-minutes user, 5 system). A test file stays in one
+# process (its module fixtures, such as a live Airflow, start once).
+# TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 test: setup tools jars lint
 	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
 

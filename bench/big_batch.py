@@ -18,9 +18,14 @@ it exits: its driver JVM, a child, apart, and reported apart), which is
 what a batch used to fill with its rows (about 170 bytes a key before this
 change: 943 MB at 4M keys).
 
-Results: docs/state-at-scale.md, "A batch bigger than one process".
+With `--cluster 2`, both run on a standalone cluster of two one-core
+workers started for the run (`tests/spark_servers.py`), executors with
+Spark's default settings.
 
-    .venv/bin/python bench/big_batch.py [--sizes 1000000,10000000,30000000]
+Results: docs/state-at-scale.md, "A batch bigger than one process" (and
+"The same batch on a standalone cluster").
+
+    .venv/bin/python bench/big_batch.py [--sizes 1000000,10000000,30000000] [--cluster 2]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from state_vs_ss import TRANSFORM, users  # noqa: E402
 
 DOC = ROOT / "docs" / "state-at-scale.md"
 SECTION = "## A batch bigger than one process"
+CLUSTER_SECTION = "## The same batch on a standalone cluster"
 FILE_ROWS = 2_000_000
 
 
@@ -129,14 +135,15 @@ def run(args: list[str], *, timeout: float = 7200) -> dict[str, Any]:
     return {"seconds": seconds, "rss_mb": peak["own"] / 1e6, "jvm_rss_mb": peak["children"] / 1e6, "stdout": stdout}
 
 
-def measure(work: Path, size: int) -> dict[str, Any]:
+def measure(work: Path, size: int, master: str) -> dict[str, Any]:
     base = work / f"n{size}"
     land(base / "events", size)
     figures: dict[str, Any] = {"keys": size, "input_mb": sum(p.stat().st_size for p in (base / "events").glob("*")) / 1e6}
 
     (base / "ss-landing").mkdir(parents=True)
     ss = run([sys.executable, str(ROOT / "bench/anchors/structured_streaming.py"), "--landing", str(base / "ss-landing"),
-              "--seed", str(base / "events"), "--checkpoint", str(base / "ss-checkpoint"), "--max-files", "1000"])
+              "--seed", str(base / "events"), "--checkpoint", str(base / "ss-checkpoint"), "--max-files", "1000",
+              "--master", master])
     rows = sum(b["rows"] for b in json.loads(ss["stdout"].strip().splitlines()[-1])["batches"])
     assert rows == size, rows
     figures["ss"] = {k: v for k, v in ss.items() if k != "stdout"}
@@ -148,7 +155,7 @@ def measure(work: Path, size: int) -> dict[str, Any]:
         path = spec(folder, layout)
         for f in (base / "events").glob("*.parquet"):
             os.link(f, folder / "landing" / f.name)
-        first = run([sys.executable, "-m", "spark_jobs", "run", str(path), "--json"])
+        first = run([sys.executable, "-m", "spark_jobs", "run", str(path), "--json", "--master", master])
         outcome = json.loads(first["stdout"])
         assert outcome["status"] == "committed" and outcome["keys_updated"] == size, outcome
         figures[layout] = {k: v for k, v in first.items() if k != "stdout"}
@@ -156,9 +163,9 @@ def measure(work: Path, size: int) -> dict[str, Any]:
               f"(JVM {first['jvm_rss_mb']:.0f} MB)", file=sys.stderr, flush=True)
         if layout == "appended":
             land(folder / "landing", size // 10, start=1, step=10)  # a tenth of the users come back
-            again = run([sys.executable, "-m", "spark_jobs", "run", str(path), "--json"])
+            again = run([sys.executable, "-m", "spark_jobs", "run", str(path), "--json", "--master", master])
             assert json.loads(again["stdout"])["status"] == "committed"
-            fold = run([sys.executable, "-m", "spark_jobs", "maintain", str(path), "--json"])
+            fold = run([sys.executable, "-m", "spark_jobs", "maintain", str(path), "--json", "--master", master])
             figures["fold"] = {k: v for k, v in fold.items() if k != "stdout"}
             print(f"  {size:,} keys: fold {fold['seconds']:.1f} s, job's process {fold['rss_mb']:.0f} MB", file=sys.stderr, flush=True)
         shutil.rmtree(folder)
@@ -171,23 +178,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000000,10000000,30000000")
     parser.add_argument("--work", help="a folder for the data (default: a new temporary one)")
+    parser.add_argument("--cluster", type=int, default=0, metavar="WORKERS",
+                        help="run both on a standalone cluster of this many workers of one core each (tests/spark_servers.py)")
+    parser.add_argument("--worker-memory", default="8g", help="each worker's memory (--cluster); executors keep Spark's default")
     args = parser.parse_args()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="microbatch-big-batch-"))
+    cluster = None
     try:
-        rows = [measure(work, int(n)) for n in args.sizes.split(",")]
+        master = "local[*]"
+        if args.cluster:
+            from tests.spark_servers import start_cluster
+
+            cluster, master = start_cluster(work / "cluster", cores=1, memory=args.worker_memory, workers=args.cluster)
+        rows = [measure(work, int(n), master) for n in args.sizes.split(",")]
     finally:
+        if cluster is not None:
+            cluster.stop()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    write_doc(rows)
+    write_doc(rows, f"a standalone cluster of {args.cluster} workers of one core" if args.cluster else "`local[*]`")
 
 
-def write_doc(rows: list[dict[str, Any]]) -> None:
+def write_doc(rows: list[dict[str, Any]], where: str) -> None:
     lines = [
-        SECTION,
+        SECTION if where == "`local[*]`" else CLUSTER_SECTION,
         "",
         f"`bench/big_batch.py`, {date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, one run: a first "
         "batch of N events of N distinct users (Parquet, files of 2M rows) through `microbatch run` (a new process, "
-        "`local[*]`, default settings), beside Structured Streaming (RocksDB state, one `AvailableNow` batch, a new "
+        f"{where}, default settings), beside Structured Streaming (RocksDB state, one `AvailableNow` batch, a new "
         "process) on the same files. \"Job's process\" is the peak RSS of the run's own Python process (its driver "
         "JVM apart). The fold is `microbatch maintain` of the appended state after a second batch of N/10 returning users.",
         "",

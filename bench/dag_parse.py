@@ -49,7 +49,7 @@ started = time.process_time()
 from airflow.dag_processing.dagbag import DagBag
 import microbatch_airflow.dag_factory
 imported = time.process_time()
-bag = DagBag(dag_folder=dag_file, include_examples=False)
+bag = DagBag(dag_folder=dag_file)
 print(json.dumps({"imports": imported - started, "parse": time.process_time() - imported,
                   "dags": len(bag.dag_ids), "errors": len(bag.import_errors)}))
 """

@@ -85,10 +85,11 @@ class SparkServer:
 
 
 def start_cluster(
-    work: Path, cores: int = 2, env: dict[str, str] | None = None, memory: str = "2g"
+    work: Path, cores: int = 2, env: dict[str, str] | None = None, memory: str = "2g", workers: int = 1
 ) -> tuple[SparkServer, str]:
-    """A standalone master and worker (`env`: more of their environment, which
-    executors inherit); returns the server and ``spark://127.0.0.1:port``."""
+    """A standalone master and `workers` workers of `cores` cores and `memory`
+    each (`env`: more of their environment, which executors inherit); returns
+    the server and ``spark://127.0.0.1:port``."""
     env = {**spark_env(work), **(env or {})}
     port, ui = free_port(), free_port()
     server = SparkServer()
@@ -120,13 +121,15 @@ def start_cluster(
         server.wait_for(started, "spark master")
         master = f"spark://127.0.0.1:{bound['rpc']}"
         server.wait_for(lambda: alive_workers() >= 0, "spark master's UI")
-        server.start(
-            [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
-             "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(work / "worker"), master],
-            env,
-            work / "worker.log",
-        )
-        server.wait_for(lambda: alive_workers() == 1, "spark worker")
+        for n in range(workers):
+            folder = work / ("worker" if n == 0 else f"worker-{n}")
+            server.start(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
+                 "--memory", memory, "--webui-port", str(free_port()), "--work-dir", str(folder), master],
+                env,
+                work / f"{folder.name}.log",
+            )
+        server.wait_for(lambda: alive_workers() == workers, "spark workers")
     except BaseException:
         server.stop()  # a fixture that fails to start leaves no JVM behind
         raise

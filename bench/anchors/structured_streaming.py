@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--seed", help="a folder of Parquet files unioned with --landing's (to seed the state)")
     parser.add_argument("--driver-java-options", default="", help="extra JVM flags for the driver (default: none)")
     parser.add_argument("--remote", help="a Spark Connect server (sc://host:port) to run the query on, instead of a JVM of its own")
+    parser.add_argument("--master", default="local[*]", help="the driver's master: local[*] or a standalone cluster's spark://host:port")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -69,7 +70,7 @@ def main() -> None:
         for key, value in SESSION_CONF.items():
             spark.conf.set(key, value)
     else:
-        builder = SparkSession.builder.master("local[*]").appName("structured-streaming-anchor")
+        builder = SparkSession.builder.master(args.master).appName("structured-streaming-anchor")
         for key, value in {**SESSION_CONF, "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
                            "spark.driver.memory": "2g"}.items():
             builder = builder.config(key, value)

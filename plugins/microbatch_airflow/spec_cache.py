@@ -8,7 +8,8 @@ only when its file changed since the parse that kept it.
 
 What is kept: one file per folder of specs, under
 ``$MICROBATCH_CACHE_DIR/specs`` (by default ``~/.cache/microbatch/specs``),
-holding each valid spec with its file's identity (device, inode, size,
+holding each valid spec (pickled on its own, so that a task's parse
+unpickles only the one it needs) with its file's identity (device, inode, size,
 modification and change times). The change time moves on every write and
 cannot be set back, so an edit is seen even when it keeps the size and
 restores the modification time. The code that validated the specs is part
@@ -43,7 +44,7 @@ __all__ = ["SpecCache"]
 log = logging.getLogger(__name__)
 
 #: The layout of the cache file; a file of another layout is ignored.
-_FORMAT = 1
+_FORMAT = 2
 #: A folder's file not rewritten for this long is deleted by another's write.
 _FORGET_AFTER_S = 7 * 24 * 3600
 
@@ -56,7 +57,7 @@ class SpecCache:
         digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
         self._file = root / f"{folder.name[:40]}-{digest}.pickle"
         self._code = _code_version()
-        self._kept: dict[str, tuple[tuple[int, ...], PipelineSpec]] = self._read()
+        self._kept: dict[str, tuple[tuple[int, ...], bytes]] = self._read()
         self._changed = False
 
     def load(self, path: Path) -> PipelineSpec:
@@ -68,9 +69,9 @@ class SpecCache:
         key = str(path)
         kept = self._kept.get(key)
         if kept is not None and kept[0] == signature:
-            return kept[1]
+            return pickle.loads(kept[1])  # noqa: S301 - this cache's own file
         spec = load_spec(path)
-        self._kept[key] = (signature, spec)
+        self._kept[key] = (signature, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         self._changed = True
         return spec
 
@@ -98,7 +99,7 @@ class SpecCache:
                 pass
         self._changed = False
 
-    def _read(self) -> dict[str, tuple[tuple[int, ...], PipelineSpec]]:
+    def _read(self) -> dict[str, tuple[tuple[int, ...], bytes]]:
         try:
             with self._file.open("rb") as kept:
                 data: Any = pickle.load(kept)

@@ -137,7 +137,12 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
     assert len(lineage) == 2
 
 
-@pytest.mark.parametrize(("engine", "reader"), [("cluster", "spark"), ("connect", "auto"), ("connect", "driver")])
+@pytest.mark.parametrize(
+    ("engine", "reader"),
+    # The cluster's case (3 min) in `make soak`: its JARs reaching the executors
+    # are `test_delta_spark_reads_the_state_on_the_cluster`'s, Spark's reader `auto`'s over Connect.
+    [pytest.param("cluster", "spark", marks=pytest.mark.slow), ("connect", "auto"), ("connect", "driver")],
+)
 def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reader, tmp_path):
     """`source.reader: spark` on each engine (over Connect as `auto`
     resolves it): delta-spark reads the upstream's change feed on the

@@ -439,7 +439,9 @@ class SparkCompute:
         the executors wrote them, their files checked (`spark_state.checked`)."""
         if out is None:
             return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
-        staged = spark_state.checked(self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink)
+        staged = spark_state.checked(
+            self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink, unique=bool(seen.get(spark_state.UNIQUE_KEYS))
+        )
         return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged)
 
     def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split) -> _Query:
@@ -483,16 +485,24 @@ class SparkCompute:
         job = query.result if out is None else spark_state.result_job(query.result, spec, out.sink)
         updates = job.toArrow()
         found = self._observed(job, _METRICS)
-        if out is not None:
-            found = {**(found or {}), spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS)} if found is not None else None
         if found is None:
             # Adaptive execution drops a stage whose output turned out empty
             # (no valid record at all) from the plan it reports, metrics and
             # all; count them apart then, which costs a second read only when
             # nothing in the batch was valid.
             log.debug("no observed metrics for this batch: counting apart")
-            found = query.rows.agg(*query.metrics).first().asDict()
+            return updates, query.rows.agg(*query.metrics).first().asDict()
+        if out is not None:
+            found = {**found, **self._written_metrics(job, query.result, spec)}
         return updates, found
+
+    def _written_metrics(self, job: DataFrame, result: DataFrame, spec: PipelineSpec) -> dict[str, Any]:
+        """What the checks of a result the executors wrote need (`spark_state.checked`):
+        the writing job's observed metrics, and whether the plan proves its keys unique."""
+        return {
+            spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS),
+            spark_state.UNIQUE_KEYS: spark_state.unique_keys(result, spec),
+        }
 
     def _observed(self, job: DataFrame, name: str) -> dict[str, Any] | None:
         """The metrics observed as `name` in the plan `job` ran (None: none reported)."""
@@ -532,7 +542,7 @@ class SparkCompute:
             return self._result(spec, result.toArrow(), {"records": rows.num_rows}, None)
         job = spark_state.result_job(result, spec, out.sink)
         written = job.toArrow()
-        return self._result(spec, written, {"records": rows.num_rows, spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS)}, out)
+        return self._result(spec, written, {"records": rows.num_rows, **self._written_metrics(job, result, spec)}, out)
 
     def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
         """The versions read by delta-spark on the executors, transformed in

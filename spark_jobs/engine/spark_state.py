@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -32,12 +33,14 @@ from spark_jobs.storage.s3 import client_settings, is_s3
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["Out", "RESULT_METRICS", "checked", "fold_files", "merge_files", "quarantine_job", "result_job"]
+__all__ = ["Out", "RESULT_METRICS", "UNIQUE_KEYS", "checked", "fold_files", "merge_files", "quarantine_job", "result_job", "unique_keys"]
 
 log = logging.getLogger("microbatch")
 
 #: The name of the observed metrics of a batch's written result.
 RESULT_METRICS = "microbatch_result"
+#: Beside them: whether the result's plan proves its keys unique (`unique_keys`).
+UNIQUE_KEYS = "microbatch_unique_keys"
 
 
 @dataclass(frozen=True)
@@ -94,20 +97,61 @@ def quarantine_job(parsed: DataFrame, out: Out) -> DataFrame:
     return writing(bad, sink.quarantine_root, QUARANTINE_SCHEMA, client(sink.quarantine_root), rename)
 
 
-def checked(spark: SparkSession, spec: PipelineSpec, result: pa.Table, seen: dict[str, Any] | None, sink: Sink) -> Staged:
+def checked(
+    spark: SparkSession, spec: PipelineSpec, result: pa.Table, seen: dict[str, Any] | None, sink: Sink, *, unique: bool = False
+) -> Staged:
     """The files a `result_job` wrote, once their rows pass the checks every
-    result passes (`compute.validate_updates`): no null key, no key twice.
-    A failed check deletes them (no commit names them) and raises."""
+    result passes (`compute.validate_updates`): no null key, no key twice
+    (`unique`: the result's plan proves it, `unique_keys`). A failed check
+    deletes them (no commit names them) and raises."""
     staged = Staged(written(result), sink.schema, sink.root)
     nulls = int((seen or {}).get("null_keys") or 0)
     try:
         if nulls:
             raise null_keys_error(spec, nulls)
-        _check_unique(spark, spec, staged, sink.root)
+        if not unique:
+            _check_unique(spark, spec, staged, sink.root)
     except Exception:
         delete_files(sink.root, staged.files)
         raise
     return staged
+
+
+def unique_keys(result: DataFrame, spec: PipelineSpec) -> bool:
+    """Whether Spark's optimizer proves that `result` holds each key once:
+    one of the distinct-key sets of its optimized plan (`distinctKeys`: the
+    grouping columns of a GROUP BY, a DISTINCT's columns, carried through
+    projections, aliases and filters) is made of key columns only.
+
+    The proof Spark's own optimizer relies on (to drop a redundant
+    aggregate, say), here to spare the written files a second Spark job
+    that groups them by key (a shuffle of every key). Only a classic session shows its plan: over Spark Connect, or
+    with `spark.sql.optimizer.propagateDistinctKeys.enabled` off, it proves
+    nothing and the files are checked."""
+    jdf = getattr(result, "_jdf", None)
+    if jdf is None:
+        return False
+    from py4j.protocol import Py4JError
+
+    try:
+        plan = jdf.queryExecution().optimizedPlan()
+        names = {a.exprId().id(): a.name() for a in _scala(plan.output())}
+        keys = set(spec.state.keys)
+        for keyset in _scala(plan.distinctKeys()):
+            columns = list(_scala(keyset))
+            found = {names.get(c.exprId().id()) for c in columns if c.getClass().getSimpleName() == "AttributeReference"}
+            if columns and len(found) == len(columns) and found <= keys:
+                return True
+    except Py4JError as exc:
+        log.debug("the result's plan shows no distinct keys (%s): its files are checked", exc)
+    return False
+
+
+def _scala(collection: Any) -> Iterator[Any]:
+    """The elements of a Scala collection, through py4j."""
+    items = collection.iterator()
+    while items.hasNext():
+        yield items.next()
 
 
 def _check_unique(spark: SparkSession, spec: PipelineSpec, staged: Staged, root: str) -> None:

@@ -183,3 +183,44 @@ def test_a_result_too_big_to_come_back_fails_for_good_naming_the_setting_and_the
     assert done.returncode == 0, done.stderr[-2000:]
     assert json_module.loads(done.stdout)["status"] == "committed"
     assert_exact(spec_path)
+
+
+@pytest.mark.parametrize(
+    ("sql", "proved"),
+    [
+        ("SELECT user_id, count(*) AS events FROM clicks GROUP BY user_id", True),
+        ("SELECT u AS user_id, n AS events FROM (SELECT user_id AS u, count(*) AS n FROM clicks GROUP BY user_id) WHERE n > 0", True),
+        ("SELECT DISTINCT user_id FROM clicks", True),
+        ("SELECT user_id, 1L AS events FROM clicks", False),
+        ("SELECT user_id, count(*) AS events FROM clicks GROUP BY user_id, amount", False),
+        ("SELECT user_id, count(*) AS events FROM clicks GROUP BY user_id UNION ALL SELECT 'x', 1L", False),
+        ("SELECT upper(user_id) AS user_id, count(*) AS events FROM clicks GROUP BY user_id", False),
+    ],
+)
+def test_the_keys_are_proved_unique_only_by_a_plan_that_proves_it(spark, tmp_path, sql, proved):
+    """`unique_keys` spares the written files the duplicate check only when
+    Spark's optimizer proves each key once (a GROUP BY on the keys, a
+    DISTINCT, through aliases and filters); an expression over a key, a
+    second grouping column or a union proves nothing."""
+    from spark_jobs.engine.spark_state import unique_keys
+
+    spark.createDataFrame([("a", 1.0), ("a", 2.0), ("b", 1.0)], "user_id STRING, amount DOUBLE").createOrReplaceTempView("clicks")
+    spec = load_spec(_spec(tmp_path))
+    assert unique_keys(spark.sql(sql), spec) is proved
+
+
+def test_a_result_with_a_key_twice_is_refused_when_the_executors_write_it(tmp_path, compute):
+    """A transform with no GROUP BY proves nothing: the files are checked,
+    and a key returned twice is refused with no state written."""
+    from spark_jobs.core.delta_io import open_table
+    from spark_jobs.errors import TransformError
+
+    base = oracle_spec_dict()
+    spec_path = write_spec(tmp_path, oracle_spec_dict(
+        transform="SELECT user_id, 1L AS events, amount, 0L AS idhash, ts AS last_seen FROM batch",
+        state={**base["state"]}, engine={"state_write": "executors"},
+    ))
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=200, users=50)
+    with pytest.raises(TransformError, match="one row per key"):
+        _run(spec_path, compute)
+    assert open_table(load_spec(spec_path).state_path) is None

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-batches", type=_positive, metavar="N", help="keep the last N batches rewindable (default: the spec's maintenance.keep_batches)"
     )
     maintain.add_argument("--json", action="store_true")
+    maintain.add_argument(
+        "--master",
+        type=_master,
+        help="Spark for a fold too big for this process, as for run (default: spark-submit's, else the spec's "
+        "engine.master, else local[*])",
+    )
 
     query = sub.add_parser(
         "query", help="the state as of its last batch, one row per key (or the SQL that reads it)", parents=[common]
@@ -313,7 +319,7 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
     from spark_jobs.engine import compute_factory
 
     # Spark starts only for a fold too big for this process (docs/architecture.md, "Where the rows go").
-    with compute_factory(spec, getattr(args, "master", None), process_ends=args.process_ends) as factory:
+    with compute_factory(spec, args.master, process_ends=args.process_ends) as factory:
         report = maintain(factory.spec, args.keep_batches, factory)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -88,3 +88,18 @@ def test_a_broken_spec_is_not_kept_a_removed_one_is_forgotten_and_a_damaged_cach
     kept_file.write_bytes(b"not a pickle")
     damaged, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
     assert sorted(damaged.dag_ids) == ["broken", "chained", "plain"] and len(loaded) == 3
+
+
+def test_specs_kept_by_other_code_are_loaded_again(tmp_path, monkeypatch):
+    """An upgrade (or an edit) of the code that validates a spec changes its
+    digest, and the specs an older version kept are validated afresh."""
+    from microbatch_airflow import spec_cache
+
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    _parsed_as_a_task(monkeypatch, folder, None, cache)
+    _, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert loaded == []
+    real = spec_cache._code_version()
+    monkeypatch.setattr(spec_cache, "_code_version", lambda: real + "-upgraded")
+    _, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert len(loaded) == 3

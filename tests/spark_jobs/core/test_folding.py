@@ -454,7 +454,7 @@ def test_an_appended_state_merges_every_type_a_transform_returns_as_the_merged_l
             by_spark = {r["k"]: r for r in spark.sql(spark_sql(spec, pa.schema(table.schema().to_arrow()))).toArrow().to_pylist()}
             shown = run_cli("query", str(spec_path), "--json")
             assert shown.returncode == 0, shown.stderr[-2000:]
-            assert run_cli("maintain", str(spec_path)).returncode == 0
+            assert run_cli("maintain", str(spec_path), "--master", "local[1]").returncode == 0  # as `run` takes it
             assert row_counts(open_table(spec.state_path)).appended == 0
             results["after maintain"] = {r["k"]: r for r in read_state(spec).read_all().to_pylist()}
     merged = results.pop("merged")

@@ -67,7 +67,9 @@ def make_specs(folder: Path, n: int) -> None:
 
 def parse(tree: Path, dag_file: str, folder: Path, cache: Path, dag_id: str | None) -> dict[str, Any]:
     env = {**os.environ, "MICROBATCH_PIPELINES_DIR": str(folder), "MICROBATCH_CACHE_DIR": str(cache),
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PYTHONPATH": ""}
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PYTHONPATH": "",
+           # A busy machine must not turn a slow parse into an import error (30 s by default).
+           "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "600"}
     env.pop("_AIRFLOW_PARSING_CONTEXT_DAG_ID", None)
     if dag_id is not None:
         env["_AIRFLOW_PARSING_CONTEXT_DAG_ID"] = dag_id

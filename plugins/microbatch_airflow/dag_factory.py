@@ -312,7 +312,16 @@ def _older_objects_frozen() -> Iterator[None]:
     collection walks them for 0.2 CPU-s, and the objects a parse makes set
     one off: a task's parse took 0.27 CPU-s with it and 0.03 without, the
     dag-processor's a quarter more. The parse's own garbage is collected as
-    before, and what was frozen is collected again once it is put back."""
+    before, and what was frozen is collected again once it is put back.
+
+    Nothing is done where objects are frozen already: Airflow's
+    dag-processor freezes its objects before it forks a parse, so that the
+    child does not copy their pages, and `gc.unfreeze` cannot tell its
+    objects from ours (a review measured the child's private memory go
+    from 8 to 59 MiB when a parse unfroze them)."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

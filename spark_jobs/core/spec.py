@@ -38,6 +38,7 @@ __all__ = [
     "PipelineSpec",
     "SchemaField",
     "check_cron",
+    "check_locations",
     "field_problems",
     "load_spec",
     "parse_schema",
@@ -266,7 +267,8 @@ class DeltaSourceSpec(_Model):
     #: executors: no row passes through the job's process) or `auto`: Spark
     #: on a cluster or over Spark Connect, where the job's process may be a
     #: small Airflow task, the driver on `local[*]`, where both are one
-    #: machine and delta-rs is the faster (docs/benchmarks.md). Resolved once
+    #: machine and delta-rs is the faster (docs/benchmarks.md), and under
+    #: spark-submit, whose classpath may lack delta-spark. Resolved once
     #: a run knows its master (`spark_jobs.engine.compute_factory`).
     reader: Literal["auto", "driver", "spark"] = "auto"
 
@@ -746,12 +748,17 @@ def parse_spec(
         spec = PipelineSpec.model_validate({**data, "base_dir": base_dir, "spec_path": spec_path})
     except ValidationError as exc:
         raise SpecError(spec_path, field_problems(exc, text)) from None
-    _check_locations(spec, text, roots_from_env() if storage_roots is None else storage_roots)
+    check_locations(spec, text, storage_roots)
     return spec
 
 
-def _check_locations(spec: PipelineSpec, text: str, storage_roots: list[str]) -> None:
-    """Refuse locations outside the storage roots (or climbing out of the spec's folder)."""
+def check_locations(spec: PipelineSpec, text: str, storage_roots: list[str] | None = None) -> None:
+    """Refuse locations outside the storage roots (``MICROBATCH_STORAGE_ROOTS``
+    when None) or climbing out of the spec's folder, as they resolve now;
+    `text`, the spec's YAML, for the lines an error names. Part of every
+    load, and again for a spec kept between parses (its answer depends on
+    the environment and the disk, not only on the file)."""
+    storage_roots = roots_from_env() if storage_roots is None else storage_roots
     try:
         roots = parse_roots(storage_roots)
     except ValueError as exc:

@@ -31,7 +31,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.compute import FileWriting, check_result_types
+from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
@@ -305,6 +305,11 @@ class StateTable:
                 f"this batch's columns do not fit the state table's types ({self._unfit(data, schema, exc)}); "
                 f"cast them in the transform to the types in {self.path}",
             ) from exc
+        if any(data.schema.field(k).type != aligned.schema.field(k).type for k in self.spec.state.keys):
+            # Two keys the transform returned may be one in the state's
+            # type (0.1 and 0.10000000001 as DOUBLE, one FLOAT): the keys
+            # are checked again as they will be stored.
+            check_unique_keys(self.spec, aligned.select(list(self.spec.state.keys)))
         # Against the state as it is: adding or widening a column keeps its values.
         self._check_overflow(table, existing, aligned)
         self._make_changes(table, existing, added, widened)

@@ -268,14 +268,16 @@ def resolve_master(explicit: str | None, spec: PipelineSpec) -> str | None:
 
 def with_reader(spec: PipelineSpec, master: str | None) -> PipelineSpec:
     """`spec` as a run on `master` reads it, its Delta source's `reader: auto`
-    resolved: Spark's executors, unless the run is on `local[*]`, where the
-    job's process and the executors share one machine and delta-rs reads the
-    small batches chained pipelines make faster. Under spark-submit (`master`
-    None) the cluster is not known before the session: Spark reads."""
+    resolved: Spark's executors on a cluster or over Spark Connect, where the
+    job's process may be a small Airflow task; the driver's (delta-rs) on
+    `local[*]`, where both share one machine and delta-rs reads the small
+    batches chained pipelines make faster. Under spark-submit (`master`
+    None) the driver's too: its session's classpath is spark-submit's, which
+    may not hold delta-spark's JARs (`reader: spark` says they are there)."""
     if spec.source.type != "delta" or spec.source.reader != "auto":
         return spec
-    local = master is not None and master.startswith("local")
-    source = spec.source.model_copy(update={"reader": "driver" if local else "spark"})
+    remote = master is not None and master.startswith(("spark://", "sc://"))
+    source = spec.source.model_copy(update={"reader": "spark" if remote else "driver"})
     return spec.model_copy(update={"source": source})
 
 

@@ -493,15 +493,15 @@ class SparkCompute:
             log.debug("no observed metrics for this batch: counting apart")
             return updates, query.rows.agg(*query.metrics).first().asDict()
         if out is not None:
-            found = {**found, **self._written_metrics(job, query.result, spec)}
+            found = {**found, **self._written_metrics(job, query.result, spec, out)}
         return updates, found
 
-    def _written_metrics(self, job: DataFrame, result: DataFrame, spec: PipelineSpec) -> dict[str, Any]:
+    def _written_metrics(self, job: DataFrame, result: DataFrame, spec: PipelineSpec, out: Out) -> dict[str, Any]:
         """What the checks of a result the executors wrote need (`spark_state.checked`):
         the writing job's observed metrics, and whether the plan proves its keys unique."""
         return {
             spark_state.RESULT_METRICS: self._observed(job, spark_state.RESULT_METRICS),
-            spark_state.UNIQUE_KEYS: spark_state.unique_keys(result, spec),
+            spark_state.UNIQUE_KEYS: spark_state.unique_keys(result, spec, out.sink.schema),
         }
 
     def _observed(self, job: DataFrame, name: str) -> dict[str, Any] | None:
@@ -542,7 +542,7 @@ class SparkCompute:
             return self._result(spec, result.toArrow(), {"records": rows.num_rows}, None)
         job = spark_state.result_job(result, spec, out.sink)
         written = job.toArrow()
-        return self._result(spec, written, {"records": rows.num_rows, **self._written_metrics(job, result, spec)}, out)
+        return self._result(spec, written, {"records": rows.num_rows, **self._written_metrics(job, result, spec, out)}, out)
 
     def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
         """The versions read by delta-spark on the executors, transformed in

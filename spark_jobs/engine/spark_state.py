@@ -117,11 +117,15 @@ def checked(
     return staged
 
 
-def unique_keys(result: DataFrame, spec: PipelineSpec) -> bool:
-    """Whether Spark's optimizer proves that `result` holds each key once:
-    one of the distinct-key sets of its optimized plan (`distinctKeys`: the
-    grouping columns of a GROUP BY, a DISTINCT's columns, carried through
-    projections, aliases and filters) is made of key columns only.
+def unique_keys(result: DataFrame, spec: PipelineSpec, schema: pa.Schema) -> bool:
+    """Whether Spark's optimizer proves that `result` holds each key once as
+    written in `schema` (the state's types): one of the distinct-key sets of
+    its optimized plan (`distinctKeys`: the grouping columns of a GROUP BY, a
+    DISTINCT's columns, carried through projections, aliases and filters) is
+    made of key columns only, and each key is written in its own type. (A
+    key cast to a narrower type, DOUBLE to the state's FLOAT say, may turn
+    two keys into one: a review committed such a duplicate. Those are
+    checked in the files, as written.)
 
     The proof Spark's own optimizer relies on (to drop a redundant
     aggregate, say), here to spare the written files a second Spark job
@@ -132,6 +136,16 @@ def unique_keys(result: DataFrame, spec: PipelineSpec) -> bool:
     if jdf is None:
         return False
     from py4j.protocol import Py4JError
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    types = {f.name: f.dataType for f in result.schema.fields}
+    for key in spec.state.keys:
+        try:
+            same = key in types and to_arrow_type(types[key]) == schema.field(key).type
+        except (TypeError, KeyError):
+            same = False
+        if not same:
+            return False
 
     try:
         plan = jdf.queryExecution().optimizedPlan()

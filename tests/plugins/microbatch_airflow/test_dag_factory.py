@@ -280,3 +280,25 @@ def test_a_task_builds_what_the_full_parse_builds_where_a_quick_look_would_not(t
         else:
             assert alone.dag_ids == [], dag_id
 
+
+
+def test_a_parse_leaves_the_objects_it_found_frozen_as_they_were(tmp_path, monkeypatch):
+    """Airflow's dag-processor freezes its objects before it forks a parse
+    (copy-on-write); a parse must not unfreeze them. Where nothing was
+    frozen, nothing stays frozen after."""
+    import gc
+
+    from microbatch_airflow.dag_factory import dags_from_folder
+
+    write_spec(tmp_path, oracle_spec_dict(name="plain"), "plain.yaml")
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / ".cache"))
+    assert gc.get_freeze_count() == 0
+    dags_from_folder(tmp_path)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert dags_from_folder(tmp_path)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -103,3 +103,50 @@ def test_specs_kept_by_other_code_are_loaded_again(tmp_path, monkeypatch):
     monkeypatch.setattr(spec_cache, "_code_version", lambda: real + "-upgraded")
     _, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
     assert len(loaded) == 3
+
+
+def test_what_the_file_does_not_decide_is_checked_at_every_parse(tmp_path, monkeypatch):
+    """Found by a review: the storage roots (an environment variable) and
+    the symlinks a location resolves through are not in the spec's file; a
+    kept spec is checked against them as they are now."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.conftest import ROOT
+
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    monkeypatch.setenv("MICROBATCH_STORAGE_ROOTS", str(tmp_path))
+    first, _ = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert "plain" in first.dag_ids
+    # The operator narrows the roots: the kept specs are outside them now.
+    monkeypatch.setenv("MICROBATCH_STORAGE_ROOTS", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(cache))
+    bag = DagBag(dag_folder=str(ROOT / "dags" / "microbatch_spec_errors.py"))
+    (error,) = bag.import_errors.values()
+    assert "plain.yaml" in error and "outside the allowed storage roots" in error
+    # A symlink that takes a location out of the roots, under unchanged specs.
+    monkeypatch.setenv("MICROBATCH_STORAGE_ROOTS", str(folder))
+    _parsed_as_a_task(monkeypatch, folder, None, cache)
+    (tmp_path / "outside").mkdir()
+    (folder / "landing").rmdir()
+    (folder / "landing").symlink_to(tmp_path / "outside")
+    bag = DagBag(dag_folder=str(ROOT / "dags" / "microbatch_spec_errors.py"))
+    assert "outside the allowed storage roots" in "".join(bag.import_errors.values())
+
+
+def test_a_damaged_entry_loads_its_file_and_a_cache_others_may_write_is_not_read(tmp_path, monkeypatch):
+    """A pickle runs code as it loads: a cache file or folder that another
+    user may write is ignored (and its specs loaded); an entry cut short
+    loads its spec's file instead of failing the parse."""
+    folder, cache = _folder(tmp_path), tmp_path / "cache"
+    _parsed_as_a_task(monkeypatch, folder, None, cache)
+    (kept_file,) = (cache / "specs").glob("*.pickle")
+    data = pickle.loads(kept_file.read_bytes())
+    plain = next(k for k in data["specs"] if k.endswith("plain.yaml"))
+    signature, spec = data["specs"][plain]
+    data["specs"][plain] = (signature, spec[: len(spec) // 2])
+    kept_file.write_bytes(pickle.dumps(data))
+    bag, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert loaded == [plain] and "plain" in bag.dag_ids
+    kept_file.chmod(0o666)
+    bag, loaded = _parsed_as_a_task(monkeypatch, folder, None, cache)
+    assert len(loaded) == 3 and sorted(bag.dag_ids) == ["chained", "kept", "kept_maintenance", "plain"]

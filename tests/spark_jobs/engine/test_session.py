@@ -16,7 +16,7 @@ from tests.conftest import chain_specs
         ("auto", "local[2]", "driver"),
         ("auto", "spark://host:7077", "spark"),
         ("auto", "sc://host:15002", "spark"),
-        ("auto", None, "spark"),  # under spark-submit: its master is not known before the session
+        ("auto", None, "driver"),  # under spark-submit, whose classpath may lack delta-spark (found by a review)
         ("driver", "sc://host:15002", "driver"),
         ("spark", "local[*]", "spark"),
     ],

@@ -10,6 +10,7 @@ keys brings back one short row per file written.
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 from pyspark.sql.classic.dataframe import DataFrame  # what a classic session makes
 
@@ -206,7 +207,21 @@ def test_the_keys_are_proved_unique_only_by_a_plan_that_proves_it(spark, tmp_pat
 
     spark.createDataFrame([("a", 1.0), ("a", 2.0), ("b", 1.0)], "user_id STRING, amount DOUBLE").createOrReplaceTempView("clicks")
     spec = load_spec(_spec(tmp_path))
-    assert unique_keys(spark.sql(sql), spec) is proved
+    written = pa.schema([("user_id", pa.string()), ("events", pa.int64())])
+    assert unique_keys(spark.sql(sql), spec, written) is proved
+
+
+def test_keys_written_in_a_narrower_type_are_never_proved_unique(spark, tmp_path):
+    """Found by a review: 0.1 and 0.10000000001 are two DOUBLE keys and one
+    FLOAT; written into a state whose key is FLOAT they were one key twice,
+    and the proof skipped the check. A key cast on its way into the files
+    proves nothing: they are checked as written."""
+    from spark_jobs.engine.spark_state import unique_keys
+
+    spec = load_spec(_spec(tmp_path))
+    grouped = spark.sql("SELECT user_id, count(*) AS events FROM VALUES (0.1D), (0.10000000001D) AS t(user_id) GROUP BY user_id")
+    assert unique_keys(grouped, spec, pa.schema([("user_id", pa.float64()), ("events", pa.int64())]))
+    assert not unique_keys(grouped, spec, pa.schema([("user_id", pa.float32()), ("events", pa.int64())]))
 
 
 def test_a_result_with_a_key_twice_is_refused_when_the_executors_write_it(tmp_path, compute):
@@ -224,3 +239,33 @@ def test_a_result_with_a_key_twice_is_refused_when_the_executors_write_it(tmp_pa
     with pytest.raises(TransformError, match="one row per key"):
         _run(spec_path, compute)
     assert open_table(load_spec(spec_path).state_path) is None
+
+
+@pytest.mark.parametrize("state_write", ["executors", "driver"])
+def test_two_keys_that_are_one_in_the_state_s_type_are_refused(tmp_path, compute, state_write):
+    """Found by a review, through the documented way forward: a FLOAT key
+    column, then its source widened to DOUBLE. Batch 2's keys 0.1 and
+    0.10000000001 are two DOUBLEs and one FLOAT: written into the state's
+    FLOAT column they were one key twice, committed by either path. Now the
+    batch is refused, and the state holds each key once."""
+    import json
+
+    from spark_jobs.core.delta_io import open_table
+    from spark_jobs.errors import TransformError
+
+    def spec(schema: str):
+        return load_spec(write_spec(tmp_path, {
+            "name": "floats", "source": {"type": "files", "path": "landing", "format": "json", "schema": schema},
+            "transform": "SELECT k, count(*) AS events FROM batch GROUP BY k",
+            "state": {"path": "lake/state", "keys": ["k"], "merge": {"events": "sum"}},
+            "checkpoint": "lake/_checkpoints/floats", "engine": {"state_write": state_write},
+        }))
+
+    (tmp_path / "landing").mkdir()
+    (tmp_path / "landing" / "a.json").write_text("".join(json.dumps({"k": k}) + "\n" for k in (1.5, 2.5)))
+    assert run_batch(spec("k FLOAT"), RunOptions(run_id="b1"), compute_factory=compute).status == "committed"
+    (tmp_path / "landing" / "b.json").write_text("".join(json.dumps({"k": k}) + "\n" for k in (0.1, 0.10000000001, 7.25)))
+    with pytest.raises(TransformError, match="more than once"):
+        run_batch(spec("k DOUBLE"), RunOptions(run_id="b2"), compute_factory=compute)
+    keys = open_table(str(tmp_path / "lake" / "state")).to_pyarrow_table(columns=["k"]).column("k").to_pylist()
+    assert sorted(keys) == [1.5, 2.5]

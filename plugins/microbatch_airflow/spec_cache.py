@@ -14,10 +14,13 @@ modification and change times). The change time moves on every write and
 cannot be set back, so an edit is seen even when it keeps the size and
 restores the modification time. The code that validated the specs is part
 of the key too (its modules' sizes and times, pydantic's and PyYAML's
-versions), so an upgrade or an edit of that code loads them afresh. What a
-spec's file does not decide is checked again at every parse: its locations
-against the storage roots (`MICROBATCH_STORAGE_ROOTS`) and the symlinks
-they resolve through. The cache is a pickle, which runs code as it loads:
+versions), so an upgrade or an edit of that code loads them afresh. With
+storage roots set (`MICROBATCH_STORAGE_ROOTS`), what a spec's file does not
+decide is checked again at every parse: its locations against the roots as
+they are now, through the symlinks on disk now. (Without roots, the one
+check that reads the disk is whether two of a spec's locations overlap
+through a symlink; a run loads its spec afresh and refuses such a spec
+before any write, as it always did.) The cache is a pickle, which runs code as it loads:
 it is read and written only in a folder no other user may write. A broken spec is not kept: its error is found again at each parse,
 as before. The file is local to the machine and rewritten whole (a new file
 renamed over the old), so two parses at once lose at most what one of them
@@ -39,6 +42,7 @@ from typing import Any
 
 import spark_jobs
 from spark_jobs.core.spec import PipelineSpec, check_locations, load_spec
+from spark_jobs.storage.roots import roots_from_env
 from spark_jobs.engine.jvm_cache import CACHE_ENV
 
 from microbatch_airflow import airflow_spec as airflow_spec_module
@@ -75,10 +79,11 @@ class SpecCache:
         if kept is not None and kept[0] == signature:
             spec = _unpickled(kept[1])
             if spec is not None:
-                # What the file alone does not decide is checked again: the
-                # storage roots (the environment) and where the spec's
-                # locations resolve to now (symlinks on disk).
-                check_locations(spec, path.read_text(encoding="utf-8"))
+                if roots_from_env():
+                    # What the file alone does not decide is checked again:
+                    # the storage roots (the environment) and where the
+                    # spec's locations resolve to now (symlinks on disk).
+                    check_locations(spec, path.read_text(encoding="utf-8"))
                 return spec
         spec = load_spec(path)
         self._kept[key] = (signature, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))

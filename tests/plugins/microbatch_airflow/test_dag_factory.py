@@ -167,6 +167,23 @@ def test_run_on_data_schedules_the_dag_on_its_source_watcher_and_refuses_a_clock
     assert {"both", "waiting"}.isdisjoint(bag.dag_ids)
 
 
+def write_plain_kept_and_chained(folder) -> None:
+    """Three specs in `folder`: a plain pipeline, one with a maintenance DAG
+    (`kept`), and one chained to `kept`'s state."""
+    write_spec(folder, oracle_spec_dict(name="plain", checkpoint="lake/_checkpoints/plain"), "plain.yaml")
+    kept = oracle_spec_dict(name="kept", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/kept")
+    kept["state"]["path"] = "lake/kept"
+    write_spec(folder, kept, "kept.yaml")
+    chained = {
+        "name": "chained",
+        "source": {"type": "delta", "path": "lake/kept"},
+        "transform": "SELECT user_id, events FROM batch",
+        "state": {"path": "lake/chained", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/chained",
+    }
+    write_spec(folder, chained, "chained.yaml")
+
+
 def _parsed_as_a_task(monkeypatch, folder, dag_id: str | None, cache=None):
     """`dags/microbatch_pipelines.py` parsed as Airflow's task runner parses
     it (its parsing context naming `dag_id`; None: as the dag-processor does),
@@ -219,21 +236,10 @@ def test_the_dag_a_task_builds_is_the_one_the_dag_processor_builds(tmp_path, mon
     from airflow.serialization.serialized_objects import DagSerialization
 
     (tmp_path / "landing").mkdir()
-    write_spec(tmp_path, oracle_spec_dict(name="plain", checkpoint="lake/_checkpoints/plain"), "plain.yaml")
-    kept = oracle_spec_dict(name="kept", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/kept")
-    kept["state"]["path"] = "lake/kept"
-    write_spec(tmp_path, kept, "kept.yaml")
+    write_plain_kept_and_chained(tmp_path)
     clash = oracle_spec_dict(name="kept_maintenance", checkpoint="lake/_checkpoints/clash")
     clash["state"]["path"] = "lake/clash"
     write_spec(tmp_path, clash, "zz_clash.yaml")
-    chained = {
-        "name": "chained",
-        "source": {"type": "delta", "path": "lake/kept"},
-        "transform": "SELECT user_id, events FROM batch",
-        "state": {"path": "lake/chained", "keys": ["user_id"], "merge": {"events": "sum"}},
-        "checkpoint": "lake/_checkpoints/chained",
-    }
-    write_spec(tmp_path, chained, "chained.yaml")
     full, every = _parsed_as_a_task(monkeypatch, tmp_path, None)
     assert sorted(full.dag_ids) == ["chained", "kept", "kept_maintenance", "plain"]
     assert len(every) == 4

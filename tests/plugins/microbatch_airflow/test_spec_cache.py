@@ -7,24 +7,13 @@ import os
 import pickle
 
 from tests.conftest import oracle_spec_dict, write_spec
-from tests.plugins.microbatch_airflow.test_dag_factory import _parsed_as_a_task
+from tests.plugins.microbatch_airflow.test_dag_factory import _parsed_as_a_task, write_plain_kept_and_chained
 
 
 def _folder(tmp_path):
     folder = tmp_path / "pipelines"
     (folder / "landing").mkdir(parents=True)
-    write_spec(folder, oracle_spec_dict(name="plain", checkpoint="lake/_checkpoints/plain"), "plain.yaml")
-    kept = oracle_spec_dict(name="kept", airflow={"maintenance_schedule": "@daily"}, checkpoint="lake/_checkpoints/kept")
-    kept["state"]["path"] = "lake/kept"
-    write_spec(folder, kept, "kept.yaml")
-    chained = {
-        "name": "chained",
-        "source": {"type": "delta", "path": "lake/kept"},
-        "transform": "SELECT user_id, events FROM batch",
-        "state": {"path": "lake/chained", "keys": ["user_id"], "merge": {"events": "sum"}},
-        "checkpoint": "lake/_checkpoints/chained",
-    }
-    write_spec(folder, chained, "chained.yaml")
+    write_plain_kept_and_chained(folder)
     return folder
 
 

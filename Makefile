@@ -33,10 +33,12 @@ DURATIONS ?= 25
 # Test processes (pytest-xdist). Most of the suite waits on JVMs, Airflow and
 # servers rather than computing: two processes took the suite from 42 to 33
 # minutes on 2 cores, and at 61 minutes two processes still kept the 2 cores
-# 35% busy (40 CPU-minutes user, 5 system). A test file stays in one
+# 35% busy (40 CPU-minutes user, 5 system). Three processes were slower
+# (CI: 82 minutes against 76 with two) and their JVMs starting at once
+# starved the live Airflows' heartbeats. A test file stays in one
 # process (its module fixtures, such as a live Airflow, start once).
 # TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: setup tools jars lint
 	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
 

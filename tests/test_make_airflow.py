@@ -77,10 +77,12 @@ def _make_airflow(tmp_path: Path, pipelines: Path, *settings: str):
     )
     dag_id = sorted(pipelines.glob("*.yaml"))[0].stem
     try:
-        deadline = time.monotonic() + 300
+        # (Generous: with the suite's other JVMs on 2 cores, a Connect server
+        # and Airflow's first parse once took more than 5 minutes.)
+        deadline = time.monotonic() + 600
         while True:
             assert make.poll() is None, (tmp_path / "make.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "Airflow did not come up"
+            assert time.monotonic() < deadline, "Airflow did not come up:\n" + (tmp_path / "make.log").read_text()[-3000:]
             try:
                 _call(port, "GET", f"/api/v2/dags/{dag_id}")
                 break

@@ -301,10 +301,16 @@ def test_a_parse_leaves_the_objects_it_found_frozen_as_they_were(tmp_path, monke
     assert gc.get_freeze_count() == 0
     dags_from_folder(tmp_path)
     assert gc.get_freeze_count() == 0
+    unfrozen = []
+    unfreeze = gc.unfreeze
+    monkeypatch.setattr(gc, "unfreeze", lambda: unfrozen.append(True) or unfreeze())
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         assert dags_from_folder(tmp_path)
-        assert gc.get_freeze_count() == frozen
+        assert not unfrozen
+        # (A frozen object the parse lets go of, such as a replaced cache
+        # entry, leaves the count: a few, not all of them.)
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen + 1000
     finally:
-        gc.unfreeze()
+        unfreeze()

@@ -376,23 +376,26 @@ def test_a_downstream_rewind_moves_its_recorded_position_back_before_restoring(t
     assert_chain_exact(upstream, downstream)
 
 
-def test_a_downstream_rewind_the_upstream_can_no_longer_replay_is_refused_by_name(tmp_path):
+def test_a_downstream_rewind_the_upstream_can_no_longer_replay_is_refused_by_name(tmp_path, compute):
     """Issue 46, item 3, through the CLI: after `maintain up --keep-batches
     1`, `rewind down --to-batch 1` (and `--to-batch 0`, which a spec-change
     error recommends) exited 0, and every later downstream run exited 2 with
     "can no longer give versions 2..2". The rewind now asks the source
     first, refuses by name with the ways out, and changes nothing: the
-    downstream runs on."""
+    downstream runs on. (The batches run in this process, sharing the
+    suite's Spark session; maintain, status and the rewinds through the CLI.)"""
     import json
 
     from tests.conftest import run_cli
+
+    def run(spec_path: Path, run_id: str) -> str:
+        return run_batch(load_spec(spec_path), RunOptions(run_id=run_id), compute_factory=compute).status
 
     upstream, downstream = chain_specs(tmp_path)
     for wave in range(3):
         write_wave(tmp_path / "landing", wave, files=1, records_per_file=40, users=10)
         for spec in (upstream, downstream):
-            result = run_cli("run", str(spec))
-            assert result.returncode == 0, result.stderr[-2000:]
+            assert run(spec, f"w{wave}") == "committed"
     before = json.loads(run_cli("status", str(downstream), "--json").stdout)
     assert run_cli("maintain", str(upstream), "--keep-batches", "1").returncode == 0
     for target in ("1", "0"):
@@ -403,10 +406,8 @@ def test_a_downstream_rewind_the_upstream_can_no_longer_replay_is_refused_by_nam
     after = json.loads(run_cli("status", str(downstream), "--json").stdout)
     assert (after["epoch"], after["last_batch"]) == (before["epoch"], before["last_batch"])
     write_wave(tmp_path / "landing", 3, files=1, records_per_file=40, users=10)
-    assert run_cli("run", str(upstream)).returncode == 0
-    for _ in range(4):  # `batch.max_versions: 2`: drain
-        result = run_cli("run", str(downstream), "--json")
-        assert result.returncode == 0, result.stderr[-2000:]
-        if json.loads(result.stdout)["status"] == "no_new_data":
+    assert run(upstream, "w3") == "committed"
+    for i in range(4):  # `batch.max_versions: 2`: drain
+        if run(downstream, f"drain{i}") == "no_new_data":
             break
     assert_chain_exact(upstream, downstream)

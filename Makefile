@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint soak bench lock java clean
+.PHONY: setup demo test lint soak bench bench-full lock java clean
 
 # The JVM class archives are checked every time (a no-op when built): their
 # key changes with the JDK, which can change under an unchanged virtualenv.
@@ -93,13 +93,19 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 	$(FLINK_VENV)/bin/python -m pip install -q -r bench/anchors/flink_requirements.txt
 	touch $(FLINK_STAMP)
 
+# The headline figures beside Structured Streaming in about half an hour:
+# one batch, no-op, steady, catch-up, users coming back to 20M keys and a
+# fleet of 50 (docs/benchmarks.md, "Headline (make bench)").
+bench: setup jars
+	$(BIN)/python bench/headline.py
+
 # Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
 # the state write as the state grows (docs/state-at-scale.md) and each state
 # layout beside Structured Streaming as users come back (docs/benchmarks.md), what idle
 # pipelines cost a live Airflow, and fleets of 10 to 200 pipelines beside
 # Structured Streaming (docs/fleet.md). About 4 h.
-bench: setup jars $(FLINK_STAMP)
+bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
 	$(BIN)/python bench/delta_read_ways.py

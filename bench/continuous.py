@@ -545,7 +545,7 @@ def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[
     lines = [
         "## Measured",
         "",
-        f"By `bench/continuous.py` (`make bench`) in one run of {minutes:.0f} minutes on {machine()}.",
+        f"By `bench/continuous.py` (`make bench-full`) in one run of {minutes:.0f} minutes on {machine()}.",
         "",
         f"**Stream**: a file of {RECORDS_PER_FILE:,} click records every {LAND_EVERY_S:g} s ({rate:,.0f} records/s) for "
         f"at least {window:g} s per setting (the project's: until its first run after that), each file ending with a probe record; per user count, sum, hash-sum and max "
@@ -674,7 +674,7 @@ def main() -> None:
     parser.add_argument("--backlog-files", type=int, default=20, help="files of 50k records for throughput (default 20: a million)")
     args = parser.parse_args()
     if not FLINK_PYTHON.exists():
-        sys.exit(f"no Flink virtualenv at {FLINK_PYTHON.parent.parent}: `make bench` creates it")
+        sys.exit(f"no Flink virtualenv at {FLINK_PYTHON.parent.parent}: `make bench-full` creates it")
     become_subreaper()
     work = Path(tempfile.mkdtemp(prefix="microbatch-continuous-"))
     started = time.time()

@@ -1,7 +1,7 @@
 """Kafka side by side: Structured Streaming's Kafka source against this project, in one run.
 
 A real Apache Kafka 4.4.0 broker (KRaft, one node on loopback; the JARs
-`make bench` fetched, `jars/kafka/pom.xml`) holds one topic of 4 partitions
+`make jars` fetched, `jars/kafka/pom.xml`) holds one topic of 4 partitions
 with 100,000 click events (JSON values). In turn, each from a fresh
 checkpoint and in a new process, as a scheduler runs them:
 

@@ -12,7 +12,7 @@ sum and max, merged into keyed state.
 * Structured Streaming (`bench/anchors/structured_streaming.py`, this env):
   `Trigger.AvailableNow`, `maxFilesPerTrigger` 2, RocksDB state, noop sink.
 * Flink (`bench/anchors/flink_clicks.py`, its own virtualenv, made by
-  `make bench` when missing): the same aggregation as a Flink SQL job with
+  `make bench-full` when missing): the same aggregation as a Flink SQL job with
   RocksDB state, 1 s checkpoints and an exactly-once file sink, run bounded.
 * The project: `max_files: 2`, state in a Delta table merged by delta-rs.
 
@@ -160,7 +160,7 @@ def flink_run(landing: Path, work: Path) -> tuple[float, list[dict[str, Any]]]:
 def flink_available() -> str | None:
     """Why Flink cannot run here, or None."""
     if not FLINK_PYTHON.exists():
-        return f"no Flink virtualenv at {FLINK_PYTHON.parent.parent} (`make bench` creates it)"
+        return f"no Flink virtualenv at {FLINK_PYTHON.parent.parent} (`make bench-full` creates it)"
     return None
 
 
@@ -578,7 +578,7 @@ def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady:
     lines = [
         "## Side by side",
         "",
-        f"Measured by `make bench` (`bench/run.py`) in one run of {minutes:.0f} minutes on {machine()}.",
+        f"Measured by `make bench-full` (`bench/run.py`) in one run of {minutes:.0f} minutes on {machine()}.",
         "Each figure's anchor runs were interleaved with the project's, on the same files (hard links of one set of "
         "generated files). Workload: JSON click events, 2 files of 50,000 records per 100k-record batch, over 100,000 "
         "users; per user count, sum and max merged into keyed state.",
@@ -634,7 +634,7 @@ def write_state_doc(curve: list[dict[str, Any]]) -> list[str]:
     state = [
         "## State size",
         "",
-        f"Measured by `make bench` (`bench/run.py`) on {machine()}. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
+        f"Measured by `make bench-full` (`bench/run.py`) on {machine()}. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
         "in one process with Spark warm (6 batches on a small state first); each row is the median of 3 batches on its "
         "state. The state is seeded in files of a million rows, two ways: **clustered**, the batch's users' keys sort "
         "apart from the old ones, so the MERGE (unstreamed, so delta-rs prunes files by the batch's key range) rewrites one file; "

@@ -43,7 +43,7 @@ from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete
 from spark_jobs.engine import delta_read, exact_read, native_read, spark_state
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
-from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master
+from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master, under_spark_submit
 from spark_jobs.errors import ComputeError, MicrobatchError, ResultTooLargeError, SourceError, SourceRefusedError, TransformError, first_line
 from spark_jobs.sources.base import BatchRange
 from spark_jobs.sources.delta import DeltaManifest
@@ -232,7 +232,14 @@ class SparkCompute:
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
             empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
-            _check_result(spec, self._transform(spec, empty).schema)
+            try:
+                _check_result(spec, self._transform(spec, empty).schema)
+            except TransformError as exc:
+                # (A session given Delta's catalog without its JARs fails
+                # every SQL: not the transform's fault.)
+                if _no_delta_spark(exc.__cause__):
+                    raise _delta_spark_missing(spec, batch.manifest.uri) from exc
+                raise
             return
         checked = _CHECKED.setdefault(self.spark, set())
         key = SpecIdentity.of(spec).fingerprint
@@ -555,19 +562,15 @@ class SparkCompute:
             split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
             query = self._query(spec, rows, split)
             updates, seen = self._execute(query, spec, out)
-        except MicrobatchError:
-            raise
         except Exception as exc:
-            if "DATA_SOURCE_NOT_FOUND" not in str(exc):
-                raise _unreadable_versions(spec, manifest, exc) from exc
-            raise SourceRefusedError(
-                f"pipeline {spec.name}: `source.reader: spark` (or `auto`, off `local[*]`) reads {manifest.uri} with delta-spark, which this "
-                f"Spark session does not have. Fetch its JARs (`make jars`; a run finds them itself, or in "
-                f"${SPARK_JARS_ENV}); on Spark Connect, start the server with them and Delta's SQL extension "
-                "(docker/README.md); or read on the driver (`source.reader: driver`). Nothing was committed.",
-                pipeline=spec.name,
-                path=manifest.uri,
-            ) from exc
+            # (The read is lazy: a session without delta-spark fails when
+            # the transform's SQL is analysed, as a TransformError.)
+            cause = exc.__cause__ if isinstance(exc, TransformError) else exc
+            if _no_delta_spark(cause):
+                raise _delta_spark_missing(spec, manifest.uri) from exc
+            if isinstance(exc, MicrobatchError):
+                raise
+            raise _unreadable_versions(spec, manifest, exc) from exc
         return self._result(spec, updates, seen, out)
 
     # -- internals ------------------------------------------------------------
@@ -584,6 +587,32 @@ class SparkCompute:
             raise TransformError(
                 f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
             ) from exc
+
+
+def _no_delta_spark(exc: BaseException | None) -> bool:
+    """Whether `exc` says this Spark session lacks delta-spark: no data
+    source named delta, or Delta's catalog set but its class not on the
+    driver (spark-submit given the `--conf`s but not the `--jars`)."""
+    text = str(exc)
+    return ("DATA_SOURCE_NOT_FOUND" in text and "delta" in text.lower()) or (
+        "Cannot find catalog plugin class" in text and "DeltaCatalog" in text
+    )
+
+
+def _delta_spark_missing(spec: PipelineSpec, uri: str) -> SourceRefusedError:
+    if under_spark_submit():
+        fix = ("give spark-submit delta-spark's JARs and SQL extension (`--jars` with the JARs of "
+               "~/.cache/microbatch/jars/spark-*/ and the two `--conf`s README.md names)")
+    else:
+        fix = (f"fetch its JARs (`make jars`; a run finds them itself, or in ${SPARK_JARS_ENV}); on Spark Connect, "
+               "start the server with them and Delta's SQL extension (docker/README.md)")
+    return SourceRefusedError(
+        f"pipeline {spec.name}: the Delta source {uri} is read through delta-spark, which this Spark session does not "
+        f"have (`source.reader: spark`, or `auto` off `local[*]`; or Delta's catalog set without its JARs). To read it, "
+        f"{fix}; or read it on the driver (`source.reader: driver`, without Delta's `--conf`s). Nothing was committed.",
+        pipeline=spec.name,
+        path=uri,
+    )
 
 
 def spark_path(uri: str) -> str:

@@ -238,3 +238,48 @@ def test_delta_spark_fenced_merges_with_deletion_vectors_and_what_restore_does_t
     changes = DeltaTable(path).load_cdf(starting_version=2, ending_version=2).read_all()
     assert changes.num_rows == 200 and set(changes.column("_change_type").to_pylist()) == {"update_preimage", "update_postimage"}
     assert '{"batch": 1}' in [h.get("userMetadata") for h in DeltaTable(path).history()]
+
+
+_WITHOUT_DELTA_SPARK = """
+import sys
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.spec import load_spec
+from spark_jobs.engine.session import default_session
+from spark_jobs.engine.spark_compute import SparkCompute
+from spark_jobs.errors import MicrobatchError
+
+if sys.argv[2] == "no-delta":
+    session = default_session("local[1]", delta=False)
+else:  # spark-submit given Delta's `--conf`s but not its `--jars`
+    from pyspark.sql import SparkSession
+    from spark_jobs.engine.session import DELTA_SQL
+
+    session = SparkSession.builder.master("local[1]").config(map=DELTA_SQL).getOrCreate()
+try:
+    run_batch(load_spec(sys.argv[1]), RunOptions(run_id="no-jars"), compute_factory=lambda: SparkCompute(session=session))
+except MicrobatchError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("session", ["no-delta", "catalog-without-jars"])
+def test_reader_spark_without_delta_spark_is_refused_naming_the_reader_not_the_transform(tmp_path, compute, session):
+    """As spark-submit runs a spec with `reader: spark` when no delta-spark
+    JARs were given: the read is lazy, so Spark's "no data source delta"
+    came out of the transform's analysis, and the error said "the transform
+    SQL failed"; with Delta's catalog set but no JARs on the driver, every
+    SQL failed so. It names delta-spark and the ways out, and nothing is
+    committed."""
+    import subprocess
+    import sys
+
+    upstream, downstream = chain_specs(tmp_path, reader="spark")
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=50, users=10)
+    assert run_batch(load_spec(upstream), RunOptions(run_id="up"), compute_factory=compute).status == "committed"
+    shown = subprocess.run([sys.executable, "-c", _WITHOUT_DELTA_SPARK, str(downstream), session],
+                           capture_output=True, text=True, timeout=300)
+    assert shown.stdout.startswith("SourceRefusedError"), shown.stdout + shown.stderr[-3000:]
+    assert "delta-spark, which this Spark session does not have" in shown.stdout, shown.stdout
+    assert "`source.reader: driver`" in shown.stdout and "make jars" in shown.stdout, shown.stdout
+    assert "transform SQL failed" not in shown.stdout
+    assert not DeltaTable.is_deltatable(load_spec(downstream).state_path)

@@ -1,0 +1,187 @@
+"""The headline figures beside Structured Streaming, in one run of about half an hour (`make bench`).
+
+Each figure runs its Structured Streaming anchor in the same run, on the same
+files, and reports the project's figure over the anchor's; the full
+benchmarks (`make bench-full`, about 4 hours) measure each of them at more
+sizes, with more repeats and with Flink:
+
+1. **one batch**: a fresh pipeline's first 100k-record batch, a new process
+   each (`bench/run.py`'s figure 1, `--repeat` times, interleaved);
+2. **no-op**: a run with nothing new, a new process each (figure 2);
+3. **steady**: batches 2..6 in one process (figure 3);
+4. **catch-up**: a backlog of `--backlog` batches (2 files of 50,000 clicks
+   each), taken by one new process: `microbatch run --catch-up` against
+   an `AvailableNow` query, from process start to exit;
+5. **state at 20M keys**: the steady batch of users coming back to a state
+   of `--state-keys` keys, both state layouts (`bench/state_vs_ss.py` at
+   one size, `--state-batches` batches);
+6. **a fleet of 50**: `--fleet` pipelines on a live Airflow with the shared
+   Spark Connect engine, against N queries in one Structured Streaming
+   driver (`bench/fleet.py` at one size, a file every `--fleet-interval`
+   seconds a pipeline for as long): p95 from landing to commit, and the
+   machine's CPU-s per file.
+
+Prints the table and writes docs/benchmarks.md's section "Headline (make
+bench)". Each part's own section is left to the full benchmark.
+
+    .venv/bin/python bench/headline.py [--repeat 2] [--backlog 10] [--state-keys 20000000] [--fleet 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from doc_sections import replace_section  # noqa: E402
+from run import (  # noqa: E402
+    FILES_PER_BATCH,
+    RECORDS_PER_FILE,
+    Figure,
+    Waves,
+    machine,
+    one_batch_and_no_data,
+    project_pipeline,
+    ss_run,
+    steady,
+    timed,
+)
+
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Headline (make bench)"
+
+
+def catch_up(work: Path, waves: Waves, backlog: int, repeat: int) -> Figure:
+    """Figure 4: a backlog of `backlog` batches taken by one new process, each
+    engine on its own hard links of the same files."""
+    figure = Figure(f"catch-up: {backlog} batches in one new process")
+    landed = range(100, 100 + backlog)  # (the steady figure's waves and more: each engine has its own links)
+    for r in range(repeat):
+        print(f"  round {r + 1}/{repeat}", flush=True)
+        base = work / f"catch-up-{r}"
+        took, ss = ss_run(waves.land(base / "ss" / "landing", landed), base / "ss" / "checkpoint")
+        assert len(ss["batches"]) == backlog, ss
+        figure.add("structured streaming", took)
+        spec = project_pipeline(base / "project", waves, landed)
+        took, stdout = timed([sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--catch-up", "--json"], timeout=1800)
+        outcomes = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        committed = [o for o in outcomes if o["status"] == "committed"]  # (then one no_new_data)
+        assert len(committed) == backlog, outcomes
+        assert sum(o["records_in"] for o in committed) == backlog * FILES_PER_BATCH * RECORDS_PER_FILE, outcomes
+        figure.add("project", took)
+    figure.note = "process start to exit, every batch committed"
+    return figure
+
+
+def state_at_scale(work: Path, keys: int, batches: int) -> dict[str, Any]:
+    """Figure 5: `state_vs_ss.measure` at one size."""
+    from state_vs_ss import measure
+    from state_vs_ss import steady as pace
+
+    row = measure(work, keys, batches)
+    return {"keys": keys, "ss": pace(row["ss_s"]), "merged": pace(row["merged_s"]), "appended": pace(row["appended_s"]),
+            "fold_s": row["fold_s"]}
+
+
+def fleet(work: Path, n: int, interval: float) -> dict[str, Any]:
+    """Figure 6: `bench/fleet.py` at one size, the shared engine and the anchor."""
+    from fleet import machine_cpu, run_anchor, run_project
+
+    args = argparse.Namespace(interval=interval, duration=interval, idle=30.0, drain=180.0, poll=10.0, idle_share=0.1,
+                              parallelism=4)
+    out: dict[str, Any] = {"n": n}
+    for kind, runner in (("project", lambda w: run_project(n, args, w, "connect")), ("structured streaming", lambda w: run_anchor(n, args, w))):
+        folder = work / f"fleet-{kind.replace(' ', '-')}"
+        folder.mkdir()
+        result = runner(folder)
+        per_file, _ = machine_cpu(result, args)
+        out[kind] = {"p50": result["p50"], "p95": result["p95"], "cpu_per_file": per_file, "files": result["files"],
+                     "missing": result["missing"]}
+        print(f"  {kind}: {json.dumps(out[kind])}", flush=True)
+    return out
+
+
+def table(figures: list[Figure], state: dict[str, Any], fleet_row: dict[str, Any]) -> list[str]:
+    lines = ["| figure | Structured Streaming | project | project / SS |", "|---|---|---|---|"]
+    for f in figures:
+        lines.append(f"| {f.name} | {f.value('structured streaming'):.2f} s | {f.value('project'):.2f} s "
+                     f"| **{f.ratio('structured streaming'):.2f}** |")
+    for layout in ("merged", "appended"):
+        lines.append(f"| steady batch, users coming back to {state['keys']:,} keys, `layout: {layout}` | {state['ss']:.2f} s "
+                     f"| {state[layout]:.2f} s | **{state[layout] / state['ss']:.2f}** |")
+    ours, theirs = fleet_row["project"], fleet_row["structured streaming"]
+    n = fleet_row["n"]
+    lines.append(f"| fleet of {n}, p95 landing to commit (shared engine) | {theirs['p95']:.1f} s | {ours['p95']:.1f} s "
+                 f"| **{ours['p95'] / theirs['p95']:.2f}** |")
+    lines.append(f"| fleet of {n}, the machine's CPU-s per file | {theirs['cpu_per_file']:.2f} | {ours['cpu_per_file']:.2f} "
+                 f"| **{ours['cpu_per_file'] / theirs['cpu_per_file']:.2f}** |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=2, help="new-process runs of figures 1, 2 and 4")
+    parser.add_argument("--steady-batches", type=int, default=6)
+    parser.add_argument("--backlog", type=int, default=10, help="batches in the catch-up backlog")
+    parser.add_argument("--state-keys", type=int, default=20_000_000)
+    parser.add_argument("--state-batches", type=int, default=8, help="an even count: reading ahead, the batches alternate short and long")
+    parser.add_argument("--fleet", type=int, default=50)
+    parser.add_argument("--fleet-interval", type=float, default=180)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="microbatch-headline-"))
+    started = time.time()
+    try:
+        waves = Waves(work / "waves")
+        print("one batch, then nothing new, each in a new process...", flush=True)
+        one, none, _ = one_batch_and_no_data(work, waves, args.repeat, flink=False)
+        print("steady batches in one process...", flush=True)
+        steady_figure, _ = steady(work, waves, 1, args.steady_batches, flink=False)
+        print(f"a backlog of {args.backlog} batches...", flush=True)
+        backlog = catch_up(work, waves, args.backlog, args.repeat)
+        shutil.rmtree(work / "waves")
+        print(f"users coming back to {args.state_keys:,} keys...", flush=True)
+        state = state_at_scale(work, args.state_keys, args.state_batches)
+        print(f"a fleet of {args.fleet}...", flush=True)
+        fleet_row = fleet(work, args.fleet, args.fleet_interval)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    minutes = (time.time() - started) / 60
+    rows = table([one, none, steady_figure, backlog], state, fleet_row)
+    lines = [
+        SECTION,
+        "",
+        f"Measured by `make bench` (`bench/headline.py`) in one run of {minutes:.0f} minutes on {machine()}. Every anchor "
+        "ran in the same run on the same files; lower ratios are better for the project. The full benchmarks "
+        "(`make bench-full`) have each figure at more sizes, with more repeats, Flink, and how the time splits.",
+        "",
+        *rows,
+        "",
+        f"* New-process figures are medians of {args.repeat} interleaved runs: "
+        + "; ".join(f"{f.name}: SS {', '.join(f'{v:.1f}' for v in f.samples['structured streaming'])} s, "
+                    f"project {', '.join(f'{v:.1f}' for v in f.samples['project'])} s" for f in (one, none, backlog)) + ".",
+        f"* The steady figures are means of batches 2-{args.steady_batches} (one process each) and of batches 3-"
+        f"{args.state_batches} at {args.state_keys:,} keys (both engines warm their JVM in the first two); the appended "
+        f"state's fold at that size, off the batches' path, took {state['fold_s']:.0f} s.",
+        f"* The fleet: {fleet_row['n']} pipelines, 90% of them getting a file of 200 clicks every {args.fleet_interval:.0f} s "
+        f"for {args.fleet_interval:.0f} s; the project on a live Airflow (LocalExecutor, 4 task slots, `run_on_data` polling "
+        "every 10 s) with one shared Spark Connect server; the anchor N queries in one driver (`ProcessingTime` 10 s). "
+        + "; ".join(f"{k}: p50 {v['p50']:.1f} s, {v['files']} files, {v['missing']} not committed by the end"
+                    for k, v in fleet_row.items() if k != "n") + ".",
+        "",
+    ]
+    print("\n".join(rows))
+    replace_section(DOC, SECTION, lines)
+    print(f"{minutes:.0f} minutes; written to {DOC.relative_to(ROOT)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -183,7 +183,9 @@ def fold_s(spec_path: Path) -> float:
         compute.close()
 
 
-def measure(work: Path, size: int, batches: int) -> dict[str, Any]:
+def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True) -> dict[str, Any]:
+    """One state size; `fold_and_reads`: also time the appended state's
+    fold and both states' full reads (`make bench` leaves them out)."""
     base = work / f"n{size}"
     clicks = click_files(base / "clicks", size, batches)
     started = time.perf_counter()
@@ -217,8 +219,9 @@ def measure(work: Path, size: int, batches: int) -> dict[str, Any]:
         figures[f"{layout}_s"] = [r["seconds"] for r in runs]
         figures[f"{layout}_pace_s"] = steady(figures[f"{layout}_s"])
         figures[f"{layout}_folds"] = sum(1 for r in runs if r["steps_ms"] and r["steps_ms"].get("fold", 0) > 50)
-        figures[f"{layout}_read_s"] = read_s(spec_path)
-        if layout == "appended":
+        if fold_and_reads:
+            figures[f"{layout}_read_s"] = read_s(spec_path)
+        if fold_and_reads and layout == "appended":
             figures["fold_s"] = fold_s(spec_path)
             figures["appended_read_folded_s"] = read_s(spec_path)
         print(f"  {size:,} keys, {layout}: batches {[round(s, 2) for s in figures[f'{layout}_s']]}, pace "

@@ -78,11 +78,9 @@ def parse(tree: Path, dag_file: str, folder: Path, cache: Path, dag_id: str | No
            # A busy machine must not turn a slow parse into an import error (30 s by default).
            "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "600"}
     env.pop("_AIRFLOW_PARSING_CONTEXT_DAG_ID", None)
-    env["BENCH_FROZEN"] = "0"
+    env["BENCH_FROZEN"] = "1" if dag_id is None else "0"  # the dag-processor's parses: see the module's docstring
     if dag_id is not None:
         env["_AIRFLOW_PARSING_CONTEXT_DAG_ID"] = dag_id
-    else:
-        env["BENCH_FROZEN"] = "1"
     out = subprocess.run([sys.executable, "-c", _PARSE, str(tree), str(tree / "dags" / dag_file)],
                          env=env, capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -136,7 +134,7 @@ def write_doc(args: argparse.Namespace, rows: dict[int, dict[str, dict[str, floa
         "",
         f"{date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores: CPU seconds of one parse in a new "
         f"process (medians of {args.repeat}, interleaved), the imports apart; the dag-processor's with Airflow's objects "
-        "frozen first, as its forked parses have them; the anchor is commit `{args.anchor}`, "
+        f"frozen first, as its forked parses have them; the anchor is commit `{args.anchor}`, "
         "on the same specs (copies of `dags/pipelines/clicks_per_user.yaml`).",
         "",
         "| specs | parse | anchor | now | now / anchor |",

@@ -221,9 +221,9 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True)
         figures[f"{layout}_folds"] = sum(1 for r in runs if r["steps_ms"] and r["steps_ms"].get("fold", 0) > 50)
         if fold_and_reads:
             figures[f"{layout}_read_s"] = read_s(spec_path)
-        if fold_and_reads and layout == "appended":
-            figures["fold_s"] = fold_s(spec_path)
-            figures["appended_read_folded_s"] = read_s(spec_path)
+            if layout == "appended":
+                figures["fold_s"] = fold_s(spec_path)
+                figures["appended_read_folded_s"] = read_s(spec_path)
         print(f"  {size:,} keys, {layout}: batches {[round(s, 2) for s in figures[f'{layout}_s']]}, pace "
               f"{figures[f'{layout}_pace_s']:.2f} s", file=sys.stderr, flush=True)
         shutil.rmtree(folder)

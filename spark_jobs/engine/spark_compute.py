@@ -232,14 +232,7 @@ class SparkCompute:
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
             empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
-            try:
-                _check_result(spec, self._transform(spec, empty).schema)
-            except TransformError as exc:
-                # (A session given Delta's catalog without its JARs fails
-                # every SQL: not the transform's fault.)
-                if _no_delta_spark(exc.__cause__):
-                    raise _delta_spark_missing(spec, batch.manifest.uri) from exc
-                raise
+            _check_result(spec, self._transform(spec, empty).schema)
             return
         checked = _CHECKED.setdefault(self.spark, set())
         key = SpecIdentity.of(spec).fingerprint
@@ -479,9 +472,7 @@ class SparkCompute:
         try:
             result.schema  # analyses the SQL: a bad transform fails here, by its own error
         except Exception as exc:
-            raise TransformError(
-                f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
-            ) from exc
+            raise _transform_failed(spec, exc) from exc
         _check_result(spec, result.schema)
         return _Query(result, rows, split.metrics)
 
@@ -562,14 +553,11 @@ class SparkCompute:
             split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
             query = self._query(spec, rows, split)
             updates, seen = self._execute(query, spec, out)
+        except MicrobatchError:
+            raise
         except Exception as exc:
-            # (The read is lazy: a session without delta-spark fails when
-            # the transform's SQL is analysed, as a TransformError.)
-            cause = exc.__cause__ if isinstance(exc, TransformError) else exc
-            if _no_delta_spark(cause):
-                raise _delta_spark_missing(spec, manifest.uri) from exc
-            if isinstance(exc, MicrobatchError):
-                raise
+            if _no_delta_spark(exc):
+                raise _delta_spark_missing(spec) from exc
             raise _unreadable_versions(spec, manifest, exc) from exc
         return self._result(spec, updates, seen, out)
 
@@ -584,9 +572,18 @@ class SparkCompute:
                 batch_df.createOrReplaceTempView("batch")
                 return self.spark.sql(spec.transform)
         except Exception as exc:
-            raise TransformError(
-                f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name
-            ) from exc
+            raise _transform_failed(spec, exc) from exc
+
+
+def _transform_failed(spec: PipelineSpec, exc: Exception) -> MicrobatchError:
+    """The error for a transform's SQL that Spark refused. A Delta source
+    read without delta-spark fails here too, not the transform's fault: the
+    read is lazy, so Spark finds no data source named delta only when the
+    SQL over it is analysed; and a session given Delta's catalog without its
+    JARs fails every SQL."""
+    if spec.source.type == "delta" and _no_delta_spark(exc):
+        return _delta_spark_missing(spec)
+    return TransformError(f"pipeline {spec.name}: the transform SQL failed: {first_line(exc, 10_000)}", pipeline=spec.name)
 
 
 def _no_delta_spark(exc: BaseException | None) -> bool:
@@ -599,7 +596,7 @@ def _no_delta_spark(exc: BaseException | None) -> bool:
     )
 
 
-def _delta_spark_missing(spec: PipelineSpec, uri: str) -> SourceRefusedError:
+def _delta_spark_missing(spec: PipelineSpec) -> SourceRefusedError:
     if under_spark_submit():
         fix = ("give spark-submit delta-spark's JARs and SQL extension (`--jars` with the JARs of "
                "~/.cache/microbatch/jars/spark-*/ and the two `--conf`s README.md names)")
@@ -607,11 +604,11 @@ def _delta_spark_missing(spec: PipelineSpec, uri: str) -> SourceRefusedError:
         fix = (f"fetch its JARs (`make jars`; a run finds them itself, or in ${SPARK_JARS_ENV}); on Spark Connect, "
                "start the server with them and Delta's SQL extension (docker/README.md)")
     return SourceRefusedError(
-        f"pipeline {spec.name}: the Delta source {uri} is read through delta-spark, which this Spark session does not "
+        f"pipeline {spec.name}: the Delta source {spec.source_path} is read through delta-spark, which this Spark session does not "
         f"have (`source.reader: spark`, or `auto` off `local[*]`; or Delta's catalog set without its JARs). To read it, "
         f"{fix}; or read it on the driver (`source.reader: driver`, without Delta's `--conf`s). Nothing was committed.",
         pipeline=spec.name,
-        path=uri,
+        path=spec.source_path,
     )
 
 

@@ -94,10 +94,17 @@ def parquet_records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -
     # identifiers and must not be parsed as SQL.
     data = [df[i] for i in range(first_data, len(df.columns))]
     present = {name.lower(): column for name, column in zip(df.columns[first_data:], data)}
+    # The files' types (merged over them): a column already of the spec's
+    # type needs no conversion check. Spark keeps such a check (`x IS NOT
+    # NULL AND x IS NULL`) in the plan, so the column is read for it even
+    # when the transform does not use it.
+    stored = {field.name.lower(): field.dataType.simpleString().upper() for field in df.schema.fields[first_data:]}
     checks: list[Check] = []
     typed: dict[str, Column] = {}
     for f in fields:
-        if f.name.lower() in present:
+        if f.name.lower() in present and stored[f.name.lower()] == f.type:
+            value = present[f.name.lower()]
+        elif f.name.lower() in present:
             source_col = present[f.name.lower()]
             value = source_col.try_cast(f.type)
             checks.append(

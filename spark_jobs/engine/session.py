@@ -38,11 +38,14 @@ DELTA_SQL = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
+#: The most a task reads of a file source (`spark.sql.files.maxPartitionBytes`; Spark's default is 128 MB).
+SPLIT_BYTES = "32m"
 
 __all__ = [
     "DELTA_SQL",
     "EARLY_DRIVER_ENV",
     "SPARK_JARS_ENV",
+    "SPLIT_BYTES",
     "built_once",
     "connect_session",
     "default_session",
@@ -157,6 +160,14 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool, del
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": _shuffle_partitions(),
+        # Spark reads a file source in splits of up to 128 MB, or of the
+        # input over the cores if smaller: a big batch on a few cores is then
+        # a few big tasks, which balance badly (303 MB on 2 cores: 3 tasks,
+        # the last alone on one core) and whose aggregation maps spill (3.3
+        # GB at 30M distinct keys). 32 MB splits read it in 15 tasks: that
+        # stage took 66 s instead of 104 s (docs/state-at-scale.md). A batch
+        # under 32 MB a core is split as before.
+        "spark.sql.files.maxPartitionBytes": SPLIT_BYTES,
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning
         # cost more than it saved (docs/benchmarks.md, "Figures behind the
@@ -297,4 +308,5 @@ def connect_session(url: str) -> SparkSession:
     # meaning of timestamps as in local runs matters for exactness.
     session.conf.set("spark.sql.session.timeZone", "UTC")
     session.conf.set("spark.sql.shuffle.partitions", _shuffle_partitions())
+    session.conf.set("spark.sql.files.maxPartitionBytes", SPLIT_BYTES)
     return session

@@ -38,3 +38,22 @@ def test_the_default_is_auto_and_other_sources_are_untouched(tmp_path):
     upstream, _ = chain_specs(tmp_path)
     files = load_spec(upstream)
     assert with_reader(files, "sc://host:15002") is files
+
+
+def test_a_big_read_is_split_into_more_tasks_than_cores(spark, tmp_path):
+    """A batch of more than 32 MB a core is read in splits of at most 32 MB,
+    not in one split a core (Spark's default, up to 128 MB): 125 MB on two
+    cores is 4 tasks, not 2, so the tasks balance over the cores
+    and their aggregation maps fit in memory (measured in state-at-scale.md)."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "big.parquet"
+    rows = 5_000  # 25 row groups of 5 MB each, incompressible
+    with pq.ParquetWriter(path, pa.schema([("blob", pa.binary())]), compression="none") as writer:
+        for _ in range(25):
+            writer.write_table(pa.table({"blob": [os.urandom(1_000) for _ in range(rows)]}), row_group_size=rows)
+    assert spark.sparkContext.defaultParallelism == 2 and path.stat().st_size > 115 * 2**20
+    assert spark.read.parquet(str(path)).rdd.getNumPartitions() == 4

@@ -229,12 +229,13 @@ def test_a_small_read_alongside_others_is_one_task_and_reads_the_same(tmp_path, 
     assert "Exchange" in plan_of(False)
     assert "Exchange" not in plan_of(True) and "Coalesce 1" in plan_of(True)
     conf = engine.spark.conf
+    split = conf.get("spark.sql.files.maxPartitionBytes")
     try:
         conf.set("spark.sql.files.maxPartitionBytes", "4k")  # the batch is some 20 kB
         assert "Exchange" in plan_of(True)
         assert rows(engine.process(spec, batch, alongside=True)) == rows(alone)
     finally:
-        conf.unset("spark.sql.files.maxPartitionBytes")
+        conf.set("spark.sql.files.maxPartitionBytes", split)
     # Where the reads at once leave cores free (here: Spark has 2, the
     # engine reads one at a time), a read is spread over them as alone.
     from spark_jobs.engine.spark_compute import SparkCompute

@@ -38,7 +38,13 @@ DELTA_SQL = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
-#: The most a task reads of a file source (`spark.sql.files.maxPartitionBytes`; Spark's default is 128 MB).
+#: The most a task reads of a file source (`spark.sql.files.maxPartitionBytes`).
+#: Spark's default reads in splits of up to 128 MB, or of the input over the
+#: cores if smaller: a big batch on a few cores is then a few big tasks, which
+#: balance badly (303 MB on 2 cores: 3 tasks, the last alone on one core) and
+#: whose aggregation maps spill (3.3 GB at 30M distinct keys). In 32 MB splits
+#: it is 15 tasks: that stage took 66 s instead of 104 s
+#: (docs/state-at-scale.md). A batch of under 32 MB a core is split as before.
 SPLIT_BYTES = "32m"
 
 __all__ = [
@@ -160,13 +166,6 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool, del
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": _shuffle_partitions(),
-        # Spark reads a file source in splits of up to 128 MB, or of the
-        # input over the cores if smaller: a big batch on a few cores is then
-        # a few big tasks, which balance badly (303 MB on 2 cores: 3 tasks,
-        # the last alone on one core) and whose aggregation maps spill (3.3
-        # GB at 30M distinct keys). 32 MB splits read it in 15 tasks: that
-        # stage took 66 s instead of 104 s (docs/state-at-scale.md). A batch
-        # under 32 MB a core is split as before.
         "spark.sql.files.maxPartitionBytes": SPLIT_BYTES,
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning

@@ -44,8 +44,13 @@ DELTA_SQL = {
 #: balance badly (303 MB on 2 cores: 3 tasks, the last alone on one core) and
 #: whose aggregation maps spill (3.3 GB at 30M distinct keys). In 32 MB splits
 #: it is 15 tasks: that stage took 66 s instead of 104 s
-#: (docs/state-at-scale.md). A batch of under 32 MB a core is split as before.
+#: (docs/state-at-scale.md). A batch of under 32 MB a core is split as before;
+#: a split size the user set stays (`split_reads`).
 SPLIT_BYTES = "32m"
+_SPLIT_KEY = "spark.sql.files.maxPartitionBytes"
+#: How a session spells Spark's own split size, when nothing set another
+#: (Spark 4.2 gives the bytes; its definition says 128MB).
+_SPARK_SPLIT = frozenset({"134217728b", "128MB"})
 
 __all__ = [
     "DELTA_SQL",
@@ -61,6 +66,7 @@ __all__ = [
     "resolve_master",
     "with_reader",
     "session_options",
+    "split_reads",
     "under_spark_submit",
 ]
 
@@ -122,7 +128,16 @@ def default_session(
         SparkContext._ensure_initialized(gateway=launch.gateway())
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel(os.environ.get("MICROBATCH_SPARK_LOG_LEVEL", "ERROR"))
+    split_reads(session)
     return session
+
+
+def split_reads(session: SparkSession) -> None:
+    """Read file sources in splits of `SPLIT_BYTES`, unless a split size was
+    set already (``--conf``, spark-defaults.conf, a Connect server's
+    defaults, the session's owner): then that one stays."""
+    if session.conf.get(_SPLIT_KEY) in _SPARK_SPLIT:
+        session.conf.set(_SPLIT_KEY, SPLIT_BYTES)
 
 
 def launch_driver(
@@ -166,7 +181,6 @@ def session_options(master: str | None, app_name: str, *, short_lived: bool, del
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": _shuffle_partitions(),
-        "spark.sql.files.maxPartitionBytes": SPLIT_BYTES,
         # Adaptive execution re-plans between stages: worth it for big
         # shuffles, but in a one-batch process, on a cold JVM, its planning
         # cost more than it saved (docs/benchmarks.md, "Figures behind the
@@ -307,5 +321,5 @@ def connect_session(url: str) -> SparkSession:
     # meaning of timestamps as in local runs matters for exactness.
     session.conf.set("spark.sql.session.timeZone", "UTC")
     session.conf.set("spark.sql.shuffle.partitions", _shuffle_partitions())
-    session.conf.set("spark.sql.files.maxPartitionBytes", SPLIT_BYTES)
+    split_reads(session)
     return session

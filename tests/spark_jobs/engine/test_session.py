@@ -57,3 +57,42 @@ def test_a_big_read_is_split_into_more_tasks_than_cores(spark, tmp_path):
             writer.write_table(pa.table({"blob": [os.urandom(1_000) for _ in range(rows)]}), row_group_size=rows)
     assert spark.sparkContext.defaultParallelism == 2 and path.stat().st_size > 115 * 2**20
     assert spark.read.parquet(str(path)).rdd.getNumPartitions() == 4
+
+
+def test_a_split_size_already_set_stays(spark):
+    """The job's 32 MB splits replace Spark's default only: a split size set
+    on the session (by its owner, or through spark-submit's ``--conf`` and
+    spark-defaults.conf, which a session starts with) is kept."""
+    from spark_jobs.engine.session import SPLIT_BYTES, split_reads
+
+    key = "spark.sql.files.maxPartitionBytes"
+    before = spark.conf.get(key)
+    try:
+        spark.conf.set(key, "256m")
+        split_reads(spark)
+        assert spark.conf.get(key) == "256m"
+        spark.conf.unset(key)
+        assert spark.conf.get(key) == "134217728b"  # Spark's default, as a session spells it
+        split_reads(spark)
+        assert spark.conf.get(key) == SPLIT_BYTES
+    finally:
+        spark.conf.set(key, before)
+
+
+def test_a_split_size_in_spark_defaults_is_kept_by_the_jobs_session(tmp_path):
+    """A new process's session, as a run makes it, with spark-defaults.conf
+    setting the split size (found by a review: the job used to overwrite it)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "spark-defaults.conf").write_text("spark.sql.files.maxPartitionBytes 256m\n")
+    script = (
+        "from spark_jobs.engine.session import default_session\n"
+        "s = default_session('local[1]')\n"
+        "print('SPLIT', s.conf.get('spark.sql.files.maxPartitionBytes'))\n"
+        "s.stop()\n"
+    )
+    env = {**os.environ, "SPARK_CONF_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert "SPLIT 256m" in out.stdout, out.stdout + out.stderr[-2000:]

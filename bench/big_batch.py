@@ -221,7 +221,7 @@ def write_doc(rows: list[dict[str, Any]], where: str) -> None:
             f"{r['fold']['rss_mb']:.0f} MB |"
         )
     lines.append("")
-    replace_section(DOC, SECTION, lines)
+    replace_section(DOC, lines[0], lines)
 
 
 if __name__ == "__main__":

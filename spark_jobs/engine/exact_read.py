@@ -12,6 +12,7 @@ offsets) are read this way always.
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import TYPE_CHECKING
 
 from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
@@ -80,16 +81,40 @@ def kafka_records(spark: SparkSession, spec: PipelineSpec, manifest: KafkaManife
 
 
 def parquet_records(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> DataFrame:
-    """Rows of Parquet files, numbered from 1 within each file; fields cast by name."""
+    """Rows of Parquet files, numbered from 1 within each file; fields cast by name.
+
+    Local files are read together, their schemas merged. Files whose types
+    for one column cannot be merged (INT in one, BIGINT in another) are read
+    one by one instead, each converted to `source.schema` on its own, so a
+    value that does not convert is quarantined as in any other file (Spark's
+    merge error names no file, and would fail the batch for good)."""
+    from pyspark.sql import functions as F
+
+    if any(is_s3(path) for path in paths):
+        df = s3_read.parquet_rows(spark, paths, client_settings(), [f.name for f in spec.source.fields])
+        return _parquet_typed(spec, df, F.col(FILE), F.col(LINE), 2)
+    try:
+        return _parquet_local(spark, spec, paths)
+    except Exception as exc:
+        if "CANNOT_MERGE_SCHEMAS" not in str(exc) or len(paths) == 1:
+            raise
+    records = [_parquet_local(spark, spec, [path]) for path in paths]
+    return reduce(lambda a, b: a.union(b), records)
+
+
+def _parquet_local(spark: SparkSession, spec: PipelineSpec, paths: list[str]) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    df = spark.read.option("mergeSchema", "true").parquet(*paths)
+    return _parquet_typed(spec, df, F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, 0)
+
+
+def _parquet_typed(spec: PipelineSpec, df: DataFrame, file_col: Column, line_col: Column, first_data: int) -> DataFrame:
+    """`df`'s rows as records: file, line, the raw row as JSON, the fields
+    converted to their `source.schema` types, and the reason of a failure."""
     from pyspark.sql import functions as F
 
     fields = spec.source.fields
-    if any(is_s3(path) for path in paths):
-        df = s3_read.parquet_rows(spark, paths, client_settings(), [f.name for f in fields])
-        file_col, line_col, first_data = F.col(FILE), F.col(LINE), 2
-    else:
-        df = spark.read.option("mergeSchema", "true").parquet(*paths)
-        file_col, line_col, first_data = F.col("_metadata.file_path"), F.col("_metadata.row_index") + 1, 0
     # Columns by position: a file's column names are not validated
     # identifiers and must not be parsed as SQL.
     data = [df[i] for i in range(first_data, len(df.columns))]

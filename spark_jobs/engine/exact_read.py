@@ -118,25 +118,25 @@ def _parquet_typed(spec: PipelineSpec, df: DataFrame, file_col: Column, line_col
     # Columns by position: a file's column names are not validated
     # identifiers and must not be parsed as SQL.
     data = [df[i] for i in range(first_data, len(df.columns))]
-    present = {name.lower(): column for name, column in zip(df.columns[first_data:], data)}
-    # The files' types (merged over them): a column already of the spec's
-    # type needs no conversion check. Spark keeps such a check (`x IS NOT
-    # NULL AND x IS NULL`) in the plan, so the column is read for it even
-    # when the transform does not use it.
-    stored = {field.name.lower(): field.dataType.simpleString().upper() for field in df.schema.fields[first_data:]}
+    # Each column with its type in the files (merged over them): a column
+    # already of the spec's type needs no conversion check. Spark keeps such
+    # a check (`x IS NOT NULL AND x IS NULL`) in the plan, so the column
+    # would be read for it even when the transform does not use it.
+    present = {
+        field.name.lower(): (column, field.dataType.simpleString().upper())
+        for column, field in zip(data, df.schema.fields[first_data:])
+    }
     checks: list[Check] = []
     typed: dict[str, Column] = {}
     for f in fields:
-        if f.name.lower() in present and stored[f.name.lower()] == f.type:
-            value = present[f.name.lower()]
-        elif f.name.lower() in present:
-            source_col = present[f.name.lower()]
-            value = source_col.try_cast(f.type)
-            checks.append(
-                Check(source_col.isNotNull() & value.isNull(), F.lit(f"field {f.name}: value cannot be converted to {f.type}"))
-            )
-        else:
+        column, stored = present.get(f.name.lower(), (None, None))
+        if column is None:
             value = F.lit(None).cast(f.type)
+        elif stored == f.type:
+            value = column
+        else:
+            value = column.try_cast(f.type)
+            checks.append(Check(column.isNotNull() & value.isNull(), F.lit(f"field {f.name}: value cannot be converted to {f.type}")))
         typed[f.name] = value
     checks.extend(value_checks(spec, typed))
     return df.select(

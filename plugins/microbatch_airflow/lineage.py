@@ -8,43 +8,22 @@ named by OpenLineage's naming conventions (a local path under namespace
 itself: epoch, batch id, offsets and record counts, the same figures as the
 ledger row, so a lineage backend shows which offsets each run consumed.
 Nothing secret goes in: no settings, no credentials; offsets only.
+
+The names are made in every task, the facet only when the provider asks:
+the facet's module imports OpenLineage's client (a quarter of a CPU-second a
+task, for a deployment with lineage switched off too).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from attrs import define
-from openlineage.client.facet_v2 import RunFacet
-
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["MicrobatchRunFacet", "operator_lineage", "source_dataset", "state_dataset"]
-
-#: The facet is a RunFacet with the fields below (documented in
-#: docs/architecture.md, "Lineage"); it names the base schema it extends.
-SCHEMA_URL = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunFacet"
-
-
-@define
-class MicrobatchRunFacet(RunFacet):
-    """The batch a run committed (or found already committed, or rewound to)."""
-
-    status: str
-    epoch: int | None
-    batchId: int | None  # noqa: N815 - OpenLineage facets use camelCase fields
-    startOffsets: dict[str, Any] | None  # noqa: N815
-    endOffsets: dict[str, Any] | None  # noqa: N815
-    recordsIn: int | None  # noqa: N815
-    recordsQuarantined: int | None  # noqa: N815
-    stateVersion: int | None  # noqa: N815
-
-    @staticmethod
-    def _get_schema() -> str:
-        return SCHEMA_URL
+__all__ = ["operator_lineage", "source_dataset", "state_dataset"]
 
 
 def _path_dataset(location: str) -> tuple[str, str]:
@@ -75,6 +54,8 @@ def operator_lineage(source: tuple[str, str], state: tuple[str, str], summary: d
     """The task's lineage: source in, state out, and the batch as a run facet."""
     from airflow.providers.common.compat.openlineage.facet import Dataset
     from airflow.providers.openlineage.extractors import OperatorLineage
+
+    from microbatch_airflow.lineage_facet import MicrobatchRunFacet
 
     run_facets: dict[str, Any] = {}
     if summary is not None:

@@ -149,12 +149,18 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	AIRFLOW__CORE__EXECUTOR=LocalExecutor \
 	AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True \
+	$(TASK_IMPORTS_ONCE) \
 	AIRFLOW__API__HOST=127.0.0.1 \
 	AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
 	AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
 	$(if $(PARSE_INTERVAL),AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL=$(PARSE_INTERVAL)) \
 	PATH=$(CURDIR)/$(BIN):$$PATH
 AIRFLOW_PORT ?= 8080
+# The LocalExecutor's workers start from a forkserver that imported what a
+# task imports (plugins/microbatch_airflow/task_imports.py): each task, forked
+# from a worker, has them at no cost (docs/fleet.md, "Where a task's CPU goes").
+TASK_IMPORTS_ONCE = AIRFLOW__SCHEDULER__MP_START_METHOD=forkserver \
+	AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD=airflow,microbatch_airflow.task_imports
 LOCAL_AIRFLOW_HOME ?= $(CURDIR)/.airflow
 AIRFLOW_DB = $(BIN)/python -m dev.postgres
 EXECUTOR ?= local

@@ -73,6 +73,10 @@ class LiveAirflow:
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
             "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor" if executor == "celery" else "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "4",
+            # As `make airflow` and the compose file: the LocalExecutor's
+            # workers start from a forkserver that imported a task's modules.
+            "AIRFLOW__SCHEDULER__MP_START_METHOD": "forkserver",
+            "AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD": "airflow,microbatch_airflow.task_imports",
             # The suite's in-process Airflow logs at WARNING (tests/conftest.py);
             # these processes must not inherit that: the task log files would
             # hold warnings only, and a failed attempt could not say why.
@@ -119,6 +123,8 @@ class LiveAirflow:
                 self.env["AIRFLOW__CELERY__BROKER_URL"] = self.broker.url()
                 self.env["AIRFLOW__CELERY__RESULT_BACKEND"] = "db+" + self.database.url("airflow", driver="postgresql+psycopg2")
                 self.env["AIRFLOW__CELERY__WORKER_CONCURRENCY"] = str(self.worker_concurrency)
+                # As `make airflow EXECUTOR=celery`: each worker imports a task's modules once.
+                self.env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"] = "microbatch_airflow.celery_config.CELERY_CONFIG"
             migrated = self.airflow("db", "migrate")
             assert migrated.returncode == 0, migrated.stderr[-3000:]
             for component in self.components:

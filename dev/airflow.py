@@ -203,6 +203,8 @@ def main() -> None:
                 "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
                 "AIRFLOW__CELERY__BROKER_URL": broker.url(),
                 "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + database.url("airflow", driver="postgresql+psycopg2"),
+                # Each worker imports what a task imports once, before it forks its pool.
+                "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "microbatch_airflow.celery_config.CELERY_CONFIG",
             })
             migrated = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True)
             if migrated.returncode != 0:

@@ -90,6 +90,11 @@ def test_a_worker_killed_mid_commit_is_retried_on_the_other_and_every_pipeline_e
         live.unpause(name)
         live.trigger(name, {})
     workers = {name: proc.pid for name, proc in zip(live.components, live.procs) if name.startswith("celery-worker-")}
+    # Each worker imported a task's modules before it forked its pool
+    # (microbatch_airflow.celery_config): delta-rs, pyarrow, Spark Connect's gRPC.
+    for name, pid in workers.items():
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert all(library in maps for library in ("deltalake/_internal", "grpc/_cython/cygrpc", "pyarrow/libarrow.so")), name
 
     def held_by_worker() -> dict[str, dict[int, str]]:
         """By worker, the batches held mid-commit: {pid: DAG id}, from each attempt's log."""

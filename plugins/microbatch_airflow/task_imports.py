@@ -12,37 +12,78 @@ Airflow 3.3 can start those workers from a forkserver that imports a list of
 modules once (``[scheduler] mp_start_method = forkserver`` and
 ``mp_forkserver_preload = airflow,microbatch_airflow.task_imports``: set by
 `make airflow`, the compose file and the live tests; docs/fleet.md says how
-to set it elsewhere). This module is that list. ``airflow`` comes first
-because Python 3.11's forkserver starts with the interpreter's own
-`sys.path`, not the scheduler's: importing Airflow puts the plugins folder
-on it, and only then can this module be found. A module the forkserver
-cannot import is skipped without a word (Python's rule) and every task
-imports it itself, as before: `tests/plugins/test_airflow_live.py` checks
+to set it elsewhere); a Celery worker imports it before it forks its pool
+(`microbatch_airflow.celery_config`). ``airflow`` comes first because Python
+3.11's forkserver starts with the interpreter's own `sys.path`, not the
+scheduler's: importing Airflow puts the plugins folder on it, and only then
+can this module be found. A preload module that cannot be found is skipped
+without a word (Python's rule): `tests/plugins/test_airflow_live.py` checks
 that the workers hold these modules.
 
-It only imports: no session, no table, no client is made, so forking after
-it stays safe (delta-rs's runtime, which is not fork-safe, starts at a
-table's first open, inside the task). Then it freezes the objects made so
-far out of garbage collection (`gc.freeze`), as Airflow's LocalExecutor does
-before it forks its workers: a task, forked with them frozen, never walks
-them again. Unfrozen, each full collection in a task walked the quarter of
-a million objects these imports make, 0.3 CPU-s each (0.001 frozen), and
-touched every page they sit on, copying it into the task.
+Each module is imported on its own, and one that fails (a broken setting
+read at import, say) is logged and left to the tasks, which then import it
+themselves and fail with its error as before: an exception out of a
+forkserver's preload would stop it, and with it every worker's start.
+
+Nothing here opens a table or a session, so forking after it stays safe
+(delta-rs's runtime, which is not fork-safe, starts at a table's first open,
+inside the task). The imports do start native threads of their own (the
+allocators' background threads of pyarrow and delta-rs, numpy's BLAS
+pool); a fork copies only the calling thread, and on Python 3.11 that is
+all. Then:
+
+* numpy's global random state, seeded once at its import, is seeded again
+  in each forked child, as Python's `random` is: otherwise every task of
+  the LocalExecutor, of any DAG, would draw the same numbers.
+* the objects made so far are frozen out of garbage collection
+  (`gc.freeze`), as Airflow's LocalExecutor does before it forks its
+  workers: a task, forked with them frozen, never walks them again.
+  Unfrozen, each full collection in a task walked the quarter of a million
+  objects these imports make, 0.3 CPU-s each (0.001 frozen), and touched
+  every page they sit on, copying it into the task.
+
+The forking process keeps the modules it imported: after an upgrade of the
+project's code, restart the scheduler (or the Celery workers) for tasks to
+run the new code.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
+import logging
+import os
+import sys
 
-import airflow.sdk.execution_time.supervisor  # noqa: F401 - the worker's side of a task
-import airflow.sdk.execution_time.task_runner  # noqa: F401 - the task's side
-import pyspark.sql  # noqa: F401 - a driver of the task's own (engine local[*], spark://)
-import pyspark.sql.connect.session  # noqa: F401 - pandas, pyarrow, gRPC: the Connect client
+__all__ = ["MODULES"]
 
-import microbatch_airflow.dag_factory  # noqa: F401 - the DAG file's import: operators, specs
-import microbatch_airflow.lineage_facet  # noqa: F401 - OpenLineage's client, where lineage is sent
-import spark_jobs.core.protocol  # noqa: F401 - the protocol, the ledger, delta-rs
-import spark_jobs.engine.spark_compute  # noqa: F401
-import spark_jobs.sources  # noqa: F401
+#: What a task imports, heaviest first.
+MODULES = (
+    "airflow.sdk.execution_time.supervisor",  # the worker's side of a task
+    "airflow.sdk.execution_time.task_runner",  # the task's side
+    "pyspark.sql",  # a driver of the task's own (engine local[*], spark://)
+    "pyspark.sql.connect.session",  # pandas, pyarrow, gRPC: the Connect client
+    "microbatch_airflow.dag_factory",  # the DAG file's import: operators, specs
+    "microbatch_airflow.lineage_facet",  # OpenLineage's client, where lineage is sent
+    "spark_jobs.core.protocol",  # the protocol, the ledger, delta-rs
+    "spark_jobs.engine.spark_compute",
+    "spark_jobs.sources",
+)
 
+log = logging.getLogger(__name__)
+
+for _name in MODULES:
+    try:
+        importlib.import_module(_name)
+    except Exception:
+        log.warning("not imported ahead of the tasks: %s (each task imports it itself)", _name, exc_info=True)
+
+
+def _reseed_numpy() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+os.register_at_fork(after_in_child=_reseed_numpy)
 gc.freeze()

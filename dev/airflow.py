@@ -203,8 +203,12 @@ def main() -> None:
                 "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
                 "AIRFLOW__CELERY__BROKER_URL": broker.url(),
                 "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + database.url("airflow", driver="postgresql+psycopg2"),
-                # Each worker imports what a task imports once, before it forks its pool.
+                # Each worker imports what a task imports once, before it forks its pool;
+                # the scheduler's processes that send tasks start with the Celery executor imported.
                 "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "microbatch_airflow.celery_config.CELERY_CONFIG",
+                "AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD":
+                    env.get("AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD", "airflow,microbatch_airflow.task_imports")
+                    + ",airflow.providers.celery.executors.celery_executor",
             })
             migrated = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True)
             if migrated.returncode != 0:

@@ -58,15 +58,14 @@ def _parent(pid: str) -> str:
         return stat.read().rsplit(")", 1)[1].split()[1]
 
 
-def _descends(pid: str, ancestor: str) -> bool:
-    """Whether `pid` is `ancestor` or one of its descendants; True once it is
-    gone (a task's JVM lives for its batch: the next look sees it)."""
+def _in_session_of(pid: str, server: str) -> bool:
+    """Whether `pid` runs in `server`'s session (the server's own children,
+    orphaned ones included); True once it is gone (a task's JVM lives for
+    its batch: the next look sees it)."""
     try:
-        while pid not in (ancestor, "0", "1"):
-            pid = _parent(pid)
-    except OSError:
+        return os.getsid(int(pid)) == os.getsid(int(server))
+    except ProcessLookupError:
         return True
-    return pid == ancestor
 
 
 def _command(pid: str) -> str:
@@ -200,8 +199,9 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
         while _call(port, "GET", path)["state"] not in ("success", "failed"):
             # The server's own children count as the server: Java starts a
             # child (its Python workers, a shell command) through
-            # `<JDK>/lib/jspawnhelper`, a command line that names java.
-            others = [_command(pid) for pid in _alive(str(tmp_path), "java") if not _descends(pid, server)]
+            # `<JDK>/lib/jspawnhelper`, a command line that names java. The
+            # server runs in a session of its own; a task's JVM is in the task's.
+            others = [_command(pid) for pid in _alive(str(tmp_path), "java") if not _in_session_of(pid, server)]
             assert not others, f"a task started a JVM of its own: {others}"
             assert time.monotonic() < deadline, "the run did not finish"
             time.sleep(0.5)

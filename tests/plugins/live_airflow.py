@@ -123,8 +123,10 @@ class LiveAirflow:
                 self.env["AIRFLOW__CELERY__BROKER_URL"] = self.broker.url()
                 self.env["AIRFLOW__CELERY__RESULT_BACKEND"] = "db+" + self.database.url("airflow", driver="postgresql+psycopg2")
                 self.env["AIRFLOW__CELERY__WORKER_CONCURRENCY"] = str(self.worker_concurrency)
-                # As `make airflow EXECUTOR=celery`: each worker imports a task's modules once.
+                # As `make airflow EXECUTOR=celery`: each worker imports a task's modules once,
+                # and the scheduler's processes that send tasks start with the Celery executor imported.
                 self.env["AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS"] = "microbatch_airflow.celery_config.CELERY_CONFIG"
+                self.env["AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD"] += ",airflow.providers.celery.executors.celery_executor"
             migrated = self.airflow("db", "migrate")
             assert migrated.returncode == 0, migrated.stderr[-3000:]
             for component in self.components:

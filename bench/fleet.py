@@ -247,12 +247,25 @@ def fleet_airflow(home: Path, folder: Path) -> LiveAirflow:
     return live
 
 
+def start_watching(live: LiveAirflow, names: list[str], poll: float) -> None:
+    """Start `live`, unpause every pipeline and wait until each one's watcher
+    runs in the triggerer and has polled twice."""
+    from idle_cost import running_watchers
+
+    live.start()
+    for name in names:
+        live.wait_for_dag(name, timeout=900)
+    for name in names:
+        live.unpause(name)
+    live.wait(lambda: running_watchers(live) == len(names), 900, "every watcher to run in the triggerer")
+    time.sleep(poll * 2)
+
+
 def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "local") -> dict[str, Any]:
     """`engine`: "local", a driver JVM in each task; "connect", one Spark
     Connect server (`dev/airflow.py`'s, as `make airflow ENGINE=connect`
     starts it) whose thin clients the tasks are."""
     from dev.airflow import _signal_sessions, _start_connect
-    from idle_cost import running_watchers
     from tests.plugins.live_airflow import free_port
 
     folder = work / "pipelines"
@@ -266,14 +279,8 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         if engine == "connect":
             server, url = _start_connect(work, free_port())
             live.env["MICROBATCH_SPARK_MASTER"] = url
-        live.start()
+        start_watching(live, names, args.poll)
         sessions = {p.pid for p in live.procs} | ({server.pid} if server is not None else set())
-        for name in names:
-            live.wait_for_dag(name, timeout=900)
-        for name in names:
-            live.unpause(name)
-        live.wait(lambda: running_watchers(live) == n, 900, "every watcher to run in the triggerer")
-        time.sleep(args.poll * 2)
         busy0 = machine_busy()
         time.sleep(args.idle)
         busy1 = machine_busy()

@@ -40,9 +40,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "plugins"))
 
-from fleet import TICK, committed_files, fleet_airflow, land, machine_busy, make_specs  # noqa: E402
-
-PROCESS = re.compile(r'^process (\d+):"(.*)"$')
+from fleet import TICK, committed_files, fleet_airflow, land, machine_busy, make_specs, start_watching  # noqa: E402
+from idle_cost import session_cpu  # noqa: E402
 
 
 def kind_of(frames: list[str], component: str) -> str:
@@ -64,46 +63,28 @@ def postgres_session(live) -> int:
     return os.getsid(pid)
 
 
-def session_cpu_s(session: int) -> float:
-    """CPU seconds so far of the live processes of `session` and of the
-    children they reaped (a server's: the PostgreSQL backends that ended)."""
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:
-            total += sum(int(v) for v in fields[11:15])
-    return total / TICK
-
-
-def parse_raw(path: Path, component: str, rate: float) -> dict[str, dict]:
-    """py-spy's raw (collapsed) stacks into, by kind of process: CPU-s,
-    processes seen, and seconds by function, inclusive and where spent."""
-    kinds: dict[str, dict] = {}
+def parse_raw(path: Path, component: str, rate: float, kinds: dict[str, dict]) -> None:
+    """Add py-spy's raw (collapsed) stacks of `component` to `kinds`: by kind
+    of process, CPU-s and seconds by function, inclusive, where spent, and by
+    the module a process was importing."""
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        match = PROCESS.match(frames[0])
         kind = kinds.setdefault(kind_of(frames, component), {
-            "cpu_s": 0.0, "pids": set(), "inclusive": collections.Counter(), "self": collections.Counter(),
-            "imports": collections.Counter()})
+            "cpu_s": 0.0, "inclusive": collections.Counter(), "self": collections.Counter(), "imports": collections.Counter()})
         seconds = int(count) / rate
         kind["cpu_s"] += seconds
-        if match:
-            kind["pids"].add(match.group(1))
         # Frames look like "function (path/to/file.py:line)": keep function and file.
-        names = [re.sub(r":\d+\)$", ")", frame) for frame in frames[1:] if not frame.startswith("thread ")]
+        names = [re.sub(r":\d+\)$", ")", frame) for frame in frames[1:] if not frame.startswith(("thread ", "process "))]
         for name in set(names):
             kind["inclusive"][name] += seconds
         if names:
             kind["self"][names[-1]] += seconds
-        # The outermost module being imported: what a process paid to import, by what it imported.
-        module = next((name for name in names if name.startswith("<module> (")), None)
-        if module is not None:
-            kind["imports"][module] += seconds
-    return kinds
+        # The outermost import below the entry point's own module (`airflow`'s
+        # main): what a process paid to import, by what it imported.
+        modules = [name for name in names if name.startswith("<module> (")]
+        if len(modules) > 1:
+            kind["imports"][modules[1]] += seconds
 
 
 def short(frame: str) -> str:
@@ -129,7 +110,6 @@ def main() -> None:
                  "then pass --py-spy /tmp/pyspy/bin/py-spy")
 
     from dev.airflow import _signal_sessions, _start_connect
-    from idle_cost import running_watchers
     from tests.plugins.live_airflow import COMPONENTS, free_port
 
     work = Path(tempfile.mkdtemp(prefix="task-profile-"))
@@ -142,13 +122,7 @@ def main() -> None:
     live.env["MICROBATCH_SPARK_MASTER"] = url
     recorders: list[tuple[str, subprocess.Popen, Path]] = []
     try:
-        live.start()
-        for name in names:
-            live.wait_for_dag(name, timeout=900)
-        for name in names:
-            live.unpause(name)
-        live.wait(lambda: running_watchers(live) == args.pipelines, 900, "every watcher to run in the triggerer")
-        time.sleep(args.poll * 2)
+        start_watching(live, names, args.poll)
         for component, process in zip(COMPONENTS, live.procs):
             out = work / f"{component}.txt"
             recorder = subprocess.Popen(
@@ -157,7 +131,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=open(work / f"{component}.py-spy.log", "wb"))
             recorders.append((component, recorder, out))
         time.sleep(2)
-        busy0, jvm0, database0 = machine_busy(), session_cpu_s(server.pid), session_cpu_s(postgres_session(live))
+        busy0, jvm0, database0 = machine_busy(), session_cpu(server.pid), session_cpu(postgres_session(live))
         started = time.time()
         landed = {}
         for k, name in enumerate(names[: args.files]):
@@ -166,7 +140,7 @@ def main() -> None:
         deadline = time.time() + args.drain
         while time.time() < deadline and not all(file in committed_files(folder / f"{name}.yaml") for name, file in landed.items()):
             time.sleep(5)
-        busy1, jvm1, database1 = machine_busy(), session_cpu_s(server.pid), session_cpu_s(postgres_session(live))
+        busy1, jvm1, database1 = machine_busy(), session_cpu(server.pid), session_cpu(postgres_session(live))
         committed = sum(file in committed_files(folder / f"{name}.yaml") for name, file in landed.items())
         for _, recorder, _ in recorders:
             recorder.send_signal(signal.SIGINT)
@@ -182,13 +156,7 @@ def main() -> None:
 
     kinds: dict[str, dict] = {}
     for component, _, out in recorders:
-        for kind, found in parse_raw(out, component, args.rate).items():
-            merged = kinds.setdefault(kind, {"cpu_s": 0.0, "pids": set(), "inclusive": collections.Counter(),
-                                             "self": collections.Counter(), "imports": collections.Counter()})
-            merged["cpu_s"] += found["cpu_s"]
-            merged["pids"] |= found["pids"]
-            for counter in ("inclusive", "self", "imports"):
-                merged[counter].update(found[counter])
+        parse_raw(out, component, args.rate, kinds)
     machine = (busy1[0] - busy0[0]) / TICK
     per_file = max(committed, 1)
     report = {

@@ -121,27 +121,18 @@ def test_trigger_with_params_commits_and_emits_an_asset_event(live):
     assert batch["downstream_runs"] == [{"dag_id": "clicks_per_user_downstream", "run_id": downstream[0]["dag_run_id"], "state": "success"}]
 
 
-def _descends(pid: str, ancestor: int) -> bool:
-    """Whether process `pid` descends from `ancestor`."""
-    while pid not in ("0", "1"):
-        pid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        if pid == str(ancestor):
-            return True
-    return False
-
-
 def test_the_executors_workers_hold_what_a_task_imports(live):
     """Each task is forked from a LocalExecutor worker, and the workers start
     from a forkserver that imported `microbatch_airflow.task_imports`: they
     hold delta-rs, pyarrow and Spark Connect's gRPC client already, so no task
     imports them again (the test above ran a task, so workers exist)."""
-    scheduler = live.procs[live.components.index("scheduler")].pid
+    scheduler = os.getsid(live.procs[live.components.index("scheduler")].pid)  # its session: the workers' too
     workers = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             # (Not by environment: a process title longer than the command
             # line is written over the environment's first bytes.)
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"airflow worker -- LocalExecutor") and _descends(pid, scheduler):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"airflow worker -- LocalExecutor") and os.getsid(int(pid)) == scheduler:
                 workers.append((pid, Path(f"/proc/{pid}/maps").read_text()))
         except OSError:
             continue

@@ -13,7 +13,12 @@ For each fleet size N (`--sizes`), in one run:
    landings spread evenly over the interval; then up to `--drain` seconds
    for the last files to be committed. Once per `--engines`: `local`, a
    driver JVM in each task; `connect`, one shared Spark Connect server
-   whose thin clients the tasks are (`make airflow ENGINE=connect`).
+   whose thin clients the tasks are (`make airflow ENGINE=connect`);
+   `celery`, that server with the CeleryExecutor's two workers (Redis),
+   one of which is SIGKILLed, whole, halfway through the landings: its
+   batches are retried on the other once their heartbeats are missed
+   (`--heartbeat-timeout`), and every pipeline is checked by the
+   exactly-once oracle (`tests/conftest.py`'s `assert_exact`).
 2. **The anchor.** Structured Streaming with N queries in one driver over
    the same kind of folders and the same landing schedule
    (`anchors/structured_streaming_fleet.py`: `ProcessingTime` at the
@@ -39,11 +44,11 @@ Measured for each:
 and, apart, the dag-processor's parse of the pipelines' DAG file for N
 specs and for 1,000 specs one of which is broken (the other 999 listed).
 
-Writes docs/fleet.md's "The fleet benchmark" section and
-docs/fleet_latency.png.
+Writes docs/fleet.md's "The fleet benchmark" section (or `--section`) and
+docs/fleet_latency.png (or `--plot`).
 
     .venv/bin/python bench/fleet.py [--sizes 10,50,100,200] [--interval 300] [--duration 300] [--poll 10]
-        [--engines local,connect] [--no-anchor] [--merge-log EARLIER_RUN.log]
+        [--engines local,connect,celery] [--no-anchor] [--merge-log EARLIER_RUN.log] [--section HEADING --plot PNG]
 """
 
 from __future__ import annotations
@@ -238,10 +243,11 @@ def committed_files(spec_path: Path) -> dict[str, tuple[float, int, str | None, 
     return found
 
 
-def fleet_airflow(home: Path, folder: Path) -> LiveAirflow:
+def fleet_airflow(home: Path, folder: Path, **executor: Any) -> LiveAirflow:
     """A live Airflow (not started) over the specs in `folder`, with Airflow's
-    default loops rather than the live tests' quick ones: a fleet's settings."""
-    live = LiveAirflow(home, folder)
+    default loops rather than the live tests' quick ones: a fleet's settings.
+    `executor`: LiveAirflow's executor keywords (the LocalExecutor by default)."""
+    live = LiveAirflow(home, folder, **executor)
     for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
         live.env.pop(key, None)
     return live
@@ -264,19 +270,29 @@ def start_watching(live: LiveAirflow, names: list[str], poll: float) -> None:
 def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "local") -> dict[str, Any]:
     """`engine`: "local", a driver JVM in each task; "connect", one Spark
     Connect server (`dev/airflow.py`'s, as `make airflow ENGINE=connect`
-    starts it) whose thin clients the tasks are."""
+    starts it) whose thin clients the tasks are; "celery", the same server
+    with the CeleryExecutor's two workers (`--parallelism` slots between
+    them) running the tasks, one of which is SIGKILLed, whole, halfway
+    through the landings (`WorkerKill`)."""
     from dev.airflow import _signal_sessions, _start_connect
     from tests.plugins.live_airflow import free_port
 
     folder = work / "pipelines"
     names = make_specs(folder, n, args.poll)
     active = names[: max(1, round(n * (1 - args.idle_share)))]
-    live = fleet_airflow(work / "airflow", folder)
+    if engine == "celery":
+        live = fleet_airflow(work / "airflow", folder, executor="celery", workers=2,
+                             worker_concurrency=max(1, args.parallelism // 2))
+        # The killed worker's tasks are found by their missed heartbeats:
+        # after `--heartbeat-timeout` seconds (Airflow's default is 300).
+        live.env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(int(args.heartbeat_timeout))
+    else:
+        live = fleet_airflow(work / "airflow", folder)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
-    server = None
+    server, killer = None, None
     try:
-        if engine == "connect":
+        if engine in ("connect", "celery"):
             server, url = _start_connect(work, free_port())
             live.env["MICROBATCH_SPARK_MASTER"] = url
         start_watching(live, names, args.poll)
@@ -289,6 +305,8 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         sampler = Sampler(sessions)
         sampler.start()
         plan = schedule(active, args.interval, args.duration)
+        if engine == "celery":
+            killer = WorkerKill(live, "celery-worker-1", args.duration / 2)
         landed = run_landings(folder / "landing", plan)
         window_end = time.time()
         busy2 = machine_busy()
@@ -323,7 +341,12 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
             to_committed.append(committed - planned)
         committing = {v[2] for name in active for v in done[name].values()}
         empty_runs = sum(1 for run_id, r in runs.items() if r["state"] == "success" and run_id not in committing)
+        exact = sum(1 for name in names if _is_exact(spec_of[name]))
+        retried = sum(1 for name in active for run_id in {v[2] for v in done[name].values()}
+                      if any(ti["try_number"] > 1 for ti in live.task_instances(name, run_id)))
     finally:
+        if killer is not None:
+            killer.cancel()
         live.stop()
         if server is not None:
             _signal_sessions([server.pid], 9)
@@ -343,6 +366,9 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "to_committed": (pct(to_committed, 0.5), pct(to_committed, 0.95)),
         "idle_runs": idle_runs,
         "empty_runs": empty_runs,
+        "exact": exact,
+        "retried": retried,
+        "killed": killer.killed if killer is not None else 0,
         **machine_shares(busy0, busy1, busy2, args.idle, window_end - window_start),
         "batches_per_minute": batches_in_window / minutes,
         "files_per_minute": len(landed) / minutes,
@@ -350,6 +376,38 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "peak_gb": peak / 1e9,
         "latencies": latencies,
     }
+
+
+class WorkerKill(threading.Timer):
+    """SIGKILL every process of the Celery worker `name` (its pool, task
+    supervisors, tasks), as a lost machine would, `after` seconds from now;
+    `killed` says how many processes went."""
+
+    def __init__(self, live: LiveAirflow, name: str, after: float) -> None:
+        from tests.plugins.live_airflow import kill_session
+
+        pid = live.procs[live.components.index(name)].pid
+        super().__init__(after, self._kill, args=(kill_session, pid))
+        self.daemon = True
+        self.killed = 0
+        self.start()
+
+    def _kill(self, kill_session, session: int) -> None:
+        self.killed = kill_session(session)
+
+
+def _is_exact(spec_path: Path) -> bool:
+    """Whether the pipeline passes the exactly-once oracle (tests/conftest.py's
+    `assert_exact`): contiguous lineage, every landed file consumed once, the
+    state equal to their fold."""
+    from tests.conftest import assert_exact
+
+    try:
+        assert_exact(spec_path)
+    except AssertionError as failure:
+        print(f"not exact: {spec_path.stem}: {failure}", flush=True)
+        return False
+    return True
 
 
 def _seconds(stamp: str) -> float:
@@ -475,7 +533,8 @@ def parse_time(n: int, work: Path, broken: bool) -> dict[str, Any]:
 # -- report ----------------------------------------------------------------------
 
 
-ENGINE_LABEL = {"local": "project, a JVM a task", "connect": "project, one Connect server"}
+ENGINE_LABEL = {"local": "project, a JVM a task", "connect": "project, one Connect server",
+                "celery": "project, one Connect server, Celery (2 workers, one SIGKILLed)"}
 
 
 def machine_cpu(result: dict, args: argparse.Namespace) -> tuple[float, float]:
@@ -488,18 +547,26 @@ def machine_cpu(result: dict, args: argparse.Namespace) -> tuple[float, float]:
     return window / max(result["files"], 1), idle * 3600 / result.get("idle_s", args.idle)
 
 
+def _exact_cell(result: dict) -> str:
+    """"k of N" by the oracle; "n/a" for results printed before the check existed."""
+    return f"{result['exact']} of {result['n']}" if "exact" in result else "n/a"
+
+
 def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], parses: dict[str, dict]) -> None:
     cores = os.cpu_count()
     lines = [
-        SECTION,
+        args.section,
         "",
         f"Measured by `bench/fleet.py` on {platform.machine()}, {cores} cores, Python {platform.python_version()}, "
         f"{date.today().isoformat()}. Each active pipeline ({100 - args.idle_share * 100:.0f}% of N; the rest stay idle) "
         f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly. "
         f"The project: `run_on_data` polling every {args.poll:.0f} s, a live Airflow (LocalExecutor, {args.parallelism} task "
         "slots, PostgreSQL, Airflow's default loop settings), a task per batch, its Spark either a driver JVM in the task "
-        "or one shared Spark Connect server (`make airflow ENGINE=connect`). The anchor: Structured Streaming, N queries in "
-        f"one driver (`ProcessingTime` every {args.poll:.0f} s, RocksDB, a sink that writes nothing).",
+        "or one shared Spark Connect server (`make airflow ENGINE=connect`). With Celery: that server, and the "
+        f"CeleryExecutor's two workers ({max(1, args.parallelism // 2)} slots each, Redis), one of which is SIGKILLed, whole, "
+        f"halfway through the landings; its tasks are retried once {args.heartbeat_timeout:.0f} s of heartbeats are missed "
+        "(Airflow's default: 300 s), and every pipeline is checked by the exactly-once oracle. The anchor: Structured "
+        f"Streaming, N queries in one driver (`ProcessingTime` every {args.poll:.0f} s, RocksDB, a sink that writes nothing).",
         "",
         "| N | engine | files landed | latency p50 | p95 | max | waiting at window's end | batches/min | CPU-s per file | cores busy | CPU-s per hour while idle (N pipelines; per pipeline) | peak memory (PSS) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -531,14 +598,15 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
         "its imports), and from planned to committed (the batch, its JVM or Connect session included); and the runs "
         "that found nothing:",
         "",
-        "| N | engine | landed to run queued | queued to planned | planned to committed | runs that found nothing | runs while idle |",
-        "|---|---|---|---|---|---|---|",
+        "| N | engine | landed to run queued | queued to planned | planned to committed | runs that found nothing | runs while idle | batches retried | pipelines exact |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mine in sorted(ours, key=lambda r: (r["n"], list(ENGINE_LABEL).index(r.get("engine", "local")))):
         lines.append(
             f"| {mine['n']} | {ENGINE_LABEL[mine.get('engine', 'local')]} | {mine['to_queued'][0]:.1f} / {mine['to_queued'][1]:.1f} s | "
             f"{mine['to_planned'][0]:.1f} / {mine['to_planned'][1]:.1f} s | {mine['to_committed'][0]:.1f} / "
-            f"{mine['to_committed'][1]:.1f} s | {mine['empty_runs'] if mine['empty_runs'] >= 0 else 'n/a'} | {mine['idle_runs']} |"
+            f"{mine['to_committed'][1]:.1f} s | {mine['empty_runs'] if mine['empty_runs'] >= 0 else 'n/a'} | {mine['idle_runs']} | "
+            f"{mine.get('retried', 'n/a')} | {_exact_cell(mine)} |"
         )
     lines += [
         "",
@@ -549,14 +617,14 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
     ]
     for label, parse in parses.items():
         lines.append(f"| {label} | {parse['seconds']:.2f} s | {parse['dags']} | {parse['errors']} |")
-    lines += ["", f"![latency from a file landing to its batch committed, and cores busy]({PLOT.name})", ""]
+    lines += ["", f"![latency from a file landing to its batch committed, and cores busy]({args.plot.name})", ""]
     if not DOC.exists():
         DOC.write_text("# A fleet of pipelines on one Airflow (issue 36)\n\nFigures from `bench/` scripts, each from one run.\n")
-    replace_section(DOC, SECTION, lines)
+    replace_section(DOC, args.section, lines)
     print("\n".join(lines))
 
 
-def plot(ours: list[dict], anchor: list[dict]) -> None:
+def plot(ours: list[dict], anchor: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -564,7 +632,7 @@ def plot(ours: list[dict], anchor: list[dict]) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     series = [([r for r in ours if r.get("engine", "local") == engine], ENGINE_LABEL[engine], marker)
-              for engine, marker in (("local", "o"), ("connect", "^"))]
+              for engine, marker in (("local", "o"), ("connect", "^"), ("celery", "D"))]
     series.append((anchor, "Structured Streaming, N queries in one driver", "s"))
     for rows, label, marker in series:
         rows = sorted(rows, key=lambda r: r["n"])
@@ -582,7 +650,7 @@ def plot(ours: list[dict], anchor: list[dict]) -> None:
     right.axhline(os.cpu_count(), color="grey", linewidth=0.8)
     right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 def earlier_results(log: Path) -> tuple[list[dict], list[dict]]:
@@ -612,11 +680,19 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=10)
     parser.add_argument("--idle-share", type=float, default=0.1)
     parser.add_argument("--parallelism", type=int, default=4)
-    parser.add_argument("--engines", default="local,connect", help="the project's engines: local (a JVM a task), connect (one server)")
+    parser.add_argument("--engines", default="local,connect",
+                        help="the project's engines: local (a JVM a task), connect (one server), celery (one server, "
+                             "the CeleryExecutor's two workers, one SIGKILLed halfway through the landings)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=90,
+                        help="celery: seconds of missed heartbeats before the killed worker's tasks are retried")
     parser.add_argument("--no-anchor", action="store_true")
     parser.add_argument("--merge-log", type=Path, action="append", default=[],
                         help="report an earlier run's results (its printed lines) beside this run's; it must have had the same "
                              "settings (repeatable; the newest result per size and engine wins)")
+    parser.add_argument("--section", default=SECTION,
+                        help="the heading of docs/fleet.md's section to write: a run of some sizes or engines apart "
+                             "writes its own, leaving the full sweep's")
+    parser.add_argument("--plot", type=Path, default=PLOT, help="where to draw the latency plot")
     parser.add_argument("--report-only", action="store_true", help="measure nothing: report the --merge-log results")
     args = parser.parse_args()
     ours, anchor = [], []
@@ -647,7 +723,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_doc(args, ours, anchor, parses)
-    plot(ours, anchor)
+    plot(ours, anchor, args.plot)
 
 
 if __name__ == "__main__":

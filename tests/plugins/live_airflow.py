@@ -39,6 +39,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def session_of(pid: int) -> int | None:
+    """The session of a live process (None once it is gone, or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[3])  # after the name: state, ppid, pgrp, session
+
+
+def kill_session(session: int) -> int:
+    """SIGKILL every process of `session` (a Celery worker's: the worker, its
+    pool, the task supervisors, the tasks and their JVMs), as a lost machine
+    would; how many were killed."""
+    killed = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if session_of(int(pid)) == session:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def _log_line(line: str) -> str:
     """A task log record (JSON) as one readable line: time, level, logger, event, the rest."""
     try:

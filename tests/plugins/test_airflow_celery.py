@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
@@ -17,35 +16,12 @@ import pytest
 from spark_jobs.core.faults import MARKER
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, oracle_spec_dict, write_spec
-from tests.plugins.live_airflow import LiveAirflow
+from tests.plugins.live_airflow import LiveAirflow, kill_session, session_of
 
 pytestmark = pytest.mark.timeout(1500)
 
 PIPELINES = 20
 HELD = re.compile(rf"{MARKER} hold after_state_commit pid=(\d+)")
-
-
-def session_of(pid: int) -> int | None:
-    """The session of a live process (None once it is gone, or a zombie)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[3])  # after the name: state, ppid, pgrp, session
-
-
-def kill_session(session: int) -> int:
-    """SIGKILL every process of `session`: the Celery worker, its pool, the
-    task supervisors, the tasks and their JVMs, as a lost machine would."""
-    killed = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if session_of(int(pid)) == session:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
 
 
 @pytest.fixture(scope="module")

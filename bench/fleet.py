@@ -123,6 +123,25 @@ def machine_busy() -> tuple[float, float]:
     return sum(values) - idle, sum(values)
 
 
+def part_cpu(live: LiveAirflow, server: subprocess.Popen | None) -> dict[str, float]:
+    """CPU seconds so far of each part of the project, by session: each
+    Airflow component's (a LocalExecutor's workers, the task supervisors and
+    the tasks are in the scheduler's session, split off from the scheduler's
+    own process; a Celery worker's are in its own), and the Connect
+    server's. Reaped processes count in the process that reaped them."""
+    from idle_cost import session_cpu
+
+    parts = {name: session_cpu(proc.pid) for name, proc in zip(live.components, live.procs)}
+    if "scheduler" in parts:
+        fields = _stat(str(live.procs[live.components.index("scheduler")].pid)) or ["0"] * 15
+        own = sum(int(v) for v in fields[11:15]) / TICK
+        parts["tasks"] = parts["scheduler"] - own
+        parts["scheduler"] = own
+    if server is not None:
+        parts["Connect server"] = session_cpu(server.pid)
+    return parts
+
+
 def machine_shares(busy0, busy1, busy2, idle_s: float, window_s: float) -> dict[str, float]:
     """The machine's busy share and CPU seconds over the idle window
     (`busy0` to `busy1`) and the landing window (`busy1` to `busy2`)."""
@@ -300,6 +319,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         busy0 = machine_busy()
         time.sleep(args.idle)
         busy1 = machine_busy()
+        parts1 = part_cpu(live, server)
         idle_runs = sum(len(live.runs(name)) for name in names)
         window_start = time.time()
         sampler = Sampler(sessions)
@@ -310,6 +330,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         landed = run_landings(folder / "landing", plan)
         window_end = time.time()
         busy2 = machine_busy()
+        parts2 = part_cpu(live, server)
         spec_of = {name: folder / f"{name}.yaml" for name in names}
         at_end = {name: committed_files(spec_of[name]) for name in active}
         waiting_at_end = sum(1 for (name, file) in landed if file not in at_end[name])
@@ -369,6 +390,8 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "exact": exact,
         "retried": retried,
         "killed": killer.killed if killer is not None else 0,
+        # The window's CPU by part (the rest, PostgreSQL and this script's landings included, is the machine's less these).
+        "cpu_parts": {name: parts2[name] - parts1.get(name, 0.0) for name in parts2},
         **machine_shares(busy0, busy1, busy2, args.idle, window_end - window_start),
         "batches_per_minute": batches_in_window / minutes,
         "files_per_minute": len(landed) / minutes,
@@ -547,6 +570,35 @@ def machine_cpu(result: dict, args: argparse.Namespace) -> tuple[float, float]:
     return window / max(result["files"], 1), idle * 3600 / result.get("idle_s", args.idle)
 
 
+PARTS = ("tasks", "celery-worker-1", "celery-worker-2", "Connect server", "scheduler", "api-server", "triggerer", "dag-processor")
+
+
+def _parts_table(ours: list[dict], args: argparse.Namespace) -> list[str]:
+    """Where the landing window's CPU went, a file's share by part: the
+    rows whose results have it (results printed before it existed have not)."""
+    rows = [r for r in ours if "cpu_parts" in r]
+    if not rows:
+        return []
+    present = [part for part in PARTS if any(part in r["cpu_parts"] for r in rows)]
+    lines = [
+        "",
+        "Where the landing window's CPU went, in CPU-s per file landed, by session: `tasks` are the LocalExecutor's "
+        "workers, the task supervisors and the tasks apart from the scheduler's own process (a task's own JVM counts "
+        "there once its task reaped it, else in the rest); a Celery worker's tasks are in its row; the rest is "
+        "PostgreSQL, this script's landings and the machine's other processes:",
+        "",
+        "| N | engine | " + " | ".join(present) + " | the rest | machine |",
+        "|---|---|" + "---|" * (len(present) + 2),
+    ]
+    for r in sorted(rows, key=lambda r: (r["n"], list(ENGINE_LABEL).index(r.get("engine", "local")))):
+        files = max(r["files"], 1)
+        cells = [f"{r['cpu_parts'][part] / files:.2f}" if part in r["cpu_parts"] else "" for part in present]
+        machine = machine_cpu(r, args)[0]
+        lines.append(f"| {r['n']} | {ENGINE_LABEL[r['engine']]} | " + " | ".join(cells)
+                     + f" | {machine - sum(r['cpu_parts'].values()) / files:.2f} | {machine:.2f} |")
+    return lines
+
+
 def _exact_cell(result: dict) -> str:
     """"k of N" by the oracle; "n/a" for results printed before the check existed."""
     return f"{result['exact']} of {result['n']}" if "exact" in result else "n/a"
@@ -608,6 +660,7 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
             f"{mine['to_committed'][1]:.1f} s | {mine['empty_runs'] if mine['empty_runs'] >= 0 else 'n/a'} | {mine['idle_runs']} | "
             f"{mine.get('retried', 'n/a')} | {_exact_cell(mine)} |"
         )
+    lines += _parts_table(ours, args)
     lines += [
         "",
         "Parsing (`dags/microbatch_pipelines.py` and `dags/microbatch_spec_errors.py` in Airflow's DagBag, a fresh process):",

@@ -35,7 +35,8 @@ DURATIONS ?= 25
 # minutes on 2 cores, and at 61 minutes two processes still kept the 2 cores
 # 35% busy (40 CPU-minutes user, 5 system). Three processes were slower
 # (CI: 82 minutes against 76 with two) and their JVMs starting at once
-# starved the live Airflows' heartbeats. A test file stays in one
+# starved the live Airflows' heartbeats; tried again on 2026-11-28: 60
+# minutes against 63, the api-server once 30 s slow to answer a poll. A test file stays in one
 # process (its module fixtures, such as a live Airflow, start once).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2

@@ -104,8 +104,9 @@ bench: setup jars
 # micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
 # the state write as the state grows (docs/state-at-scale.md) and each state
 # layout beside Structured Streaming as users come back (docs/benchmarks.md), what idle
-# pipelines cost a live Airflow, and fleets of 10 to 200 pipelines beside
-# Structured Streaming (docs/fleet.md). About 4 h.
+# pipelines cost a live Airflow, fleets of 10 to 200 pipelines beside
+# Structured Streaming, and a hundred on Celery workers, one of them killed
+# (docs/fleet.md). About 4.5 h.
 bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/kafka_vs_ss.py
@@ -116,6 +117,8 @@ bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/idle_cost.py
 	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
+	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 --plot docs/fleet_celery.png \
+		--section "## Celery workers, one killed, beside the shared engine (issue 48, item 5)"
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.
 lock:

@@ -2,7 +2,7 @@
 
 Each figure runs its Structured Streaming anchor in the same run, on the same
 files, and reports the project's figure over the anchor's; the full
-benchmarks (`make bench-full`, about 4 hours) measure each of them at more
+benchmarks (`make bench-full`, about 4.5 hours) measure each of them at more
 sizes, with more repeats and with Flink:
 
 1. **one batch**: a fresh pipeline's first 100k-record batch, a new process

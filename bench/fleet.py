@@ -127,12 +127,13 @@ def part_cpu(live: LiveAirflow, server: subprocess.Popen | None) -> dict[str, fl
     """CPU seconds so far of each part of the project, by session: each
     Airflow component's (a LocalExecutor's workers, the task supervisors and
     the tasks are in the scheduler's session, split off from the scheduler's
-    own process; a Celery worker's are in its own), and the Connect
-    server's. Reaped processes count in the process that reaped them."""
+    own process as "tasks"; a Celery worker's are in its own session), and
+    the Connect server's. Reaped processes count in the process that reaped
+    them."""
     from idle_cost import session_cpu
 
     parts = {name: session_cpu(proc.pid) for name, proc in zip(live.components, live.procs)}
-    if "scheduler" in parts:
+    if live.executor == "local":
         fields = _stat(str(live.procs[live.components.index("scheduler")].pid)) or ["0"] * 15
         own = sum(int(v) for v in fields[11:15]) / TICK
         parts["tasks"] = parts["scheduler"] - own
@@ -326,11 +327,13 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         sampler.start()
         plan = schedule(active, args.interval, args.duration)
         if engine == "celery":
-            killer = WorkerKill(live, "celery-worker-1", args.duration / 2)
+            killer = WorkerKill(live, "celery-worker-1", args.duration / 2, give_up=max(0.0, args.duration / 2 - 10))
         landed = run_landings(folder / "landing", plan)
         window_end = time.time()
         busy2 = machine_busy()
         parts2 = part_cpu(live, server)
+        if killer is not None and killer.cpu is not None:
+            parts2["celery-worker-1"] = killer.cpu
         spec_of = {name: folder / f"{name}.yaml" for name in names}
         at_end = {name: committed_files(spec_of[name]) for name in active}
         waiting_at_end = sum(1 for (name, file) in landed if file not in at_end[name])
@@ -362,12 +365,14 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
             to_committed.append(committed - planned)
         committing = {v[2] for name in active for v in done[name].values()}
         empty_runs = sum(1 for run_id, r in runs.items() if r["state"] == "success" and run_id not in committing)
-        exact = sum(1 for name in names if _is_exact(spec_of[name]))
+        # A pipeline with files still waiting is checked as far as it went.
+        exact = sum(1 for name in names if _is_exact(spec_of[name], drained=not any(
+            file not in done.get(name, {}) for landed_name, file in landed if landed_name == name)))
         retried = sum(1 for name in active for run_id in {v[2] for v in done[name].values()}
                       if any(ti["try_number"] > 1 for ti in live.task_instances(name, run_id)))
     finally:
         if killer is not None:
-            killer.cancel()
+            killer.stop()
         live.stop()
         if server is not None:
             _signal_sessions([server.pid], 9)
@@ -390,6 +395,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "exact": exact,
         "retried": retried,
         "killed": killer.killed if killer is not None else 0,
+        "killed_mid_task": killer.mid_task if killer is not None else False,
         # The window's CPU by part (the rest, PostgreSQL and this script's landings included, is the machine's less these).
         "cpu_parts": {name: parts2[name] - parts1.get(name, 0.0) for name in parts2},
         **machine_shares(busy0, busy1, busy2, args.idle, window_end - window_start),
@@ -401,32 +407,64 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
     }
 
 
-class WorkerKill(threading.Timer):
-    """SIGKILL every process of the Celery worker `name` (its pool, task
-    supervisors, tasks), as a lost machine would, `after` seconds from now;
-    `killed` says how many processes went."""
+class WorkerKill(threading.Thread):
+    """SIGKILL every process of the Celery worker `name` (its pool, the task
+    supervisors, the tasks), as a lost machine would: `after` seconds from
+    now, once the worker runs a task (a process its session did not have
+    when idle has lived `SETTLED` seconds: a task killed between its fork
+    and its start would wait in QUEUED for `[scheduler] task_queued_timeout`,
+    not be found by its heartbeats), or `give_up` seconds later regardless.
+    `killed` says how many processes went, `mid_task` whether a task ran,
+    `cpu` the session's CPU seconds just before (the reaped pool's CPU
+    leaves the session with it)."""
 
-    def __init__(self, live: LiveAirflow, name: str, after: float) -> None:
-        from tests.plugins.live_airflow import kill_session
+    SETTLED = 1.5
 
-        pid = live.procs[live.components.index(name)].pid
-        super().__init__(after, self._kill, args=(kill_session, pid))
-        self.daemon = True
-        self.killed = 0
+    def __init__(self, live: LiveAirflow, name: str, after: float, give_up: float) -> None:
+        super().__init__(daemon=True)
+        self.session = live.procs[live.components.index(name)].pid
+        self.idle = set(self._members())
+        self.after, self.give_up = after, give_up
+        self.killed, self.mid_task, self.cpu = 0, False, None
+        self._cancelled = threading.Event()
         self.start()
 
-    def _kill(self, kill_session, session: int) -> None:
-        self.killed = kill_session(session)
+    def _members(self) -> list[int]:
+        from tests.plugins.live_airflow import session_of
+
+        return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if session_of(int(pid)) == self.session]
+
+    def run(self) -> None:
+        from idle_cost import session_cpu
+        from tests.plugins.live_airflow import kill_session
+
+        if self._cancelled.wait(self.after):
+            return
+        deadline, first_seen = time.time() + self.give_up, {}
+        while time.time() < deadline:
+            now = time.time()
+            first_seen = {pid: first_seen.get(pid, now) for pid in self._members() if pid not in self.idle}
+            self.mid_task = any(now - seen >= self.SETTLED for seen in first_seen.values())
+            if self.mid_task or self._cancelled.wait(0.2):
+                break
+        if not self._cancelled.is_set():
+            self.cpu = session_cpu(self.session)
+            self.killed = kill_session(self.session)
+
+    def stop(self) -> None:
+        """Cancel a kill not yet made, and wait for one under way."""
+        self._cancelled.set()
+        self.join()
 
 
-def _is_exact(spec_path: Path) -> bool:
+def _is_exact(spec_path: Path, drained: bool) -> bool:
     """Whether the pipeline passes the exactly-once oracle (tests/conftest.py's
     `assert_exact`): contiguous lineage, every landed file consumed once, the
     state equal to their fold."""
     from tests.conftest import assert_exact
 
     try:
-        assert_exact(spec_path)
+        assert_exact(spec_path, drained=drained)
     except AssertionError as failure:
         print(f"not exact: {spec_path.stem}: {failure}", flush=True)
         return False
@@ -599,6 +637,19 @@ def _parts_table(ours: list[dict], args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _retried_cell(result: dict) -> str:
+    """Batches retried, and for Celery whether the worker was killed while it ran a task."""
+    if "retried" not in result:
+        return "n/a"
+    if result.get("engine") != "celery":
+        return str(result["retried"])
+    if not result.get("killed"):
+        return f"{result['retried']} (no worker killed)"
+    if "killed_mid_task" not in result:
+        return f"{result['retried']} (a worker killed)"
+    return f"{result['retried']} (a worker killed {'mid-task' if result['killed_mid_task'] else 'idle'})"
+
+
 def _exact_cell(result: dict) -> str:
     """"k of N" by the oracle; "n/a" for results printed before the check existed."""
     return f"{result['exact']} of {result['n']}" if "exact" in result else "n/a"
@@ -658,7 +709,7 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
             f"| {mine['n']} | {ENGINE_LABEL[mine.get('engine', 'local')]} | {mine['to_queued'][0]:.1f} / {mine['to_queued'][1]:.1f} s | "
             f"{mine['to_planned'][0]:.1f} / {mine['to_planned'][1]:.1f} s | {mine['to_committed'][0]:.1f} / "
             f"{mine['to_committed'][1]:.1f} s | {mine['empty_runs'] if mine['empty_runs'] >= 0 else 'n/a'} | {mine['idle_runs']} | "
-            f"{mine.get('retried', 'n/a')} | {_exact_cell(mine)} |"
+            f"{_retried_cell(mine)} | {_exact_cell(mine)} |"
         )
     lines += _parts_table(ours, args)
     lines += [
@@ -745,9 +796,13 @@ def main() -> None:
     parser.add_argument("--section", default=SECTION,
                         help="the heading of docs/fleet.md's section to write: a run of some sizes or engines apart "
                              "writes its own, leaving the full sweep's")
-    parser.add_argument("--plot", type=Path, default=PLOT, help="where to draw the latency plot")
+    parser.add_argument("--plot", type=Path, help=f"where to draw the latency plot ({PLOT.relative_to(ROOT)} for the full sweep's section)")
     parser.add_argument("--report-only", action="store_true", help="measure nothing: report the --merge-log results")
     args = parser.parse_args()
+    if args.plot is None:
+        if args.section != SECTION:
+            parser.error("--section needs a --plot of its own: the full sweep's plot would be drawn over")
+        args.plot = PLOT
     ours, anchor = [], []
     for log in args.merge_log:
         earlier = earlier_results(log)

@@ -117,7 +117,7 @@ bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/idle_cost.py
 	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
-	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 --plot docs/fleet_celery.png \
+	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 \
 		--section "## Celery workers, one killed, beside the shared engine (issue 48, item 5)"
 
 # Re-resolve requirements.txt into requirements.lock in a scratch venv.

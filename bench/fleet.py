@@ -49,7 +49,7 @@ Writes docs/fleet.md's "The fleet benchmark" section (or `--section`) and
 docs/fleet_latency.png (or `--plot`).
 
     .venv/bin/python bench/fleet.py [--sizes 10,50,100,200] [--interval 300] [--duration 300] [--poll 10]
-        [--engines local,connect,celery] [--no-anchor] [--merge-log EARLIER_RUN.log] [--section HEADING --plot PNG]
+        [--engines local,connect,celery] [--no-anchor] [--merge-log EARLIER_RUN.log] [--section HEADING [--plot PNG]]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "plugins"))
 
 from doc_sections import replace_section  # noqa: E402
-from tests.plugins.live_airflow import LiveAirflow  # noqa: E402
+from tests.plugins.live_airflow import LiveAirflow, session_pids  # noqa: E402
 
 DOC = ROOT / "docs" / "fleet.md"
 SECTION = "## The fleet benchmark"
@@ -367,8 +367,8 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         committing = {v[2] for name in active for v in done[name].values()}
         empty_runs = sum(1 for run_id, r in runs.items() if r["state"] == "success" and run_id not in committing)
         # A pipeline with files still waiting is checked as far as it went.
-        exact = sum(1 for name in names if _is_exact(spec_of[name], drained=not any(
-            file not in done.get(name, {}) for landed_name, file in landed if landed_name == name)))
+        waiting = {name for name, file in landed if file not in done[name]}
+        exact = sum(1 for name in names if _is_exact(spec_of[name], drained=name not in waiting))
         retried = sum(1 for name in active for run_id in {v[2] for v in done[name].values()}
                       if any(ti["try_number"] > 1 for ti in live.task_instances(name, run_id)))
     finally:
@@ -424,16 +424,11 @@ class WorkerKill(threading.Thread):
     def __init__(self, live: LiveAirflow, name: str, after: float, give_up: float) -> None:
         super().__init__(daemon=True)
         self.session = live.procs[live.components.index(name)].pid
-        self.idle = set(self._members())
+        self.idle = set(session_pids(self.session))
         self.after, self.give_up = after, give_up
         self.killed, self.mid_task, self.cpu = 0, False, None
         self._cancelled = threading.Event()
         self.start()
-
-    def _members(self) -> list[int]:
-        from tests.plugins.live_airflow import session_of
-
-        return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if session_of(int(pid)) == self.session]
 
     def run(self) -> None:
         from idle_cost import session_cpu
@@ -444,7 +439,7 @@ class WorkerKill(threading.Thread):
         deadline, first_seen = time.time() + self.give_up, {}
         while time.time() < deadline:
             now = time.time()
-            first_seen = {pid: first_seen.get(pid, now) for pid in self._members() if pid not in self.idle}
+            first_seen = {pid: first_seen.get(pid, now) for pid in session_pids(self.session) if pid not in self.idle}
             self.mid_task = any(now - seen >= self.SETTLED for seen in first_seen.values())
             if self.mid_task or self._cancelled.wait(0.2):
                 break
@@ -722,7 +717,7 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
     ]
     for label, parse in parses.items():
         lines.append(f"| {label} | {parse['seconds']:.2f} s | {parse['dags']} | {parse['errors']} |")
-    if _plotted(ours, anchor):
+    if _plotted(args, ours, anchor):
         lines += ["", f"![latency from a file landing to its batch committed, and cores busy]({args.plot.name})"]
     lines.append("")
     if not DOC.exists():
@@ -731,9 +726,10 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
     print("\n".join(lines))
 
 
-def _plotted(ours: list[dict], anchor: list[dict]) -> bool:
-    """A plot against N needs two sizes at least; one size's figures are in the tables."""
-    return len({r["n"] for r in ours + anchor}) > 1
+def _plotted(args: argparse.Namespace, ours: list[dict], anchor: list[dict]) -> bool:
+    """Whether to draw the plot: where there is one to draw to, and two
+    sizes at least (one size's figures are in the tables)."""
+    return args.plot is not None and len({r["n"] for r in ours + anchor}) > 1
 
 
 def plot(ours: list[dict], anchor: list[dict], path: Path) -> None:
@@ -804,13 +800,12 @@ def main() -> None:
     parser.add_argument("--section", default=SECTION,
                         help="the heading of docs/fleet.md's section to write: a run of some sizes or engines apart "
                              "writes its own, leaving the full sweep's")
-    parser.add_argument("--plot", type=Path, help=f"where to draw the latency plot ({PLOT.relative_to(ROOT)} for the full sweep's section)")
+    parser.add_argument("--plot", type=Path, help=f"where to draw the latency plot (the full sweep's section: {PLOT.relative_to(ROOT)}; "
+                             "a --section of its own draws none unless given one)")
     parser.add_argument("--report-only", action="store_true", help="measure nothing: report the --merge-log results")
     args = parser.parse_args()
-    if args.plot is None:
-        if args.section != SECTION:
-            parser.error("--section needs a --plot of its own: the full sweep's plot would be drawn over")
-        args.plot = PLOT
+    if args.plot is None and args.section == SECTION:
+        args.plot = PLOT  # a section of its own draws no plot unless given one: the sweep's is not drawn over
     ours, anchor = [], []
     for log in args.merge_log:
         earlier = earlier_results(log)
@@ -839,7 +834,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_doc(args, ours, anchor, parses)
-    if _plotted(ours, anchor):
+    if _plotted(args, ours, anchor):
         plot(ours, anchor, args.plot)
 
 

@@ -48,18 +48,22 @@ def session_of(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[3])  # after the name: state, ppid, pgrp, session
 
 
+def session_pids(session: int) -> list[int]:
+    """The live processes of `session`."""
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc")) if session_of(int(pid)) == session]
+
+
 def kill_session(session: int) -> int:
     """SIGKILL every process of `session` (a Celery worker's: the worker, its
     pool, the task supervisors, the tasks and their JVMs), as a lost machine
     would; how many were killed."""
     killed = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if session_of(int(pid)) == session:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+    for pid in session_pids(session):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
     return killed
 
 

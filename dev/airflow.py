@@ -108,11 +108,13 @@ def _signal_sessions(sessions: list[int], sig: int) -> None:
 
 
 def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
-    """A Spark Connect server on loopback in a session of its own; (it, its URL)."""
+    """A Spark Connect server on loopback in a session of its own; (it, its URL).
+    The project's server (`spark_jobs.engine.connect_server`): its sessions share compiled code."""
     import socket
 
     import pyspark
 
+    from spark_jobs.engine import connect_server
     from spark_jobs.engine.session import DELTA_SQL, extra_jars
 
     with socket.socket() as probe:
@@ -134,10 +136,9 @@ def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]
            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     log = folder / "server.log"
     server = subprocess.Popen(
-        [str(spark_home / "bin" / "spark-submit"), "--master", "local[*]",
-         "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "microbatch-connect",
+        [str(spark_home / "bin" / "spark-submit"), "--master", "local[*]", "--name", "microbatch-connect",
          "--jars", ",".join(extra_jars()),
-         *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")], "spark-internal"],
+         *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")], connect_server.__file__],
         env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
     )
     deadline = time.monotonic() + 180

@@ -2,8 +2,8 @@
 
 * a standalone cluster: a master and one worker, each a `bin/spark-class`
   JVM in the foreground (what `sbin/start-master.sh` would daemonise);
-* a Spark Connect server: `spark-submit --class ...SparkConnectServer`, the
-  class `sbin/start-connect-server.sh` runs, in the foreground.
+* a Spark Connect server: the project's (`spark_jobs/engine/connect_server.py`,
+  whose sessions share compiled code) under `spark-submit`, in the foreground.
 
 Each runs in its own process group and is killed with it.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pyspark
 
+from spark_jobs.engine import connect_server
 from spark_jobs.engine.session import DELTA_SQL, extra_jars
 
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -155,10 +156,9 @@ def start_connect(
     server = SparkServer()
     server.start(
         [str(SPARK_HOME / "bin" / "spark-submit"), "--master", master,
-         "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
          "--jars", ",".join(extra_jars()),
          *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")],
-         "spark-internal"],
+         connect_server.__file__],
         {**spark_env(work), **(env or {})},
         work / "connect.log",
     )

@@ -200,7 +200,7 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
     with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
         parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
         (server,) = _alive(str(tmp_path), "java")
-        assert b"SparkConnectServer" in open(f"/proc/{server}/cmdline", "rb").read()
+        assert b"connect_server.py" in open(f"/proc/{server}/cmdline", "rb").read()
         _call(port, "PATCH", "/api/v2/dags/shared_clicks", {"is_paused": False})
         run = _call(port, "POST", "/api/v2/dags/shared_clicks/dagRuns", {"logical_date": None, "conf": {}})
         path = f"/api/v2/dags/shared_clicks/dagRuns/{run['dag_run_id']}"

@@ -48,7 +48,7 @@ NATIVE = {
     "airflow-triggerer": "airflow triggerer",
     "spark-master": "pyspark's bin/spark-class ...deploy.master.Master",
     "spark-worker": "pyspark's bin/spark-class ...deploy.worker.Worker",
-    "spark-connect": "pyspark's bin/spark-submit ...SparkConnectServer, with the compose command's settings",
+    "spark-connect": "pyspark's bin/spark-submit spark_jobs/engine/connect_server.py, with the compose command's settings",
     "minio": "moto's S3 server (tests/moto_server.py)",
     "kafka": "the Kafka broker of jars/kafka/pom.xml, one KRaft node (tests/kafka_broker.py)",
     # The `celery` profile: not started by this test, which runs the default

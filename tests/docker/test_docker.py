@@ -366,6 +366,19 @@ def test_the_connect_server_leaves_cores_for_runs_on_the_cluster():
     assert int(settings["spark.cores.max"]) < cores, f"spark.cores.max={settings['spark.cores.max']} leaves none of {cores} cores"
 
 
+def test_the_connect_server_is_the_projects_file_in_the_spark_image():
+    """The compose Connect server runs `spark_jobs/engine/connect_server.py`
+    (sessions that share compiled code) from where the Spark image copies the
+    package: a path that moved would leave the service exiting at start."""
+    connect = _config()["services"]["spark-connect"]["command"]
+    assert "--class" not in connect, "docker/docker-compose.yml: spark-connect runs the project's server, not a class"
+    script = connect[-1]
+    copied = re.search(r"^COPY spark_jobs (\S+)$", (ROOT / "docker" / "spark.Dockerfile").read_text(), re.M)
+    assert copied, "docker/spark.Dockerfile: COPY spark_jobs into the image"
+    assert script.startswith(copied.group(1) + "/"), f"{script} is not under {copied.group(1)}"
+    assert (ROOT / "spark_jobs" / script.removeprefix(copied.group(1) + "/")).is_file(), script
+
+
 def test_every_service_has_a_native_counterpart_for_the_live_topology_test():
     """tests/test_topology.py runs this stack natively; a service it does not
     know how to run would silently go untested."""

@@ -27,10 +27,15 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def connect(tmp_path_factory):
+def connect_server(tmp_path_factory):
     server, url = start_connect(tmp_path_factory.mktemp("connect"))
-    yield url
+    yield server, url
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def connect(connect_server):
+    return connect_server[1]
 
 
 def _spark_submit(master: str, *args: str, conf: dict[str, str], work: Path):
@@ -104,6 +109,34 @@ def test_spark_connect_runs_are_exact_and_cheaper_than_starting_spark(connect, t
     assert len(lineage) == 3
     # The figure (not asserted: speed belongs to bench/): a warm Connect run vs a local start.
     print(f"connect runs: {', '.join(f'{t:.1f}' for t in timings)} s", file=sys.stderr)
+
+
+def test_connect_sessions_share_compiled_code(connect_server, tmp_path):
+    """Every Airflow task is a new Connect session. Spark's own server class
+    gives each session its own class loader, and so compiles each session's
+    code anew. The project's server (`spark_jobs/engine/connect_server.py`)
+    lets sessions share one: a second pipeline's first batch, in a process
+    and a session of its own, compiles nothing that the first one compiled."""
+    server, url = connect_server
+    log = server.logs[0]
+    specs = []
+    for name in ("first", "second"):
+        spec_path = write_spec(tmp_path / name, oracle_spec_dict(name=name, engine={"master": url}))
+        write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=500, users=20, seed=3)
+        specs.append(spec_path)
+
+    def compiled() -> int:
+        return log.read_text(errors="replace").count("CodeGenerator: Code generated in")
+
+    first = run_cli("run", str(specs[0]), "--json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = compiled()
+    assert before > 0, f"{log} shows no compiled code: the check below would prove nothing"
+    second = run_cli("run", str(specs[1]), "--json")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert compiled() == before, f"the second session compiled {compiled() - before} classes again ({log})"
+    for spec_path in specs:
+        assert_exact(spec_path)
 
 
 def test_engine_master_on_the_command_line_wins_over_the_spec(connect, tmp_path):

@@ -6,7 +6,10 @@ For each fleet size N (`--sizes`), in one run:
    `airflow.run_on_data` (the fleet default: no run until data waits), on a
    live Airflow (`tests/plugins/live_airflow.py`: api-server, scheduler,
    dag-processor, triggerer, LocalExecutor with `--parallelism` task slots,
-   PostgreSQL; Airflow's default scheduler heartbeat). All unpaused; once
+   PostgreSQL; Airflow's default scheduler heartbeat; the DAG files parsed
+   every `--parse-interval` seconds, 300 by default, the fleet setting that
+   docs/fleet.md advises). All unpaused and parsed at once (`airflow dags
+   reserialize`, as docs/fleet.md tells a fleet to); once
    every watcher runs, `--idle` seconds with nothing arriving, then
    `--duration` seconds in which each active pipeline (all but
    `--idle-share` of them) gets a file every `--interval` seconds, the
@@ -48,7 +51,7 @@ specs and for 1,000 specs one of which is broken (the other 999 listed).
 Writes docs/fleet.md's "The fleet benchmark" section (or `--section`) and
 docs/fleet_latency.png (or `--plot`).
 
-    .venv/bin/python bench/fleet.py [--sizes 10,50,100,200] [--interval 300] [--duration 300] [--poll 10]
+    .venv/bin/python bench/fleet.py [--sizes 10,50,100,200] [--interval 300] [--duration 300] [--poll 10] [--parse-interval 300]
         [--engines local,connect,celery] [--no-anchor] [--merge-log EARLIER_RUN.log] [--section HEADING [--plot PNG]]
 """
 
@@ -264,13 +267,18 @@ def committed_files(spec_path: Path) -> dict[str, tuple[float, int, str | None, 
     return found
 
 
-def fleet_airflow(home: Path, folder: Path, **executor: Any) -> LiveAirflow:
+def fleet_airflow(home: Path, folder: Path, parse_interval: int | None = None, **executor: Any) -> LiveAirflow:
     """A live Airflow (not started) over the specs in `folder`, with Airflow's
     default loops rather than the live tests' quick ones: a fleet's settings.
-    `executor`: LiveAirflow's executor keywords (the LocalExecutor by default)."""
+    `parse_interval`: the dag-processor's ``min_file_process_interval``
+    (None: Airflow's 30 s; docs/fleet.md tells a fleet to set 300, as `make
+    airflow PARSE_INTERVAL=300` does). `executor`: LiveAirflow's executor
+    keywords (the LocalExecutor by default)."""
     live = LiveAirflow(home, folder, **executor)
     for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
         live.env.pop(key, None)
+    if parse_interval is not None:
+        live.env["AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL"] = str(parse_interval)
     return live
 
 
@@ -284,6 +292,10 @@ def start_watching(live: LiveAirflow, names: list[str], poll: float) -> None:
         live.wait_for_dag(name, timeout=900)
     for name in names:
         live.unpause(name)
+    # A watcher is registered by a parse of its unpaused DAG: what
+    # docs/fleet.md tells a fleet to run after unpausing, rather than wait
+    # for the next parse (up to the parse interval).
+    live.airflow("dags", "reserialize", timeout=900).check_returncode()
     live.wait(lambda: running_watchers(live) == len(names), 900, "every watcher to run in the triggerer")
     time.sleep(poll * 2)
 
@@ -302,13 +314,13 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
     names = make_specs(folder, n, args.poll)
     active = names[: max(1, round(n * (1 - args.idle_share)))]
     if engine == "celery":
-        live = fleet_airflow(work / "airflow", folder, executor="celery", workers=2,
+        live = fleet_airflow(work / "airflow", folder, args.parse_interval, executor="celery", workers=2,
                              worker_concurrency=max(1, args.parallelism // 2))
         # The killed worker's tasks are found by their missed heartbeats:
         # after `--heartbeat-timeout` seconds (Airflow's default is 300).
         live.env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(int(args.heartbeat_timeout))
     else:
-        live = fleet_airflow(work / "airflow", folder)
+        live = fleet_airflow(work / "airflow", folder, args.parse_interval)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
     server, killer = None, None
@@ -382,6 +394,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
     return {
         "n": n,
         "engine": engine,
+        "parse_interval": args.parse_interval,
         "active": len(active),
         "files": len(landed),
         "missing": missing,
@@ -660,7 +673,8 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
         f"{date.today().isoformat()}. Each active pipeline ({100 - args.idle_share * 100:.0f}% of N; the rest stay idle) "
         f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly. "
         f"The project: `run_on_data` polling every {args.poll:.0f} s, a live Airflow (LocalExecutor, {args.parallelism} task "
-        "slots, PostgreSQL, Airflow's default loop settings), a task per batch, its Spark either a driver JVM in the task "
+        f"slots, PostgreSQL, Airflow's default loop settings but the DAG files parsed every {args.parse_interval} s, "
+        "the fleet setting), a task per batch, its Spark either a driver JVM in the task "
         "or one shared Spark Connect server (`make airflow ENGINE=connect`). With Celery: that server, and the "
         f"CeleryExecutor's two workers ({max(1, args.parallelism // 2)} slots each, Redis), one of which is SIGKILLed, whole, "
         f"from halfway through the landings as soon as a task has run on it for 1.5 s; its tasks are retried once {args.heartbeat_timeout:.0f} s of heartbeats are missed "
@@ -786,6 +800,8 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=45)
     parser.add_argument("--drain", type=float, default=200)
     parser.add_argument("--poll", type=float, default=10)
+    parser.add_argument("--parse-interval", type=int, default=300,
+                        help="the dag-processor's min_file_process_interval, s (the fleet setting of docs/fleet.md; Airflow's default: 30)")
     parser.add_argument("--idle-share", type=float, default=0.1)
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--engines", default="local,connect",

@@ -16,7 +16,7 @@ sizes, with more repeats and with Flink:
    of `--state-keys` keys, both state layouts (`bench/state_vs_ss.py` at
    one size, `--state-batches` batches);
 6. **a fleet of 50**: `--fleet` pipelines on a live Airflow with the shared
-   Spark Connect engine, against N queries in one Structured Streaming
+   Spark Connect engine (and the fleet's parse interval of 300 s), against N queries in one Structured Streaming
    driver (`bench/fleet.py` at one size, a file every `--fleet-interval`
    seconds a pipeline for as long): p95 from landing to commit, and the
    machine's CPU-s per file.
@@ -98,7 +98,7 @@ def fleet(work: Path, n: int, interval: float) -> dict[str, Any]:
     from fleet import machine_cpu, run_anchor, run_project
 
     args = argparse.Namespace(interval=interval, duration=interval, idle=30.0, drain=180.0, poll=10.0, idle_share=0.1,
-                              parallelism=4)
+                              parallelism=4, parse_interval=300)
     out: dict[str, Any] = {"n": n}
     for kind, runner in (("project", lambda w: run_project(n, args, w, "connect")), ("structured streaming", lambda w: run_anchor(n, args, w))):
         folder = work / f"fleet-{kind.replace(' ', '-')}"

@@ -94,7 +94,7 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 	$(FLINK_VENV)/bin/python -m pip install -q -r bench/anchors/flink_requirements.txt
 	touch $(FLINK_STAMP)
 
-# The headline figures beside Structured Streaming in about half an hour:
+# The headline figures beside Structured Streaming in under half an hour:
 # one batch, no-op, steady, catch-up, users coming back to 20M keys and a
 # fleet of 50 (docs/benchmarks.md, "Headline (make bench)").
 bench: setup jars

@@ -1,4 +1,4 @@
-"""The headline figures beside Structured Streaming, in one run of about half an hour (`make bench`).
+"""The headline figures beside Structured Streaming, in one run of under half an hour (`make bench`).
 
 Each figure runs its Structured Streaming anchor in the same run, on the same
 files, and reports the project's figure over the anchor's; the full

@@ -483,11 +483,12 @@ class SparkCompute:
         job = query.result if out is None else spark_state.result_job(query.result, spec, out.sink)
         updates = job.toArrow()
         found = self._observed(job, _METRICS)
-        if found is None:
+        if not found:
             # Adaptive execution drops a stage whose output turned out empty
             # (no valid record at all) from the plan it reports, metrics and
-            # all; count them apart then, which costs a second read only when
-            # nothing in the batch was valid.
+            # all (a Spark Connect server reports the observation with no
+            # values); count them apart then, which costs a second read only
+            # when nothing in the batch was valid.
             log.debug("no observed metrics for this batch: counting apart")
             return updates, query.rows.agg(*query.metrics).first().asDict()
         if out is not None:

@@ -139,6 +139,53 @@ def test_connect_sessions_share_compiled_code(connect_server, tmp_path):
         assert_exact(spec_path)
 
 
+def test_a_connect_server_starts_from_a_process_that_was_a_connect_client(connect, tmp_path):
+    """PySpark marks a process that opened a Connect session in its
+    environment, and a server started from it inherits the marks: the
+    project's server (a PySpark driver) drops them. Its sessions share code
+    and keep a thousand compiled classes unless told otherwise."""
+    from pyspark.sql import SparkSession
+
+    client = SparkSession.builder.remote(connect).getOrCreate()
+    client.stop()
+    server, url = start_connect(tmp_path / "second")
+    try:
+        session = SparkSession.builder.remote(url).getOrCreate()
+        try:
+            assert session.conf.get("spark.sql.artifact.isolation.enabled") == "false"
+            assert session.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
+        finally:
+            session.stop()
+    finally:
+        server.stop()
+
+
+def test_a_batch_of_bad_records_only_is_quarantined_over_connect_as_locally(connect, tmp_path):
+    """A CSV file whose every line has too few or too many columns: no valid
+    record, so adaptive execution drops the transform's stage, and a Connect
+    server reports the observed metrics with no values where a local session
+    reports none (a break-it review found such a batch failing, every retry
+    alike). The records are counted apart, and the batch ends as on `local[*]`."""
+    schema = "event_id STRING, user_id STRING NOT NULL, amount DOUBLE, n BIGINT"
+    outcomes = {}
+    for engine in ("local[2]", connect):
+        folder = tmp_path / ("local" if engine.startswith("local") else "connect")
+        spec_path = write_spec(folder, oracle_spec_dict(
+            name="csv_bad", engine={"master": engine},
+            source={"type": "files", "path": "landing", "format": "csv", "schema": schema},
+            transform="SELECT user_id, count(*) AS events, sum(amount) AS amount FROM batch GROUP BY user_id",
+            state={"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum", "amount": "sum"}},
+        ))
+        (folder / "landing").mkdir(exist_ok=True)
+        (folder / "landing" / "a.csv").write_text("event_id,user_id,amount,n\nb,u1\nc,u1,1,2,extra\nd\n")
+        result = run_cli("run", str(spec_path), "--json")
+        assert result.returncode == 0, result.stderr[-3000:]
+        outcome = json.loads(result.stdout)
+        outcomes[engine] = {k: outcome[k] for k in ("status", "records_in", "records_quarantined")}
+    assert outcomes[connect] == outcomes["local[2]"], outcomes
+    assert outcomes[connect] == {"status": "committed", "records_in": 3, "records_quarantined": 3}, outcomes
+
+
 def test_engine_master_on_the_command_line_wins_over_the_spec(connect, tmp_path):
     spec_path = write_spec(tmp_path, oracle_spec_dict(engine={"master": "spark://127.0.0.1:1"}))
     write_wave(tmp_path / "landing", 0, files=1, records_per_file=300, users=20)

@@ -29,6 +29,7 @@ runs it as a file.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -38,13 +39,32 @@ SHARED_CODE = {
     "spark.sql.artifact.isolation.alwaysApplyClassloader": "false",
 }
 
+#: How many compiled classes the server keeps, unless the command line says:
+#: Spark's default, 100, holds the classes of a few dozen distinct
+#: pipelines (a first batch compiles a dozen, the next pipeline's two or
+#: three of its own), past which every batch compiles again (least recently
+#: used first out). A thousand small generated classes take tens of MB.
+CODE_CACHE = ("spark.sql.codegen.cache.maxEntries", "1000")
+
+
+#: What PySpark leaves in a process's environment once it opened a Connect
+#: session; a server started from such a process (a test's, say) would
+#: inherit it and take itself for a Connect client.
+CLIENT_MARKS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
+
 
 def main() -> None:
+    for name in CLIENT_MARKS:
+        os.environ.pop(name, None)
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
+    SparkContext._ensure_initialized()  # the JVM spark-submit started, with the command line's settings
     builder = SparkSession.builder
     for key, value in SHARED_CODE.items():
         builder = builder.config(key, value)
+    if not SparkConf().contains(CODE_CACHE[0]):
+        builder = builder.config(*CODE_CACHE)
     spark = builder.getOrCreate()
     # New Connect sessions are made from this default session
     # (`newSession()`), so they inherit its settings.

@@ -139,23 +139,26 @@ def test_connect_sessions_share_compiled_code(connect_server, tmp_path):
         assert_exact(spec_path)
 
 
-def test_a_connect_server_starts_from_a_process_that_was_a_connect_client(connect, tmp_path):
+def test_a_connect_server_starts_from_a_process_that_was_a_connect_client(connect, tmp_path, monkeypatch):
     """PySpark marks a process that opened a Connect session in its
-    environment, and a server started from it inherits the marks: the
-    project's server (a PySpark driver) drops them. Its sessions share code
-    and keep a thousand compiled classes unless told otherwise."""
-    from pyspark.sql import SparkSession
-
-    client = SparkSession.builder.remote(connect).getOrCreate()
-    client.stop()
+    environment (`SPARK_CONNECT_MODE_ENABLED`, set here as PySpark sets it:
+    this process may hold a classic session, which refuses a remote one),
+    and a server started from
+    it inherits the marks: the project's server (a PySpark driver) drops
+    them. Its sessions share code and keep a thousand compiled classes
+    unless told otherwise (read by a client of its own, as a task is)."""
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
     server, url = start_connect(tmp_path / "second")
     try:
-        session = SparkSession.builder.remote(url).getOrCreate()
-        try:
-            assert session.conf.get("spark.sql.artifact.isolation.enabled") == "false"
-            assert session.conf.get("spark.sql.codegen.cache.maxEntries") == "1000"
-        finally:
-            session.stop()
+        read = (
+            "import sys\nfrom pyspark.sql import SparkSession\n"
+            "s = SparkSession.builder.remote(sys.argv[1]).getOrCreate()\n"
+            "print(s.conf.get('spark.sql.artifact.isolation.enabled'), s.conf.get('spark.sql.codegen.cache.maxEntries'))\n"
+            "s.stop()"
+        )
+        out = subprocess.run([sys.executable, "-c", read, url], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == ["false", "1000"], out.stdout
     finally:
         server.stop()
 

@@ -4,7 +4,7 @@
 
 `make airflow ENGINE=connect`, the compose file's `spark-connect` service and
 the tests start this rather than Spark's own `SparkConnectServer` class.
-The difference is one pair of settings. Spark's class forces
+The difference is in its settings: Spark's class forces
 `spark.sql.artifact.isolation.enabled` and `...alwaysApplyClassloader` on,
 which gives every client session its own class loader, on the driver and in
 the executors. Spark keys its cache of compiled code by class loader, and
@@ -49,8 +49,9 @@ CODE_CACHE = ("spark.sql.codegen.cache.maxEntries", "1000")
 
 #: What PySpark leaves in a process's environment once it opened a Connect
 #: session; a server started from such a process (a test's, say) would
-#: inherit it and take itself for a Connect client.
-CLIENT_MARKS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
+#: inherit it and take itself for a Connect client. (`SPARK_REMOTE` is not
+#: among them: spark-submit itself refuses to start with it set.)
+CLIENT_MARKS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE")
 
 
 def main() -> None:

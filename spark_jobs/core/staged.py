@@ -254,5 +254,11 @@ def commit_files(
     move: find the version by its fence (`StateTable.find_commit`)."""
     now = int(time.time() * 1000)
     actions: list[Any] = [AddAction(f.path, f.size, {}, now, data_change, f.stats) for f in added]
-    actions += [RemoveAction(path, data_change, now) for path in removed or []]
+    if removed:
+        # Each removal carries its file's size: a reader of the change feed
+        # (delta-rs's `load_cdf`) reads a version without change files as its
+        # removed and added files, and refuses a removal without one.
+        files = arrow(table.get_add_actions(flatten=True))
+        sizes = dict(zip(files.column("path").to_pylist(), files.column("size_bytes").to_pylist()))
+        actions += [RemoveAction(path, data_change, now, sizes[path], {}) for path in removed]
     table.create_write_transaction(actions, mode="append", schema=schema, commit_properties=properties)

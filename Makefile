@@ -145,7 +145,11 @@ clean:
 # (Airflow's 30 by default); a fleet whose specs rarely change sets 300, and
 # after adding or editing a spec, or pausing or unpausing a DAG, runs
 # `make airflow-cli ARGS="dags reserialize"` to apply it at once
-# (docs/fleet.md, "A fleet at rest, all in"). One Ctrl-C stops everything, a
+# (docs/fleet.md, "A fleet at rest, all in"). SCHEDULER_IDLE_SLEEP: seconds
+# the scheduler sleeps after a loop that found nothing to do (Airflow's 1);
+# a fleet at rest spends most of its CPU in such loops, and a watcher's run
+# then waits up to that long to be made (docs/fleet.md measures both). One
+# Ctrl-C stops everything, a
 # running batch included (dev/airflow.py says how).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
@@ -158,6 +162,7 @@ AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \
 	AIRFLOW__API__PORT=$(AIRFLOW_PORT) \
 	AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(AIRFLOW_PORT)/execution/ \
 	$(if $(PARSE_INTERVAL),AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL=$(PARSE_INTERVAL)) \
+	$(if $(SCHEDULER_IDLE_SLEEP),AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME=$(SCHEDULER_IDLE_SLEEP)) \
 	PATH=$(CURDIR)/$(BIN):$$PATH
 AIRFLOW_PORT ?= 8080
 # The LocalExecutor's workers start from a forkserver that imported what a
@@ -173,6 +178,7 @@ ENGINE ?= local
 CONNECT_PORT ?= 15002
 # Empty: Airflow's own setting (30 s unless airflow.cfg or the environment says otherwise).
 PARSE_INTERVAL ?=
+SCHEDULER_IDLE_SLEEP ?=
 AIRFLOW_STOP_GRACE ?= 30
 
 .PHONY: airflow airflow-cli

@@ -267,18 +267,24 @@ def committed_files(spec_path: Path) -> dict[str, tuple[float, int, str | None, 
     return found
 
 
-def fleet_airflow(home: Path, folder: Path, parse_interval: int | None = None, **executor: Any) -> LiveAirflow:
+def fleet_airflow(
+    home: Path, folder: Path, parse_interval: int | None = None, idle_sleep: float | None = None, **executor: Any
+) -> LiveAirflow:
     """A live Airflow (not started) over the specs in `folder`, with Airflow's
     default loops rather than the live tests' quick ones: a fleet's settings.
     `parse_interval`: the dag-processor's ``min_file_process_interval``
     (None: Airflow's 30 s; docs/fleet.md tells a fleet to set 300, as `make
-    airflow PARSE_INTERVAL=300` does). `executor`: LiveAirflow's executor
-    keywords (the LocalExecutor by default)."""
+    airflow PARSE_INTERVAL=300` does). `idle_sleep`: the scheduler's
+    ``scheduler_idle_sleep_time`` (None: Airflow's 1 s; `make airflow
+    SCHEDULER_IDLE_SLEEP=...`). `executor`: LiveAirflow's executor keywords
+    (the LocalExecutor by default)."""
     live = LiveAirflow(home, folder, **executor)
     for key in ("AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC", "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC", "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL"):
         live.env.pop(key, None)
     if parse_interval is not None:
         live.env["AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL"] = str(parse_interval)
+    if idle_sleep is not None:
+        live.env["AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME"] = f"{idle_sleep:g}"
     return live
 
 
@@ -314,13 +320,13 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
     names = make_specs(folder, n, args.poll)
     active = names[: max(1, round(n * (1 - args.idle_share)))]
     if engine == "celery":
-        live = fleet_airflow(work / "airflow", folder, args.parse_interval, executor="celery", workers=2,
+        live = fleet_airflow(work / "airflow", folder, args.parse_interval, args.idle_sleep, executor="celery", workers=2,
                              worker_concurrency=max(1, args.parallelism // 2))
         # The killed worker's tasks are found by their missed heartbeats:
         # after `--heartbeat-timeout` seconds (Airflow's default is 300).
         live.env["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] = str(int(args.heartbeat_timeout))
     else:
-        live = fleet_airflow(work / "airflow", folder, args.parse_interval)
+        live = fleet_airflow(work / "airflow", folder, args.parse_interval, args.idle_sleep)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
     server, killer = None, None
@@ -395,6 +401,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         "n": n,
         "engine": engine,
         "parse_interval": args.parse_interval,
+        "idle_sleep": args.idle_sleep,
         "active": len(active),
         "files": len(landed),
         "missing": missing,
@@ -674,7 +681,8 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
         f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly. "
         f"The project: `run_on_data` polling every {args.poll:.0f} s, a live Airflow (LocalExecutor, {args.parallelism} task "
         f"slots, PostgreSQL, Airflow's default loop settings but the DAG files parsed every {args.parse_interval} s, "
-        "the fleet setting), a task per batch, its Spark either a driver JVM in the task "
+        "the fleet setting" + (f", and the scheduler's idle sleep at {args.idle_sleep:g} s" if args.idle_sleep else "")
+        + "), a task per batch, its Spark either a driver JVM in the task "
         "or one shared Spark Connect server (`make airflow ENGINE=connect`). With Celery: that server, and the "
         f"CeleryExecutor's two workers ({max(1, args.parallelism // 2)} slots each, Redis), one of which is SIGKILLed, whole, "
         f"from halfway through the landings as soon as a task has run on it for 1.5 s; its tasks are retried once {args.heartbeat_timeout:.0f} s of heartbeats are missed "
@@ -802,6 +810,8 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=10)
     parser.add_argument("--parse-interval", type=int, default=300,
                         help="the dag-processor's min_file_process_interval, s (the fleet setting of docs/fleet.md; Airflow's default: 30)")
+    parser.add_argument("--idle-sleep", type=float, default=None,
+                        help="the scheduler's scheduler_idle_sleep_time, s (default: Airflow's 1)")
     parser.add_argument("--idle-share", type=float, default=0.1)
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--engines", default="local,connect",

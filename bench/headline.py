@@ -98,7 +98,7 @@ def fleet(work: Path, n: int, interval: float) -> dict[str, Any]:
     from fleet import machine_cpu, run_anchor, run_project
 
     args = argparse.Namespace(interval=interval, duration=interval, idle=30.0, drain=180.0, poll=10.0, idle_share=0.1,
-                              parallelism=4, parse_interval=300)
+                              parallelism=4, parse_interval=300, idle_sleep=None)
     out: dict[str, Any] = {"n": n}
     for kind, runner in (("project", lambda w: run_project(n, args, w, "connect")), ("structured streaming", lambda w: run_anchor(n, args, w))):
         folder = work / f"fleet-{kind.replace(' ', '-')}"

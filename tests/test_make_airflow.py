@@ -192,11 +192,12 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
     """ENGINE=connect: one Spark Connect server; the tasks are its thin
     clients and start no JVM of their own. One Ctrl-C stops it too. And the
     fleet's parse interval (PARSE_INTERVAL=300) reaches the dag-processor:
-    the DAG file is not parsed again after Airflow's default 30 s."""
+    the DAG file is not parsed again after Airflow's default 30 s; and its
+    idle sleep (SCHEDULER_IDLE_SLEEP) reaches the scheduler."""
     pipelines = tmp_path / "pipelines"
     spec_file = write_spec(pipelines, oracle_spec_dict(name="shared_clicks"), "shared_clicks.yaml")
     write_wave(spec_file.parent / "landing", 0, files=3, records_per_file=200)
-    settings = ("ENGINE=connect", f"CONNECT_PORT={free_port()}", "PARSE_INTERVAL=300")
+    settings = ("ENGINE=connect", f"CONNECT_PORT={free_port()}", "PARSE_INTERVAL=300", "SCHEDULER_IDLE_SLEEP=5")
     with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
         parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
         (server,) = _alive(str(tmp_path), "java")
@@ -221,4 +222,6 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
         # And not because the machine was slow: the setting is in the dag-processor's own environment.
         configured = set(_alive("AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL=300\0", "dag-processor"))
         assert configured & set(_alive(str(tmp_path), "dag-processor")), "the dag-processor runs without PARSE_INTERVAL"
+        sleeping = set(_alive("AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME=5\0", "scheduler"))
+        assert sleeping & set(_alive(str(tmp_path), "scheduler")), "the scheduler runs without SCHEDULER_IDLE_SLEEP"
         _ctrl_c(make, tmp_path)

@@ -264,17 +264,12 @@ FROM batch GROUP BY substr(user_id, -1, 1)
 """
 
 
-def chain_specs(folder: Path, reader: str = "driver", upstream_write: str = "auto") -> tuple[Path, Path]:
+def chain_specs(folder: Path, reader: str = "driver") -> tuple[Path, Path]:
     """Two chained pipelines in `folder`: the oracle pipeline with its change
-    feed on (`upstream.yaml`, its state written as `engine.state_write`
-    says), and `buckets` reading its changes (`downstream.yaml`), by the
-    driver or by Spark (`source.reader`)."""
+    feed on (`upstream.yaml`), and `buckets` reading its changes
+    (`downstream.yaml`), by the driver or by Spark (`source.reader`)."""
     base = oracle_spec_dict()
-    upstream = write_spec(
-        folder,
-        oracle_spec_dict(state={**base["state"], "change_feed": True}, engine={"state_write": upstream_write}),
-        "upstream.yaml",
-    )
+    upstream = write_spec(folder, oracle_spec_dict(state={**base["state"], "change_feed": True}), "upstream.yaml")
     downstream = write_spec(
         folder,
         {

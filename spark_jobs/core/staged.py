@@ -255,9 +255,9 @@ def commit_files(
     now = int(time.time() * 1000)
     actions: list[Any] = [AddAction(f.path, f.size, {}, now, data_change, f.stats) for f in added]
     if removed:
-        # Each removal carries its file's size: a reader of the change feed
-        # (delta-rs's `load_cdf`) reads a version without change files as its
-        # removed and added files, and refuses a removal without one.
+        # Each removal carries its file's size, as the protocol recommends:
+        # delta-rs's change-feed reader (`load_cdf`) refuses a removal
+        # without one, should a reader ever read such a version's files.
         files = arrow(table.get_add_actions(flatten=True))
         sizes = dict(zip(files.column("path").to_pylist(), files.column("size_bytes").to_pylist()))
         actions += [RemoveAction(path, data_change, now, sizes[path], {}) for path in removed]

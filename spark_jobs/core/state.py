@@ -228,14 +228,9 @@ class StateTable:
     def _merge_staged(
         self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting | None, rewritten: list[str]
     ) -> tuple[int, int]:
-        """A merged state's batch of files merged in: here when small, else by
-        the executors. A state with a change feed is merged by the executors
-        too: their commit carries no change files (delta-rs's Python API
-        cannot commit them, delta-rs#2720), and the feed of such a version is
-        the rows of the files it removed, deleted, and of those it added,
-        inserted, as the Delta protocol reads a version without change files;
-        a downstream nets the unchanged ones out (`delta_read.net_changes`)."""
-        if files is None or staged.rows <= in_process_rows(self.spec):
+        """A merged state's batch of files merged in: here when small (or its
+        state has a change feed), else by the executors."""
+        if files is None or self.spec.state.change_feed or staged.rows <= in_process_rows(self.spec):
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
         merged = files.merge_files(self.spec, self.path, pa.schema(table.schema().to_arrow()), rewritten, staged)
         # Not deleted if the commit fails: a store may report a failure for

@@ -75,7 +75,7 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
         counts["maintains"] += 1
 
 
-def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto") -> dict[str, int]:
+def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
     now and then rewinds the upstream or maintains it (keeping 2 batches).
@@ -83,7 +83,7 @@ def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver", upstrea
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
-    upstream, downstream = chain_specs(folder, reader, upstream_write)
+    upstream, downstream = chain_specs(folder, reader)
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
@@ -110,16 +110,6 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
     assert counts["maintains"], counts
 
 
-def test_a_chain_whose_upstream_merges_on_the_executors_ends_exact_through_the_same_chaos(tmp_path):
-    """Issue 47: the upstream's every merge made by Spark's executors
-    (`engine.state_write: executors`), committed with no change files, so
-    the downstream reads each merge as the rows of the files it removed and
-    added; kills land inside the executors' writes and before the commit."""
-    counts = _chain_chaos(tmp_path, rounds=3, seed=32, upstream_write="executors")
-    print(counts)
-    assert counts["killed"], counts
-
-
 @pytest.mark.slow
 def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
     """The downstream reads with delta-spark on the executors (`source.reader:
@@ -132,9 +122,8 @@ def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [12, 13, 14])
 @pytest.mark.parametrize("reader", ["driver", "spark"])
-@pytest.mark.parametrize("upstream_write", ["auto", "executors"])
-def test_chain_chaos_soak(tmp_path, seed, reader, upstream_write):
-    print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader, upstream_write=upstream_write))
+def test_chain_chaos_soak(tmp_path, seed, reader):
+    print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader))
 
 
 def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.classic.dataframe import DataFrame  # what a classic session makes
 
-from spark_jobs.core.delta_io import open_table, read_all, version_actions
+from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.core.folding import read_state, row_counts
 from spark_jobs.core.maintain import maintain
 from spark_jobs.core.protocol import RunOptions, run_batch
@@ -101,29 +101,6 @@ def test_a_merged_state_s_big_batch_is_merged_by_the_executors_as_a_merge_in_pro
         assert_exact(spec_path)
         states[way] = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
     assert states["executors"] == states["driver"]
-
-
-@pytest.mark.parametrize("reader", ["driver", "spark"])
-def test_a_change_feed_state_merged_by_the_executors_feeds_its_downstream_exactly(tmp_path, compute, arrow_rows, reader):
-    """A state with `change_feed: true` merged by the executors: no row
-    through the job's process, its merges committed as files removed and
-    added with no change files, and a downstream reading its changes (by
-    either reader) ends with the buckets of the upstream's state."""
-    from tests.conftest import assert_chain_exact, chain_specs
-
-    upstream, downstream = chain_specs(tmp_path, reader, upstream_write="executors")
-    for wave in range(3):
-        write_wave(tmp_path / "landing", wave, files=1, records_per_file=900, users=300, seed=3)
-        arrow_rows.clear()
-        assert _run(upstream, compute) == "committed"
-        assert max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
-        assert _run(downstream, compute) == "committed"
-    state = load_spec(upstream).state_path
-    merges = [version_actions(state, v) for v in range(2, open_table(state).version() + 1)]
-    merges = [actions for actions in merges if any("remove" in a for a in actions)]
-    assert len(merges) == 2, "waves 2 and 3 merged copy-on-write"
-    assert not any("cdc" in a for actions in merges for a in actions)
-    assert_chain_exact(upstream, downstream)
 
 
 def test_a_fold_by_the_executors_keeps_every_value_and_every_kept_batch_rewinds(tmp_path, compute, arrow_rows):

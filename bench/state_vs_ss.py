@@ -25,7 +25,7 @@ batch's outcome to its own (it reads ahead while the previous commits). The appe
 the batches between two folds (`fold_at` x max(N, 100,000) / 100,000).
 Results: docs/benchmarks.md, "State at scale: users coming back", with a plot.
 
-    .venv/bin/python bench/state_vs_ss.py [--sizes 1000000,10000000,20000000,100000000] [--batches 6]
+    .venv/bin/python bench/state_vs_ss.py [--sizes 1000000,10000000,20000000,100000000] [--batches 8] [--no-reads]
 """
 
 from __future__ import annotations
@@ -183,9 +183,11 @@ def fold_s(spec_path: Path) -> float:
         compute.close()
 
 
-def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True) -> dict[str, Any]:
+def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True, reads: bool = True) -> dict[str, Any]:
     """One state size; `fold_and_reads`: also time the appended state's
-    fold and both states' full reads (`make bench` leaves them out)."""
+    fold and, with `reads`, both states' full reads (`make bench` leaves
+    them out; a full read of 100M keys holds them all in this process,
+    about 23 GB)."""
     base = work / f"n{size}"
     clicks = click_files(base / "clicks", size, batches)
     started = time.perf_counter()
@@ -220,10 +222,12 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True)
         figures[f"{layout}_pace_s"] = steady(figures[f"{layout}_s"])
         figures[f"{layout}_folds"] = sum(1 for r in runs if r["steps_ms"] and r["steps_ms"].get("fold", 0) > 50)
         if fold_and_reads:
-            figures[f"{layout}_read_s"] = read_s(spec_path)
+            if reads:
+                figures[f"{layout}_read_s"] = read_s(spec_path)
             if layout == "appended":
                 figures["fold_s"] = fold_s(spec_path)
-                figures["appended_read_folded_s"] = read_s(spec_path)
+                if reads:
+                    figures["appended_read_folded_s"] = read_s(spec_path)
         print(f"  {size:,} keys, {layout}: batches {[round(s, 2) for s in figures[f'{layout}_s']]}, pace "
               f"{figures[f'{layout}_pace_s']:.2f} s", file=sys.stderr, flush=True)
         shutil.rmtree(folder)
@@ -241,6 +245,10 @@ def steady(seconds: list[float]) -> float:
     return statistics.mean(seconds[2:])
 
 
+def _seconds(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f} s"
+
+
 def fold_every(size: int) -> float:
     """Batches of 100,000 new rows between two folds."""
     return max(1.0, FOLD_AT * max(size, 100_000) / BATCH_RECORDS)
@@ -250,10 +258,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000000,10000000,20000000,100000000")
     parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--no-reads", action="store_true", help="leave out the full reads of each state (100M keys: about 23 GB in this process)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="microbatch-state-vs-ss-"))
     try:
-        rows = [measure(work, int(n), args.batches) for n in ["100000", *args.sizes.split(",")]]
+        rows = [measure(work, int(n), args.batches, reads=not args.no_reads) for n in ["100000", *args.sizes.split(",")]]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_doc(args, rows)
@@ -293,7 +302,7 @@ def write_doc(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         lines.append(
             f"| {r['keys']:,} | {r['state_mb']:.0f} MB | {s:.2f} s | {r['merged_pace_s']:.2f} s | {r['merged_pace_s'] / s:.2f} "
             f"| {app:.2f} s | **{app / s:.2f}** | {app / own:.2f} | {r['fold_s']:.1f} s (every {fold_every(r['keys']):.0f}) "
-            f"| {amortized(r):.2f} s | {amortized(r) / s:.2f} | {r['merged_read_s']:.2f} s | {r['appended_read_s']:.2f} s |"
+            f"| {amortized(r):.2f} s | {amortized(r) / s:.2f} | {_seconds(r.get('merged_read_s'))} | {_seconds(r.get('appended_read_s'))} |"
         )
     big = rows[-1]
     lines += [

@@ -83,6 +83,11 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
     if manifest.first > manifest.last:
         return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     if manifest.read == "changes":
+        if _widened_since(manifest):
+            # Read when the job runs, not here: set for the session, and
+            # harmless for its other reads (planning refused every other
+            # change of a column, `DeltaSource._check_columns_since`).
+            spark.conf.set(_WIDENED_READ, "true")
         feed = (
             spark.read.format("delta")
             .option("readChangeFeed", "true")
@@ -92,6 +97,24 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
         )
         return spark_net_changes(_commit_times_as_logged(feed, manifest))
     return _spark_appended(spark, manifest)
+
+
+#: delta-spark reads a change feed with the table's columns as they are now,
+#: and refuses a range written before a column was widened (INT to BIGINT:
+#: DELTA_CHANGE_DATA_FEED_INCOMPATIBLE_DATA_SCHEMA) unless this is set; with
+#: it, Spark's Parquet reader widens the old files' values.
+_WIDENED_READ = "spark.databricks.delta.changeDataFeed.unsafeBatchReadOnIncompatibleSchemaChanges.enabled"
+
+
+def _widened_since(manifest: DeltaManifest) -> bool:
+    """Whether a column of the range's first version has another type now
+    (planning let only widenings through), on a table without column mapping."""
+    now = _table(manifest.uri)
+    if str(now.metadata().configuration.get("delta.columnMapping.mode", "none")).lower() != "none":
+        return False
+    then = pa.schema(_table(manifest.uri, manifest.first).schema().to_arrow())
+    types = {f.name: f.type for f in pa.schema(now.schema().to_arrow())}
+    return any(types.get(f.name, f.type) != f.type for f in then)
 
 
 _ADDED = ("insert", "update_postimage")

@@ -42,12 +42,14 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, cast
 
+import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import version_actions
 from spark_jobs.core.folding import FOLD_KEY
+from spark_jobs.core.widen import widens
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
 from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
@@ -216,6 +218,8 @@ class DeltaSource:
             self._check_not_appended_state(table, range(first, last + 1))
             if self.reader == "driver":
                 self._check_column_mapping(table)
+            elif self.read == "changes":
+                self._check_columns_since(table, first)
             if self.read == "changes":
                 self._check_change_feed(table, first, last)
             else:
@@ -417,14 +421,42 @@ class DeltaSource:
         reads them). Mapping cannot be turned off
         on a table once a column was renamed or dropped, so the latest
         version's property decides."""
-        mode = str(table.metadata().configuration.get("delta.columnMapping.mode", "none")).lower()
-        if mode != "none":
+        if _mapped(table.metadata().configuration):
+            mode = table.metadata().configuration["delta.columnMapping.mode"]
             raise SourceRefusedError(
                 f"source table {self.uri} uses column mapping (delta.columnMapping.mode = {mode}), which this "
                 "project's driver reader (delta-rs 1.6.6) cannot read exactly. Read it with delta-spark "
                 "instead (`source.reader: spark`), or follow a table without column mapping: write the "
                 "upstream with delta.columnMapping.mode = none, or copy it into one (CREATE TABLE ... AS "
                 "SELECT) and point `source.path` there. Nothing was planned.",
+                path=self.uri,
+            )
+
+    def _check_columns_since(self, table: DeltaTable, first: int) -> None:
+        """delta-spark reads a change feed with the table's columns as they
+        are now, not as the range wrote them. A column widened since (a
+        state's sum from INT to BIGINT: `StateTable._widen`) reads right,
+        the old files' values widened by Spark's Parquet reader, once the
+        read allows it (`delta_read.spark_versions`); a column retyped any
+        other way since `first` is refused here rather than failed on every
+        retry (on a table without column mapping: with it, delta-spark reads
+        by its own rules; a dropped column is left to delta-spark, as before)."""
+        if _mapped(table.metadata().configuration):
+            return
+        then = pa.schema(self._as_of(first).schema().to_arrow())
+        now = pa.schema(table.schema().to_arrow())
+        for field in then:
+            if field.name not in now.names:
+                continue
+            became = now.field(field.name).type
+            if became == field.type or widens(field.type, became):
+                continue
+            raise SourceRefusedError(
+                f"source table {self.uri}: column {field.name!r} was {field.type} at version {first} and is "
+                f"now {became}. delta-spark (`source.reader: spark`) reads a change feed with the table's columns "
+                "as they are now, so versions written before that change cannot be read by it. Read this "
+                "source with `source.reader: driver`, which reads each version with its own columns. "
+                "Nothing was planned.",
                 path=self.uri,
             )
 
@@ -452,6 +484,11 @@ def _column_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
         if isinstance(field.get("type"), dict) and field["type"].get("type") == "struct":
             paths |= _column_paths(field["type"], f"{path}.")
     return paths
+
+
+def _mapped(configuration: dict[str, Any]) -> bool:
+    """Whether the table names its columns' data by column mapping."""
+    return str(configuration.get("delta.columnMapping.mode", "none")).lower() != "none"
 
 
 def _feeds(configuration: dict[str, Any]) -> bool:

@@ -283,3 +283,52 @@ def test_reader_spark_without_delta_spark_is_refused_naming_the_reader_not_the_t
     assert "`source.reader: driver`" in shown.stdout and "make jars" in shown.stdout, shown.stdout
     assert "transform SQL failed" not in shown.stdout
     assert not DeltaTable.is_deltatable(load_spec(downstream).state_path)
+
+
+def _widened_upstream(path: str, last_type) -> str:
+    """A delta-rs upstream with its change feed: two appends with `v` an INT,
+    then every row rewritten with `v` as `last_type` (as `StateTable._widen`
+    rewrites a state whose sum outgrew its column), then one more append."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    narrow = pa.schema([("k", pa.string()), ("v", pa.int32())])
+    DeltaTable.create(path, narrow, configuration={"delta.enableChangeDataFeed": "true"})
+    write_deltalake(path, pa.table({"k": ["a", "b"], "v": [1, 2]}, schema=narrow), mode="append")  # v1
+    write_deltalake(path, pa.table({"k": ["c"], "v": [3]}, schema=narrow), mode="append")  # v2
+    wide = pa.schema([("k", pa.string()), ("v", last_type)])
+    write_deltalake(path, read_all(DeltaTable(path)).cast(wide), mode="overwrite", schema_mode="overwrite")  # v3
+    write_deltalake(path, pa.table({"k": ["a"], "v": pa.array(["x"] if pa.types.is_string(last_type) else [2**40]).cast(last_type)},
+                                   schema=wide), mode="append")  # v4
+    return path
+
+
+@pytest.mark.parametrize("wider", ["bigint", "decimal(20,0)"])
+@pytest.mark.parametrize("reader", ["driver", "spark"])
+def test_an_upstream_state_widened_since_its_versions_were_written_is_followed_exactly(tmp_path, compute, reader, wider):
+    """An upstream whose INT column became a BIGINT (a state's sum that
+    outgrew its column) after the versions a downstream has yet to read:
+    delta-spark reads a change feed with today's columns and refused those
+    versions on every retry (found by a review); now Spark's Parquet reader
+    widens their values (a BIGINT, or a DECIMAL with room for every INT),
+    and both readers follow the upstream exactly."""
+    import pyarrow as pa
+
+    up = _widened_upstream(str(tmp_path / "up"), {"bigint": pa.int64(), "decimal(20,0)": pa.decimal128(20, 0)}[wider])
+    followed = _downstream(tmp_path, up, "changes", reader)
+    assert _drain(followed, compute) == {"a": 1 + 2**40, "b": 2, "c": 3}
+
+
+def test_an_upstream_column_retyped_otherwise_is_refused_to_spark_s_reader_naming_the_driver_s(tmp_path, compute):
+    """A column that became a STRING since the versions to read is not a
+    widening: delta-spark would read those versions with today's type, so
+    planning refuses them (exit 2, nothing committed), naming the reader
+    that reads each version with its own columns."""
+    import pyarrow as pa
+
+    up = _widened_upstream(str(tmp_path / "up"), pa.string())
+    followed = _downstream(tmp_path, up, "changes", "spark")
+    with pytest.raises(SourceRefusedError, match=r"column 'v' was int32 at version 0 and is now string.*`source.reader: driver`") as caught:
+        run_batch(followed, RunOptions(run_id="r"), compute_factory=compute)
+    assert exit_code(caught.value) == 2
+    assert not DeltaTable.is_deltatable(followed.state_path)

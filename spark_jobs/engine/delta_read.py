@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.spec import CHANGE_COLUMNS
-from spark_jobs.sources.delta import DeltaManifest, version_actions
+from spark_jobs.sources.delta import DeltaManifest, range_column_types, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 if TYPE_CHECKING:
@@ -107,14 +107,18 @@ _WIDENED_READ = "spark.databricks.delta.changeDataFeed.unsafeBatchReadOnIncompat
 
 
 def _widened_since(manifest: DeltaManifest) -> bool:
-    """Whether a column of the range's first version has another type now
-    (planning let only widenings through), on a table without column mapping."""
+    """Whether a column the range's files may hold has another type now
+    (planning let only widenings through: `DeltaSource._check_columns_since`),
+    on a table without column mapping."""
     now = _table(manifest.uri)
     if str(now.metadata().configuration.get("delta.columnMapping.mode", "none")).lower() != "none":
         return False
-    then = pa.schema(_table(manifest.uri, manifest.first).schema().to_arrow())
-    types = {f.name: f.type for f in pa.schema(now.schema().to_arrow())}
-    return any(types.get(f.name, f.type) != f.type for f in then)
+    today = {f.name: f.type for f in pa.schema(now.schema().to_arrow())}
+    return any(
+        today.get(name, kind) != kind
+        for _, types in range_column_types(manifest.uri, manifest.first, manifest.last)
+        for name, kind in types.items()
+    )
 
 
 _ADDED = ("insert", "update_postimage")

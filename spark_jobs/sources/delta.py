@@ -219,7 +219,7 @@ class DeltaSource:
             if self.reader == "driver":
                 self._check_column_mapping(table)
             elif self.read == "changes":
-                self._check_columns_since(table, first)
+                self._check_columns_since(table, first, last)
             if self.read == "changes":
                 self._check_change_feed(table, first, last)
             else:
@@ -432,33 +432,36 @@ class DeltaSource:
                 path=self.uri,
             )
 
-    def _check_columns_since(self, table: DeltaTable, first: int) -> None:
+    def _check_columns_since(self, table: DeltaTable, first: int, last: int) -> None:
         """delta-spark reads a change feed with the table's columns as they
-        are now, not as the range wrote them. A column widened since (a
-        state's sum from INT to BIGINT: `StateTable._widen`) reads right,
-        the old files' values widened by Spark's Parquet reader, once the
-        read allows it (`delta_read.spark_versions`); a column retyped any
-        other way since `first` is refused here rather than failed on every
-        retry (on a table without column mapping: with it, delta-spark reads
-        by its own rules; a dropped column is left to delta-spark, as before)."""
+        are now, not as the range's files were written. A column widened
+        since (a state's sum from INT to BIGINT: `StateTable._widen`) reads
+        right, the old files' values widened by Spark's Parquet reader, once
+        the read allows it (`delta_read.spark_versions`). So every type the
+        range's files may hold a column in (`range_column_types`: as the
+        version before the range left it, and as each version in it set it)
+        must be today's or widen to it; anything else is refused here rather
+        than read wrongly (a DECIMAL's unscaled digits read as a BIGINT) or
+        failed on every retry. On a table without column mapping: with it,
+        delta-spark reads by its own rules. A dropped column is left to
+        delta-spark, as before."""
         if _mapped(table.metadata().configuration):
             return
-        then = pa.schema(self._as_of(first).schema().to_arrow())
         now = pa.schema(table.schema().to_arrow())
-        for field in then:
-            if field.name not in now.names:
-                continue
-            became = now.field(field.name).type
-            if became == field.type or widens(field.type, became):
-                continue
-            raise SourceRefusedError(
-                f"source table {self.uri}: column {field.name!r} was {field.type} at version {first} and is "
-                f"now {became}. delta-spark (`source.reader: spark`) reads a change feed with the table's columns "
-                "as they are now, so versions written before that change cannot be read by it. Read this "
-                "source with `source.reader: driver`, which reads each version with its own columns. "
-                "Nothing was planned.",
-                path=self.uri,
-            )
+        for version, types in range_column_types(self.uri, first, last):
+            for name, kind in types.items():
+                if name not in now.names:
+                    continue
+                became = now.field(name).type
+                if became == kind or widens(kind, became):
+                    continue
+                raise SourceRefusedError(
+                    f"source table {self.uri}: column {name!r} was {kind} at version {version} and is now {became}. "
+                    "delta-spark (`source.reader: spark`) reads a change feed with the table's columns as they "
+                    "are now, so versions written before that change cannot be read by it. Read this source with "
+                    "`source.reader: driver`, which reads each version with its own columns. Nothing was planned.",
+                    path=self.uri,
+                )
 
     def _check_appends(self, table: DeltaTable, first: int, end: int) -> None:
         """Each version may only add rows: no file removed with a data change
@@ -484,6 +487,19 @@ def _column_paths(schema: dict[str, Any], prefix: str = "") -> set[str]:
         if isinstance(field.get("type"), dict) and field["type"].get("type") == "struct":
             paths |= _column_paths(field["type"], f"{path}.")
     return paths
+
+
+def range_column_types(uri: str, first: int, last: int) -> list[tuple[int, dict[str, pa.DataType]]]:
+    """(version, {column: type}) for every schema the files a range of
+    versions reads may hold columns in: as the version before the range
+    left them (the files its first versions remove), and as each version of
+    the range that changed the schema set them."""
+    changed = [v for v in range(first, last + 1) if any("metaData" in a for a in version_actions(uri, v) or [])]
+    found = []
+    for version in sorted({max(first - 1, 0), first, *changed}):
+        schema = pa.schema(DeltaTable(uri, version=version, storage_options=delta_storage_options(uri)).schema().to_arrow())
+        found.append((version, {f.name: f.type for f in schema}))
+    return found
 
 
 def _mapped(configuration: dict[str, Any]) -> bool:

@@ -332,3 +332,31 @@ def test_an_upstream_column_retyped_otherwise_is_refused_to_spark_s_reader_namin
         run_batch(followed, RunOptions(run_id="r"), compute_factory=compute)
     assert exit_code(caught.value) == 2
     assert not DeltaTable.is_deltatable(followed.state_path)
+
+
+def test_a_column_retyped_otherwise_inside_the_range_is_refused_though_today_s_type_widens_the_first(tmp_path, compute):
+    """INT, then DECIMAL(10,2), then BIGINT again: today's type widens the
+    first version's, but the range's middle files hold decimals, which
+    Spark would read as their unscaled digits (1.00 as 100; found by a
+    review). Every type the range's files may hold must widen to today's."""
+    from decimal import Decimal
+
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    up = str(tmp_path / "up")
+
+    def schema(kind):
+        return pa.schema([("k", pa.string()), ("v", kind)])
+
+    DeltaTable.create(up, schema(pa.int32()), configuration={"delta.enableChangeDataFeed": "true"})  # v0
+    write_deltalake(up, pa.table({"k": ["a"], "v": [1]}, schema=schema(pa.int32())), mode="append")  # v1
+    write_deltalake(up, pa.table({"k": ["a", "b"], "v": [Decimal("1.00"), Decimal("7.00")]}, schema=schema(pa.decimal128(10, 2))),
+                    mode="overwrite", schema_mode="overwrite")  # v2
+    write_deltalake(up, pa.table({"k": ["a", "b"], "v": [1, 7]}, schema=schema(pa.int64())), mode="overwrite", schema_mode="overwrite")  # v3
+    followed = _downstream(tmp_path, up, "changes", "spark")
+    with pytest.raises(SourceRefusedError, match=r"column 'v' was decimal128\(10, 2\) at version 2 and is now int64") as caught:
+        run_batch(followed, RunOptions(run_id="r"), compute_factory=compute)
+    assert exit_code(caught.value) == 2
+    assert not DeltaTable.is_deltatable(followed.state_path)
+    assert _drain(_downstream(tmp_path, up, "changes", "driver"), compute) == {"a": 1, "b": 7}

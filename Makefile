@@ -147,8 +147,8 @@ clean:
 # `make airflow-cli ARGS="dags reserialize"` to apply it at once
 # (docs/fleet.md, "A fleet at rest, all in"). SCHEDULER_IDLE_SLEEP: seconds
 # the scheduler sleeps after a loop that found nothing to do (Airflow's 1);
-# a fleet at rest spends most of its CPU in such loops, and a watcher's run
-# then waits up to that long to be made (docs/fleet.md measures both). One
+# a watcher's run may wait up to that long to be made, and 5 s brought an
+# idle fleet no measured gain (docs/fleet.md, "A fleet at rest, all in"). One
 # Ctrl-C stops everything, a
 # running batch included (dev/airflow.py says how).
 AIRFLOW_ENV = AIRFLOW_HOME=$(LOCAL_AIRFLOW_HOME) \

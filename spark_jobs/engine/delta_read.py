@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.spec import CHANGE_COLUMNS
-from spark_jobs.sources.delta import DeltaManifest, range_column_types, version_actions
+from spark_jobs.sources.delta import DeltaManifest, column_mapped, range_column_types, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def _widened_since(manifest: DeltaManifest) -> bool:
     (planning let only widenings through: `DeltaSource._check_columns_since`),
     on a table without column mapping."""
     now = _table(manifest.uri)
-    if str(now.metadata().configuration.get("delta.columnMapping.mode", "none")).lower() != "none":
+    if column_mapped(now.metadata().configuration):
         return False
     today = {f.name: f.type for f in pa.schema(now.schema().to_arrow())}
     return any(

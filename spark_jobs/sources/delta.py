@@ -421,7 +421,7 @@ class DeltaSource:
         reads them). Mapping cannot be turned off
         on a table once a column was renamed or dropped, so the latest
         version's property decides."""
-        if _mapped(table.metadata().configuration):
+        if column_mapped(table.metadata().configuration):
             mode = table.metadata().configuration["delta.columnMapping.mode"]
             raise SourceRefusedError(
                 f"source table {self.uri} uses column mapping (delta.columnMapping.mode = {mode}), which this "
@@ -445,7 +445,7 @@ class DeltaSource:
         failed on every retry. On a table without column mapping: with it,
         delta-spark reads by its own rules. A dropped column is left to
         delta-spark, as before."""
-        if _mapped(table.metadata().configuration):
+        if column_mapped(table.metadata().configuration):
             return
         now = pa.schema(table.schema().to_arrow())
         for version, types in range_column_types(self.uri, first, last):
@@ -502,7 +502,7 @@ def range_column_types(uri: str, first: int, last: int) -> list[tuple[int, dict[
     return found
 
 
-def _mapped(configuration: dict[str, Any]) -> bool:
+def column_mapped(configuration: dict[str, Any]) -> bool:
     """Whether the table names its columns' data by column mapping."""
     return str(configuration.get("delta.columnMapping.mode", "none")).lower() != "none"
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.spec import CHANGE_COLUMNS
-from spark_jobs.sources.delta import DeltaManifest, column_mapped, range_column_types, version_actions
+from spark_jobs.sources.delta import DeltaManifest, range_column_types, spark_feed_types, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 if TYPE_CHECKING:
@@ -107,15 +107,12 @@ _WIDENED_READ = "spark.databricks.delta.changeDataFeed.unsafeBatchReadOnIncompat
 
 
 def _widened_since(manifest: DeltaManifest) -> bool:
-    """Whether a column the range's files may hold has another type now
-    (planning let only widenings through: `DeltaSource._check_columns_since`),
-    on a table without column mapping."""
-    now = _table(manifest.uri)
-    if column_mapped(now.metadata().configuration):
-        return False
-    today = {f.name: f.type for f in pa.schema(now.schema().to_arrow())}
+    """Whether a column the range's files may hold has another type in the
+    columns delta-spark reads the range with (`spark_feed_types`; planning
+    let only widenings through: `DeltaSource._check_columns_since`)."""
+    read_with, _ = spark_feed_types(manifest.uri, _table(manifest.uri), manifest.last)
     return any(
-        today.get(name, kind) != kind
+        read_with.get(name, kind) != kind
         for _, types in range_column_types(manifest.uri, manifest.first, manifest.last)
         for name, kind in types.items()
     )

@@ -433,32 +433,31 @@ class DeltaSource:
             )
 
     def _check_columns_since(self, table: DeltaTable, first: int, last: int) -> None:
-        """delta-spark reads a change feed with the table's columns as they
-        are now, not as the range's files were written. A column widened
-        since (a state's sum from INT to BIGINT: `StateTable._widen`) reads
-        right, the old files' values widened by Spark's Parquet reader, once
-        the read allows it (`delta_read.spark_versions`). So every type the
-        range's files may hold a column in (`range_column_types`: as the
-        version before the range left it, and as each version in it set it)
-        must be today's or widen to it; anything else is refused here rather
-        than read wrongly (a DECIMAL's unscaled digits read as a BIGINT) or
-        failed on every retry. On a table without column mapping: with it,
-        delta-spark reads by its own rules. A dropped column is left to
-        delta-spark, as before."""
-        if column_mapped(table.metadata().configuration):
-            return
-        now = pa.schema(table.schema().to_arrow())
+        """delta-spark reads a change feed with one set of columns for the
+        whole range (`spark_feed_types`: the table's latest, or with column
+        mapping the range's last version's), not as the range's files were
+        written. A column widened since (a state's sum from INT to BIGINT:
+        `StateTable._widen`; Delta's own `ALTER COLUMN ... TYPE`) reads right,
+        the old files' values widened by Spark's Parquet reader, once the read
+        allows it (`delta_read.spark_versions`). So every type the range's
+        files may hold a column in (`range_column_types`: as the version
+        before the range left it, and as each version in it set it) must be
+        the read's or widen to it; anything else is refused here rather than
+        read wrongly (a DECIMAL's unscaled digits read as a BIGINT) or failed
+        on every retry. A dropped column is left to delta-spark, as before."""
+        read_with, at = spark_feed_types(self.uri, table, last)
         for version, types in range_column_types(self.uri, first, last):
             for name, kind in types.items():
-                if name not in now.names:
+                if name not in read_with:
                     continue
-                became = now.field(name).type
+                became = read_with[name]
                 if became == kind or widens(kind, became):
                     continue
+                is_now = f"now {became}" if at == "now" else f"{became} {at}"
                 raise SourceRefusedError(
-                    f"source table {self.uri}: column {name!r} was {kind} at version {version} and is now {became}. "
-                    "delta-spark (`source.reader: spark`) reads a change feed with the table's columns as they "
-                    "are now, so versions written before that change cannot be read by it. Read this source with "
+                    f"source table {self.uri}: column {name!r} was {kind} at version {version} and is {is_now}. "
+                    f"delta-spark (`source.reader: spark`) reads a change feed with the columns as they are {at}, "
+                    "so versions written before that change cannot be read by it. Read this source with "
                     "`source.reader: driver`, which reads each version with its own columns. Nothing was planned.",
                     path=self.uri,
                 )
@@ -505,6 +504,18 @@ def range_column_types(uri: str, first: int, last: int) -> list[tuple[int, dict[
 def column_mapped(configuration: dict[str, Any]) -> bool:
     """Whether the table names its columns' data by column mapping."""
     return str(configuration.get("delta.columnMapping.mode", "none")).lower() != "none"
+
+
+def spark_feed_types(uri: str, latest: DeltaTable, last: int) -> tuple[dict[str, pa.DataType], str]:
+    """The column types delta-spark reads a change feed ending at `last`
+    with, and when they are from (for messages): the table's latest
+    (`latest`, a handle on it), or, for a table with column mapping, version
+    `last`'s (delta-spark's default for such tables; a rename after the
+    range does not reach it)."""
+    if column_mapped(latest.metadata().configuration) and last != latest.version():
+        at = DeltaTable(uri, version=last, storage_options=delta_storage_options(uri))
+        return {f.name: f.type for f in pa.schema(at.schema().to_arrow())}, f"at version {last}"
+    return {f.name: f.type for f in pa.schema(latest.schema().to_arrow())}, "now"
 
 
 def _feeds(configuration: dict[str, Any]) -> bool:

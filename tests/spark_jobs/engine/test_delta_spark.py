@@ -360,3 +360,34 @@ def test_a_column_retyped_otherwise_inside_the_range_is_refused_though_today_s_t
     assert exit_code(caught.value) == 2
     assert not DeltaTable.is_deltatable(followed.state_path)
     assert _drain(_downstream(tmp_path, up, "changes", "driver"), compute) == {"a": 1, "b": 7}
+
+
+@pytest.mark.parametrize("mapping", ["none", "name"])
+def test_an_upstream_widened_by_delta_s_own_alter_type_is_followed_by_spark_s_reader(tmp_path, spark, compute, mapping):
+    """Delta's type widening (`ALTER TABLE ... ALTER COLUMN v TYPE BIGINT`,
+    the `typeWidening` table feature) changes the schema without rewriting a
+    file: the versions before it keep INTs in their files. Spark's reader
+    reads them widened. With column mapping, delta-spark reads a range with
+    its last version's columns, and a range spanning the widening, read
+    after a later rename, failed on every retry with exit 1 (found by a
+    review): now it is read, and the rename starts the next batch."""
+    up = str(tmp_path / "up")
+    props = {"delta.enableChangeDataFeed": "true", "delta.enableTypeWidening": "true", "delta.columnMapping.mode": mapping}
+    spark.sql(f"CREATE TABLE delta.`{up}` (k STRING, v INT) USING delta TBLPROPERTIES "
+              f"({', '.join(f'{k!r} = {v!r}' for k, v in props.items())})")
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1), ('b', 2)")
+    spark.sql(f"UPDATE delta.`{up}` SET v = 20 WHERE k = 'b'")
+    spark.sql(f"ALTER TABLE delta.`{up}` ALTER COLUMN v TYPE BIGINT")
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', {2**40})")
+    followed = _downstream(tmp_path, up, "changes", "spark")
+    if mapping == "none":
+        assert _drain(followed, compute) == {"a": 1 + 2**40, "b": 20}
+        return
+    spark.sql(f"ALTER TABLE delta.`{up}` RENAME COLUMN k TO key")
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('c', 5)")
+    assert run_batch(followed, RunOptions(run_id="r"), compute_factory=compute).status == "committed"
+    assert {r["k"]: r["v"] for r in rows_of(read_all(DeltaTable(followed.state_path)))} == {"a": 1 + 2**40, "b": 20}
+    with pytest.raises(TransformError) as caught:  # the next batch comes with the new name, as a rename does
+        run_batch(followed, RunOptions(run_id="r"), compute_factory=compute)
+    assert exit_code(caught.value) == 2
+

@@ -40,7 +40,7 @@ from spark_jobs.engine.jvm_cache import CACHE_ENV
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["IdleHint", "fingerprint", "fingerprint_parts"]
+__all__ = ["IdleHint", "fingerprint", "fingerprint_at", "fingerprint_parts", "watched"]
 
 log = logging.getLogger("microbatch")
 
@@ -88,15 +88,27 @@ def fingerprint(spec: PipelineSpec) -> str | None:
 def fingerprint_parts(spec: PipelineSpec) -> tuple[str, str] | None:
     """`fingerprint`'s two halves: (the ledger's newest entry, the source's
     digest). Apart, a watcher can tell data landing from the ledger moving."""
-    if spec.source.type not in ("files", "delta"):
+    return fingerprint_at(*watched(spec))
+
+
+def watched(spec: PipelineSpec) -> tuple[str, str, str]:
+    """What a fingerprint looks at: the source's type, its location and the
+    ledger's, resolved (a caller that polls keeps them: resolving a path
+    asks the file system about each of its folders)."""
+    return spec.source.type, spec.source_path, spec.ledger_path
+
+
+def fingerprint_at(source_type: str, source_path: str, ledger_path: str) -> tuple[str, str] | None:
+    """`fingerprint_parts` of what `watched` named."""
+    if source_type not in ("files", "delta"):
         return None
-    source, ledger = _local(spec.source_path), _local(spec.ledger_path)
+    source, ledger = _local(source_path), _local(ledger_path)
     if source is None or ledger is None:
         return None
     digest = hashlib.sha256()
     try:
         head = _newest_entry(ledger)
-        if spec.source.type == "delta":
+        if source_type == "delta":
             digest.update(_newest_entry(source).encode())
         else:
             for name, size, mtime in sorted(_walk(source)):

@@ -9,7 +9,9 @@ workers, each task's supervisor and the task itself) without stopping them;
 /proc gives the CPU of what py-spy cannot see (the Connect server's JVM,
 PostgreSQL). Prints, for each kind of process, its CPU-s per committed file
 and the functions it spent them in (inclusive, and where the CPU itself went),
-and writes them to `--out` as JSON.
+and writes them to `--out` as JSON. With `--files 0` nothing lands: the
+fleet at rest is sampled for `--window` seconds (issue 48's idle goal; add
+`--parse-interval 300`, the fleet setting).
 
 py-spy is a profiler, not part of the project: install it apart
 (`python3 -m venv /tmp/pyspy && /tmp/pyspy/bin/pip install py-spy`) and
@@ -96,12 +98,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--py-spy", default=shutil.which("py-spy"), help="the py-spy binary")
     parser.add_argument("--pipelines", type=int, default=200)
-    parser.add_argument("--files", type=int, default=60, help="files landed, one a pipeline")
+    parser.add_argument("--files", type=int, default=60, help="files landed, one a pipeline (0: the fleet at rest for --window)")
     parser.add_argument("--window", type=float, default=240, help="seconds the landings are spread over")
     parser.add_argument("--drain", type=float, default=240)
     parser.add_argument("--poll", type=float, default=10)
-    parser.add_argument("--rate", type=float, default=50, help="py-spy's samples a second")
+    parser.add_argument("--rate", type=int, default=50, help="py-spy's samples a second")
     parser.add_argument("--parallelism", type=int, default=4)
+    parser.add_argument("--parse-interval", type=int, help="the dag-processor's min_file_process_interval (default Airflow's 30 s)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("task_profile.json"))
     args = parser.parse_args()
@@ -115,7 +118,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="task-profile-"))
     folder = work / "pipelines"
     names = make_specs(folder, args.pipelines, args.poll)
-    live = fleet_airflow(work / "airflow", folder)
+    live = fleet_airflow(work / "airflow", folder, args.parse_interval)
     live.env["AIRFLOW__CORE__PARALLELISM"] = str(args.parallelism)
     live.env["AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG"] = "1"
     server, url = _start_connect(work, free_port())
@@ -137,6 +140,8 @@ def main() -> None:
         for k, name in enumerate(names[: args.files]):
             time.sleep(max(0.0, started + k * args.window / args.files - time.time()))
             landed[name] = land(folder / "landing" / name, 0)[0]
+        if not args.files:  # the fleet at rest: nothing lands, the window is sampled as it is
+            time.sleep(args.window)
         deadline = time.time() + args.drain
         while time.time() < deadline and not all(file in committed_files(folder / f"{name}.yaml") for name, file in landed.items()):
             time.sleep(5)

@@ -105,6 +105,14 @@ class FileWriting(Compute, Protocol):
         """The state's files `rewritten` (paths in `root`) merged with
         `updates` by the spec's rules, written into `root` as new files."""
 
+    def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+        """`merge_files` for a small batch: each of the files `rewritten`
+        merged with `updates` where it stands, with no shuffle of the state."""
+
+    def stage(self, root: str, rows: pa.Table, schema: pa.Schema) -> tuple[StagedFile, ...]:
+        """Rows already in this process written as files into `root`, in
+        `schema` (the state's), for the executors to merge in."""
+
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
         """An appended state's files `paths` folded into one row per key
         (`folding.state_sql`), written into `root` as new files."""

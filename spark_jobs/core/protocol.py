@@ -520,7 +520,9 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
         fault_point("mid_state_merge")  # the batch's files are written, their commit not made
     try:
         with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
-            files = engine.files() if isinstance(processed.updates, Staged) else None
+            # Also for a batch held here: a small batch into a big merged state
+            # has the executors rewrite the state's files (`StateTable.commit_batch`).
+            files = engine.files() if engine.writes_files else None
             version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata, files)
     except Exception as exc:
         if not is_commit_conflict(exc):

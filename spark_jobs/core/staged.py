@@ -33,7 +33,6 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.transaction import AddAction, RemoveAction
 
 from spark_jobs.core.delta_io import arrow
-from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.storage.listing import StoredFile, delete
 from spark_jobs.storage.s3 import is_s3, read_bytes
 
@@ -42,24 +41,32 @@ log = logging.getLogger("microbatch")
 __all__ = [
     "CAST_FAILED",
     "IN_PROCESS_ROWS",
+    "REWRITE_FROM_BYTES",
     "Sink",
     "Staged",
     "StagedFile",
     "StagedValues",
     "commit_files",
     "delete_files",
-    "in_process_rows",
+    "files_bytes",
     "read_staged",
     "touched_files",
 ]
 
 
-#: A merged state's batch of at most this many rows is merged by delta-rs in
-#: the job's process (its rows read back from the files the executors
-#: wrote): a MERGE that prunes the state's files by the batch's keys, which
-#: a small batch's keys allow. A bigger one is merged by Spark's executors.
+#: A merged state's batch of at most this many rows is small: merged by
+#: delta-rs in the job's process (a MERGE that prunes the state's files by
+#: the batch's keys, which a small batch's keys allow), or by the executors
+#: file by file (`REWRITE_FROM_BYTES`). A bigger one is merged by Spark's
+#: executors, a join of the state's files it may touch with the batch's.
 #: About 100 MB in the job's process at the most (docs/state-at-scale.md).
 IN_PROCESS_ROWS = 500_000
+
+#: A small batch (`IN_PROCESS_ROWS`) whose merge would rewrite more than
+#: this many bytes of a merged state's files has them rewritten by the
+#: executors, each file where it stands (`FileWriting.rewrite_files`): a
+#: MERGE here would stream every row of them through the job's process.
+REWRITE_FROM_BYTES = 256 * 1024 * 1024
 
 #: Starts the message of a value that does not cast to the state's column
 #: type, in a writing task or in the job's process alike; the job turns it
@@ -177,9 +184,11 @@ def read_staged(staged: Staged, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(parts).cast(schema) if parts else schema.empty_table()
 
 
-def in_process_rows(spec: PipelineSpec) -> int:
-    """Up to how many rows a merged state's batch is merged in the job's process."""
-    return -1 if spec.engine.state_write == "executors" else IN_PROCESS_ROWS
+def files_bytes(table: DeltaTable, paths: list[str] | None = None) -> int:
+    """The size of the snapshot's files `paths` (None: all of them), from the log."""
+    actions = arrow(table.get_add_actions(flatten=True))
+    sizes = dict(zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist()))
+    return sum(sizes.values()) if paths is None else sum(sizes[p] for p in paths)
 
 
 def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: Staged) -> list[str]:

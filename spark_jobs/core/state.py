@@ -36,7 +36,10 @@ from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_confl
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
-from spark_jobs.core.staged import CAST_FAILED, Staged, StagedValues, commit_files, delete_files, in_process_rows, read_staged, touched_files
+from spark_jobs.core.staged import (
+    CAST_FAILED, IN_PROCESS_ROWS, REWRITE_FROM_BYTES, Staged, StagedValues, commit_files, delete_files, files_bytes, read_staged,
+    touched_files,
+)
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
@@ -154,6 +157,10 @@ class StateTable:
             return self._commit_staged(table, updates, metadata, files)
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
+        if files is not None and data.num_rows and self._rewritten_by_executors(table):
+            # A small batch, a big state: the executors rewrite the files it touches.
+            staged = Staged(files.stage(self.path, data, data.schema), data.schema, self.path)
+            return self._commit_staged(table, staged, metadata, files)
         if is_appended(self.spec):
             # The batch's rows as they are, one per key: O(batch), whatever the state's size.
             props = _fenced(metadata, carried(row_counts(table)))
@@ -199,14 +206,10 @@ class StateTable:
 
         An appended state commits them as they are; so does a merged one
         whose files hold none of the batch's keys (its first batch, say).
-        Otherwise a merged state's batch of at most `IN_PROCESS_ROWS` rows,
-        or any batch of a state with a change data feed (whose change files
-        only delta-rs's MERGE writes here), is read back and merged in this
-        process; a bigger one is merged by the executors
-        (`FileWriting.merge_files`: the state's files its keys may be in,
-        rewritten with the batch merged in) and committed as their removal
-        and the new files, from `table`'s snapshot. The batch's own files are
-        then dropped: merged in, they are no data of the state."""
+        Otherwise the state's files its keys may be in are merged with it,
+        here or by the executors as its size says (`_merge_staged`). The
+        batch's own files are then dropped: merged in, they are no data of
+        the state."""
         position = metadata.position
         if not staged.files:
             extra = carried(row_counts(table)) if is_appended(self.spec) else None
@@ -228,16 +231,36 @@ class StateTable:
     def _merge_staged(
         self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting | None, rewritten: list[str]
     ) -> tuple[int, int]:
-        """A merged state's batch of files merged in: here when small (or its
-        state has a change feed), else by the executors."""
-        if files is None or self.spec.state.change_feed or staged.rows <= in_process_rows(self.spec):
+        """A merged state's batch of files merged in, the way its size says:
+        a small one (`IN_PROCESS_ROWS`) here by delta-rs's MERGE while the
+        files it rewrites weigh at most `REWRITE_FROM_BYTES` (with
+        `state_write: auto`; and always for a state with a change feed,
+        whose change files only delta-rs's MERGE writes here), else by the
+        executors, file by file (`FileWriting.rewrite_files`); a bigger one
+        by the executors' join (`FileWriting.merge_files`). The executors'
+        files are committed as the rewritten files' removal and the new
+        files' addition, from `table`'s snapshot."""
+        small = staged.rows <= IN_PROCESS_ROWS
+        here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
+        if files is None or self.spec.state.change_feed or here:
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
-        merged = files.merge_files(self.spec, self.path, pa.schema(table.schema().to_arrow()), rewritten, staged)
+        schema = pa.schema(table.schema().to_arrow())
+        merge = files.rewrite_files if small else files.merge_files
+        merged = merge(self.spec, self.path, schema, rewritten, staged)
         # Not deleted if the commit fails: a store may report a failure for
         # a commit that landed (`protocol._after_conflict`); `maintain`
         # removes them once no commit names them.
         commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
         return self._version_of(metadata.position), staged.rows
+
+    def _rewritten_by_executors(self, table: DeltaTable) -> bool:
+        """Whether a small batch held here goes to the executors to merge:
+        a merged state without a change feed, under `state_write: auto`,
+        whose files weigh more than `REWRITE_FROM_BYTES` (the files it
+        touches are found once its rows are files: `_merge_staged`)."""
+        if is_appended(self.spec) or self.spec.state.change_feed or self.spec.engine.state_write != "auto":
+            return False
+        return files_bytes(table) > REWRITE_FROM_BYTES
 
     def _version_of(self, position: Position) -> int:
         """The version of the commit just made at `position` (delta-rs does not

@@ -40,7 +40,7 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
-from spark_jobs.engine import delta_read, exact_read, native_read, spark_state
+from spark_jobs.engine import delta_read, exact_read, native_read, spark_files, spark_state
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master, under_spark_submit
@@ -298,6 +298,12 @@ class SparkCompute:
 
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
         return spark_state.fold_files(self.spark, spec, root, schema, paths)
+
+    def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+        return spark_state.rewrite_files(self.spark, spec, root, schema, rewritten, updates)
+
+    def stage(self, root: str, rows: pa.Table, schema: pa.Schema) -> tuple[StagedFile, ...]:
+        return spark_files.write_table(rows, root, schema, spark_state.client(root))
 
     def _explained(self, spec: PipelineSpec, batch: BatchRange, step: Callable[[], _T]) -> _T:
         """`step`, with a Spark failure turned into an error that names what to look at."""

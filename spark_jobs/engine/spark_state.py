@@ -27,13 +27,17 @@ from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.staged import IN_PROCESS_ROWS, Sink, Staged, StagedFile, delete_files, read_staged
 from spark_jobs.core.state import merge_expression
 from spark_jobs.engine.parse import FILE, KEEP, LINE, RAW, REASON
+from spark_jobs.engine import spark_files
 from spark_jobs.engine.spark_files import read_files, writing, written
 from spark_jobs.storage.s3 import client_settings, is_s3
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["Out", "RESULT_METRICS", "UNIQUE_KEYS", "checked", "fold_files", "merge_files", "quarantine_job", "result_job", "unique_keys"]
+__all__ = [
+    "Out", "RESULT_METRICS", "UNIQUE_KEYS", "checked", "fold_files", "merge_files", "quarantine_job", "result_job", "rewrite_files",
+    "unique_keys",
+]
 
 log = logging.getLogger("microbatch")
 
@@ -220,6 +224,17 @@ def merge_files(
             value = F.when(untouched, t).when(inserted, s).otherwise(merged)
         columns.append(value.alias(name))
     return written(writing(joined.select(*columns), root, schema, settings).toArrow())
+
+
+def rewrite_files(
+    spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged
+) -> tuple[StagedFile, ...]:
+    """The state's files `rewritten` with a small batch (`updates`) merged
+    in, file by file, by the executors (`spark_files.rewrite_files`): no
+    shuffle of the state's rows, as the full outer join of `merge_files`
+    makes, and no row of them in this process, as delta-rs's MERGE here."""
+    keys = list(spec.state.keys)
+    return spark_files.rewrite_files(spark, root, schema, client(root), rewritten, updates, keys, dict(spec.state.merge), BATCH_COLUMN)
 
 
 def fold_files(spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:

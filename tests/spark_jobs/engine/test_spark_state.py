@@ -87,20 +87,63 @@ def _untracked(path: str) -> set[str]:
     return {p.name for p in Path(path).glob("*.parquet")} - added
 
 
-def test_a_merged_state_s_big_batch_is_merged_by_the_executors_as_a_merge_in_process_would(tmp_path, compute):
-    """The copy-on-write merge on the executors (`state_write: executors`)
-    against the MERGE in the job's process (`driver`), the same batches:
-    every rule, keys coming back and new, nulls; the same state."""
+@pytest.mark.parametrize("way", ["join", "file by file"])
+def test_a_merged_state_s_batch_is_merged_by_the_executors_as_a_merge_in_process_would(tmp_path, compute, monkeypatch, way):
+    """The executors' copy-on-write merges (`state_write: executors`) against
+    the MERGE in the job's process (`driver`), the same batches: every rule,
+    keys coming back and new, nulls; the same state. A big batch is joined
+    with the state's files (here every batch is made big); a small one is
+    merged into each file where it stands."""
+    import spark_jobs.core.state as state_module
+
     states = {}
-    for way in ("executors", "driver"):
-        folder = tmp_path / way
-        spec_path = _spec(folder, state_write=way)
-        for wave in range(3):
-            write_wave(folder / "landing", wave, files=1, records_per_file=900, users=300 + 100 * wave, seed=7)
-            assert _run(spec_path, compute) == "committed"
+    for setting in ("executors", "driver"):
+        folder = tmp_path / setting
+        spec_path = _spec(folder, state_write=setting)
+        with monkeypatch.context() as patched:
+            if way == "join":
+                patched.setattr(state_module, "IN_PROCESS_ROWS", 0)
+            for wave in range(3):
+                write_wave(folder / "landing", wave, files=1, records_per_file=900, users=300 + 100 * wave, seed=7)
+                assert _run(spec_path, compute) == "committed"
         assert_exact(spec_path)
-        states[way] = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
+        states[setting] = {r["user_id"]: r for r in read_all(open_table(load_spec(spec_path).state_path)).to_pylist()}
     assert states["executors"] == states["driver"]
+
+
+def test_a_small_batch_into_a_big_merged_state_has_the_executors_rewrite_its_files(tmp_path, compute, monkeypatch):
+    """`state_write: auto`: a batch small enough to come back to the job's
+    process, into a merged state whose files weigh more than
+    `REWRITE_FROM_BYTES` (here, any), is staged as a file and merged into
+    the state's files by the executors, file by file: no MERGE here, the
+    same state as one, every version carrying its batch, and no file left
+    behind that the log does not name (the staged batch is dropped)."""
+    import spark_jobs.core.state as state_module
+
+    from spark_jobs.core.delta_io import version_actions
+
+    states = {}
+    for rewrite in (True, False):
+        folder = tmp_path / ("rewrite" if rewrite else "merge")
+        spec_path = _spec(folder)
+        with monkeypatch.context() as patched:
+            if rewrite:
+                patched.setattr(state_module, "REWRITE_FROM_BYTES", 0)
+            for wave in range(3):
+                write_wave(folder / "landing", wave, files=1, records_per_file=900, users=300 + 100 * wave, seed=7, bad_every=97)
+                assert _run(spec_path, compute) == "committed"
+        assert_exact(spec_path)
+        assert_versions_carry_batches(spec_path)
+        spec = load_spec(spec_path)
+        operations = [
+            next(a["commitInfo"].get("operation") for a in version_actions(spec.state_path, v) if "commitInfo" in a)
+            for v in range(1, open_table(spec.state_path).version() + 1)
+        ]
+        # The first batch meets an empty state (no bytes to rewrite): a MERGE either way.
+        assert ["MERGE" if op == "MERGE" else "files" for op in operations[1:]] == ["files" if rewrite else "MERGE"] * 2, operations
+        assert _untracked(spec.state_path) == set()
+        states[rewrite] = {r["user_id"]: r for r in read_all(open_table(spec.state_path)).to_pylist()}
+    assert states[True] == states[False]
 
 
 def test_a_fold_by_the_executors_keeps_every_value_and_every_kept_batch_rewinds(tmp_path, compute, arrow_rows):

@@ -130,7 +130,7 @@ def rewrite_files(
     taken = {i for rows in result.column("matched").to_pylist() for i in rows}
     if len(taken) == updates.rows:  # returning keys only: nothing to insert
         return files
-    inserted = spark.createDataFrame([(0,)], "task INT").mapInArrow(
+    inserted = spark.createDataFrame([(0,)], "task INT").coalesce(1).mapInArrow(
         _inserter(root, schema, client, folder, batch_paths, sorted(taken)), WRITTEN
     ).toArrow()
     return files + written(inserted)
@@ -280,8 +280,10 @@ def _inserter(
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        for _ in batches:
-            pass
+        # Spark may split the one-row input over several tasks: only the
+        # task that got the row writes (else each would write the inserts).
+        if not sum(b.num_rows for b in batches):
+            return
         updates = _file_table(folder, batch_paths, schema, client)  # a column the batch lacks: null, as a MERGE inserts it
         new = pc.invert(pc.is_in(pa.array(range(updates.num_rows), pa.int64()), value_set=pa.array(taken, pa.int64())))
         yield from _writer(root, schema, client, None)(iter(updates.filter(new).to_batches()))
@@ -320,11 +322,24 @@ def _matches(old: pa.Table, updates: pa.Table, keys: list[str]) -> pa.Array:
     import pyarrow.compute as pc
 
     if len(keys) == 1:
-        return pc.index_in(old.column(keys[0]).combine_chunks(), value_set=updates.column(keys[0]).combine_chunks()).cast(pa.int64())
-    left = old.select(keys).append_column("__microbatch_old", pa.array(range(old.num_rows), pa.int64()))
-    right = updates.select(keys).append_column("__microbatch_new", pa.array(range(updates.num_rows), pa.int64()))
+        return pc.index_in(_key(old, keys[0]), value_set=_key(updates, keys[0])).cast(pa.int64())
+    left = pa.table([*(_key(old, k) for k in keys), pa.array(range(old.num_rows), pa.int64())], names=[*keys, "__microbatch_old"])
+    right = pa.table([*(_key(updates, k) for k in keys), pa.array(range(updates.num_rows), pa.int64())], names=[*keys, "__microbatch_new"])
     pairs = left.join(right, keys=keys, join_type="left outer", use_threads=False)
     return pairs.take(pc.sort_indices(pairs.column("__microbatch_old"))).column("__microbatch_new").combine_chunks()
+
+
+def _key(table: pa.Table, name: str) -> pa.Array:
+    """A key column as the MERGE's equality compares it: a float -0.0 is
+    the key 0.0 (Spark's and DataFusion's `=`; a lookup by value would
+    tell them apart). Only for matching: the file keeps its own."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = table.column(name).combine_chunks()
+    if pa.types.is_floating(column.type):
+        column = pc.if_else(pc.equal(column, pa.scalar(0, column.type)), pa.scalar(0, column.type), column)
+    return column
 
 
 def _rule(rule: str, t: pa.ChunkedArray, s: pa.ChunkedArray, kind: pa.DataType) -> pa.ChunkedArray:

@@ -232,9 +232,16 @@ def rewrite_files(
     """The state's files `rewritten` with a small batch (`updates`) merged
     in, file by file, by the executors (`spark_files.rewrite_files`): no
     shuffle of the state's rows, as the full outer join of `merge_files`
-    makes, and no row of them in this process, as delta-rs's MERGE here."""
+    makes, and no row of them in this process, as delta-rs's MERGE here.
+
+    A `min` or `max` of a nested column (a STRUCT, an ARRAY: Spark orders
+    them field by field) has no pyarrow comparison: such a state is merged
+    by the join, whose rules are Spark's SQL."""
+    rules = dict(spec.state.merge)
+    if any(rules.get(f.name) in ("min", "max") and pa.types.is_nested(f.type) for f in schema):
+        return merge_files(spark, spec, root, schema, rewritten, updates)
     keys = list(spec.state.keys)
-    return spark_files.rewrite_files(spark, root, schema, client(root), rewritten, updates, keys, dict(spec.state.merge), BATCH_COLUMN)
+    return spark_files.rewrite_files(spark, root, schema, client(root), rewritten, updates, keys, rules, BATCH_COLUMN)
 
 
 def fold_files(spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:

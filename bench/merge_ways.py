@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from big_batch import run  # noqa: E402
 from doc_sections import replace_section  # noqa: E402
-from state_vs_ss import BATCH_RECORDS, click_files, project_spec, seed_state, steady  # noqa: E402
+from state_vs_ss import BATCH_RECORDS, click_files, seed_state, seeded_project, steady  # noqa: E402
 
 from spark_jobs.core.staged import REWRITE_FROM_BYTES  # noqa: E402
 
@@ -64,12 +64,7 @@ def measure(work: Path, size: int, batches: int, rounds: int) -> dict[str, Any]:
     for round_ in range(rounds):
         for way in WAYS:
             folder = base / way
-            spec_path = project_spec(folder, "merged")
-            text = spec_path.read_text()
-            spec_path.write_text(text + f"engine:\n  state_write: {way}\n")
-            shutil.copytree(base / "seed-state", folder / "state")
-            for path in clicks:
-                os.link(path, folder / "landing" / path.name)
+            spec_path = seeded_project(base, folder, "merged", clicks, {"state_write": way})
             done = run([sys.executable, str(ROOT / "bench/run.py"), "--child-steady", str(spec_path), "--batches", str(batches)])
             runs = json.loads(done["stdout"].strip().splitlines()[-1])
             assert [r["records"] for r in runs] == [BATCH_RECORDS] * batches, runs

@@ -137,7 +137,7 @@ def ss_batches(landing: Path, seed: Path, checkpoint: Path) -> dict[str, Any]:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def project_spec(folder: Path, layout: str) -> Path:
+def project_spec(folder: Path, layout: str, engine: dict[str, Any] | None = None) -> Path:
     from tests.conftest import write_spec
 
     spec = {
@@ -148,8 +148,19 @@ def project_spec(folder: Path, layout: str) -> Path:
                   "layout": layout, "fold_at": FOLD_AT},
         "checkpoint": "_checkpoints/scale",
         "batch": {"max_files": 1},
+        **({"engine": engine} if engine else {}),
     }
     return write_spec(folder, spec)
+
+
+def seeded_project(base: Path, folder: Path, layout: str, clicks: list[Path], engine: dict[str, Any] | None = None) -> Path:
+    """A project in `folder` on its own copy of the seeded state
+    (`base/seed-state`), the clicks landed (hard links); its spec's path."""
+    spec_path = project_spec(folder, layout, engine)
+    shutil.copytree(base / "seed-state", folder / "state")
+    for path in clicks:
+        os.link(path, folder / "landing" / path.name)
+    return spec_path
 
 
 def read_s(spec_path: Path) -> float:
@@ -212,10 +223,7 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True,
 
     for layout in ("merged", "appended"):
         folder = base / layout
-        spec_path = project_spec(folder, layout)
-        shutil.copytree(base / "seed-state", folder / "state")
-        for path in clicks:
-            os.link(path, folder / "landing" / path.name)
+        spec_path = seeded_project(base, folder, layout, clicks)
         runs = project_steady(spec_path, batches)
         assert [r["records"] for r in runs] == [BATCH_RECORDS] * batches, runs
         figures[f"{layout}_s"] = [r["seconds"] for r in runs]

@@ -186,9 +186,14 @@ def read_staged(staged: Staged, columns: list[str] | None = None) -> pa.Table:
 
 def files_bytes(table: DeltaTable, paths: list[str] | None = None) -> int:
     """The size of the snapshot's files `paths` (None: all of them), from the log."""
-    actions = arrow(table.get_add_actions(flatten=True))
-    sizes = dict(zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist()))
+    sizes = _sizes(table)
     return sum(sizes.values()) if paths is None else sum(sizes[p] for p in paths)
+
+
+def _sizes(table: DeltaTable) -> dict[str, int]:
+    """Each file of the snapshot's size, by path, from the log."""
+    actions = arrow(table.get_add_actions(flatten=True))
+    return dict(zip(actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist()))
 
 
 def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: Staged) -> list[str]:
@@ -267,7 +272,6 @@ def commit_files(
         # Each removal carries its file's size, as the protocol recommends:
         # delta-rs's change-feed reader (`load_cdf`) refuses a removal
         # without one, should a reader ever read such a version's files.
-        files = arrow(table.get_add_actions(flatten=True))
-        sizes = dict(zip(files.column("path").to_pylist(), files.column("size_bytes").to_pylist()))
+        sizes = _sizes(table)
         actions += [RemoveAction(path, data_change, now, sizes[path], {}) for path in removed]
     table.create_write_transaction(actions, mode="append", schema=schema, commit_properties=properties)

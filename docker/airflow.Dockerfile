@@ -62,6 +62,9 @@ ENV MICROBATCH_SPARK_JARS=/opt/microbatch/jars/spark
 COPY --chown=airflow:0 dags /opt/airflow/dags
 COPY --chown=airflow:0 plugins /opt/airflow/plugins
 COPY --chown=airflow:0 docker/pipelines /opt/microbatch/pipelines
+# Their bytecode compiled now: a process that cannot write it (a read-only
+# image, PYTHONDONTWRITEBYTECODE) would compile them at every import.
+RUN python -m compileall -q /opt/airflow/dags /opt/airflow/plugins
 ENV MICROBATCH_PIPELINES_DIR=/opt/microbatch/pipelines
 
 # Mount point of the airflow-auth volume (simple auth manager passwords):

@@ -321,7 +321,11 @@ def _older_objects_frozen() -> Iterator[None]:
     objects from ours (a review measured the child's private memory go
     from 8 to 59 MiB when a parse unfroze them). A task forked after
     `task_imports` is frozen too, and says so at no cost: counting the
-    frozen objects walks them all, 40 ms in a task."""
+    frozen objects walks them all, 40 ms in a task. (Not always true: a
+    Celery pool process that replaces one forks from a worker that
+    Airflow's provider unfroze once ready, `on_celery_worker_ready`, and
+    parses then without a freeze; a review measured no difference, a
+    task's parse setting off no full collection.)"""
     preload = sys.modules.get("microbatch_airflow.task_imports")
     if getattr(preload, "FROZEN", False) or gc.get_freeze_count():
         yield

@@ -68,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -201,12 +202,13 @@ def land(folder: Path, wave: int) -> tuple[str, float]:
     return name, time.time()
 
 
-def schedule(active: list[str], interval: float, duration: float) -> list[tuple[float, str, int]]:
+def schedule(active: list[str], interval: float, duration: float, first_wave: int = 0) -> list[tuple[float, str, int]]:
     """(offset in seconds, pipeline, wave) of every landing: each active
-    pipeline every `interval`, the pipelines spread evenly over it."""
+    pipeline every `interval`, the pipelines spread evenly over it; waves
+    numbered from `first_wave` (after a warm-up's wave 0)."""
     plan = []
     for k, name in enumerate(active):
-        offset, wave = k * interval / len(active), 0
+        offset, wave = k * interval / len(active), first_wave
         while offset < duration:
             plan.append((offset, name, wave))
             offset, wave = offset + interval, wave + 1
@@ -224,6 +226,20 @@ def run_landings(landings: Path, plan: list[tuple[float, str, int]]) -> dict[tup
         file, at = land(landings / name, wave)
         landed[(name, file)] = at
     return landed
+
+
+def warm_up(landings: Path, names: list[str], landed: Callable[[str, str], bool], give_up: float) -> None:
+    """Land wave 0 for `names` at once and wait until `landed(name, file)`
+    says each is through (or `give_up` seconds): the engine's first
+    batches (its JIT, its first compilations, the workers' first tasks)
+    then fall before the measured window, as in a fleet that has been
+    running for a while. A warm-up file sorts before the window's."""
+    files = {name: land(landings / name, 0)[0] for name in names}
+    deadline = time.time() + give_up
+    while time.time() < deadline and not all(landed(name, file) for name, file in files.items()):
+        time.sleep(2)
+    through = sum(1 for name, file in files.items() if landed(name, file))
+    print(f"warm-up: {through} of {len(files)} files through", flush=True)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -335,16 +351,20 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
             server, url = _start_connect(work, free_port())
             live.env["MICROBATCH_SPARK_MASTER"] = url
         start_watching(live, names, args.poll)
+        spec_of = {name: folder / f"{name}.yaml" for name in names}
+        if args.warm:
+            warm_up(folder / "landing", active[: args.warm], lambda name, file: file in committed_files(spec_of[name]), args.drain)
+        runs_before = sum(len(live.runs(name)) for name in names)
         sessions = {p.pid for p in live.procs} | ({server.pid} if server is not None else set())
         busy0 = machine_busy()
         time.sleep(args.idle)
         busy1 = machine_busy()
         parts1 = part_cpu(live, server)
-        idle_runs = sum(len(live.runs(name)) for name in names)
+        idle_runs = sum(len(live.runs(name)) for name in names) - runs_before
         window_start = time.time()
         sampler = Sampler(sessions)
         sampler.start()
-        plan = schedule(active, args.interval, args.duration)
+        plan = schedule(active, args.interval, args.duration, first_wave=1 if args.warm else 0)
         if engine == "celery":
             killer = WorkerKill(live, "celery-worker-1", args.duration / 2, give_up=max(0.0, args.duration / 2 - 10))
         landed = run_landings(folder / "landing", plan)
@@ -353,7 +373,6 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         parts2 = part_cpu(live, server)
         if killer is not None and killer.cpu is not None:
             parts2["celery-worker-1"] = killer.cpu
-        spec_of = {name: folder / f"{name}.yaml" for name in names}
         at_end = {name: committed_files(spec_of[name]) for name in active}
         waiting_at_end = sum(1 for (name, file) in landed if file not in at_end[name])
         deadline = time.time() + args.drain
@@ -366,7 +385,7 @@ def run_project(n: int, args: argparse.Namespace, work: Path, engine: str = "loc
         done = {name: committed_files(spec_of[name]) for name in active}
         latencies = [done[name][file][0] - at for (name, file), at in landed.items() if file in done[name]]
         missing = sum(1 for name, file in landed if file not in done[name])
-        batches_in_window = sum(len({v[1] for v in done[name].values() if v[0] <= window_end}) for name in active)
+        batches_in_window = sum(len({v[1] for v in done[name].values() if window_start <= v[0] <= window_end}) for name in active)
         runs = {r["dag_run_id"]: r for name in active for r in live.runs(name)}
         # Where a file's time goes: landed to its run queued (the watcher's
         # poll, the triggerer, the scheduler making the run), queued to the
@@ -535,12 +554,14 @@ def run_anchor(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if not ready.wait(900):
             raise RuntimeError(f"the anchor's {n} queries did not start: {(work / 'anchor.log').read_text()[-3000:]}")
         time.sleep(args.poll * 2)
+        if args.warm:
+            warm_up(landings, active[: args.warm], lambda name, file: (name, "probe-00000") in seen, args.drain)
         busy0 = machine_busy()
         time.sleep(args.idle)
         busy1 = machine_busy()
         sampler = Sampler(sessions)
         sampler.start()
-        plan = schedule(active, args.interval, args.duration)
+        plan = schedule(active, args.interval, args.duration, first_wave=1 if args.warm else 0)
         window_start = time.time()
         landed = run_landings(landings, plan)
         window_end = time.time()
@@ -678,7 +699,10 @@ def write_doc(args: argparse.Namespace, ours: list[dict], anchor: list[dict], pa
         "",
         f"Measured by `bench/fleet.py` on {platform.machine()}, {cores} cores, Python {platform.python_version()}, "
         f"{date.today().isoformat()}. Each active pipeline ({100 - args.idle_share * 100:.0f}% of N; the rest stay idle) "
-        f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly. "
+        f"got a file of {RECORDS_PER_FILE} clicks every {args.interval:.0f} s for {args.duration:.0f} s, the landings spread evenly"
+        + (f", after a warm-up: a file each for {args.warm} of the pipelines, landed at once and committed (seen by the anchor) "
+           "before the idle window, so that neither engine's first batches (its JIT, its first compiled code) fall in "
+           "the measured windows" if args.warm else "") + ". "
         f"The project: `run_on_data` polling every {args.poll:.0f} s, a live Airflow (LocalExecutor, {args.parallelism} task "
         f"slots, PostgreSQL, Airflow's default loop settings but the DAG files parsed every {args.parse_interval} s, "
         "the fleet setting" + (f", and the scheduler's idle sleep at {args.idle_sleep:g} s" if args.idle_sleep else "")
@@ -813,6 +837,9 @@ def main() -> None:
     parser.add_argument("--idle-sleep", type=float, default=None,
                         help="the scheduler's scheduler_idle_sleep_time, s (default: Airflow's 1)")
     parser.add_argument("--idle-share", type=float, default=0.1)
+    parser.add_argument("--warm", type=int, default=0,
+                        help="before the idle window, a file for this many active pipelines, committed (seen by the anchor) "
+                             "before anything is measured: the steady state of a fleet that has run a while (0: a cold start)")
     parser.add_argument("--parallelism", type=int, default=4)
     parser.add_argument("--engines", default="local,connect",
                         help="the project's engines: local (a JVM a task), connect (one server), celery (one server, "

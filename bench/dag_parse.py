@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from doc_sections import replace_section  # noqa: E402
+from worktrees import checked_out  # noqa: E402
 
 DOC = ROOT / "docs" / "fleet.md"
 SECTION = "### Measured: `bench/dag_parse.py`"
@@ -115,15 +116,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="microbatch-dag-parse-"))
-    anchor = work / "anchor"
-    subprocess.run(["git", "worktree", "add", "--detach", str(anchor), args.anchor], cwd=ROOT, check=True, capture_output=True)
     try:
-        rows = {}
-        for n in [int(s) for s in args.sizes.split(",")]:
-            rows[n] = measure({"anchor": anchor, "now": ROOT}, n, work, args.repeat)
-            print(json.dumps({"specs": n, **rows[n]}), flush=True)
+        with checked_out(args.anchor, work / "anchor") as anchor:
+            rows = {}
+            for n in [int(s) for s in args.sizes.split(",")]:
+                rows[n] = measure({"anchor": anchor, "now": ROOT}, n, work, args.repeat)
+                print(json.dumps({"specs": n, **rows[n]}), flush=True)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(anchor)], cwd=ROOT, check=False)
         shutil.rmtree(work, ignore_errors=True)
     write_doc(args, rows)
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from dag_parse import make_specs  # noqa: E402
 from doc_sections import replace_section  # noqa: E402
+from worktrees import checked_out  # noqa: E402
 
 DOC = ROOT / "docs" / "fleet.md"
 SECTION = "## What a task pays before its batch (issue 48, item 3)"
@@ -71,15 +72,6 @@ print(json.dumps(times))
 """
 
 
-def make_specs(folder: Path, n: int) -> None:
-    text = (ROOT / "dags" / "pipelines" / "clicks_per_user.yaml").read_text()
-    folder.mkdir(parents=True)
-    for i in range(n):
-        spec = re.sub(r"(?m)^name: .*$", f"name: p{i:04d}", text)
-        spec = re.sub(r"(?m)^checkpoint: .*$", f"checkpoint: lake/_checkpoints/p{i:04d}", spec)
-        (folder / f"p{i:04d}.yaml").write_text(spec)
-
-
 def tasks(tree: Path, folder: Path, home: Path, repeat: int) -> list[float]:
     """CPU seconds of each forked task's parse (its DAG checked: the one named)."""
     env = {**os.environ, "MICROBATCH_PIPELINES_DIR": str(folder), "AIRFLOW_HOME": str(home),
@@ -100,25 +92,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="microbatch-task-start-"))
-    anchor = work / "anchor"
-    subprocess.run(["git", "worktree", "add", "--detach", str(anchor), args.anchor], cwd=ROOT, check=True, capture_output=True)
     try:
-        # Both trees' bytecode compiled ahead, as `make setup` does this one's:
-        # what differs is the code, not whether Python compiles it at import.
-        for tree in (anchor, ROOT):
-            subprocess.run([sys.executable, "-m", "compileall", "-q", "plugins", "dags", "spark_jobs"], cwd=tree,
-                           check=True, capture_output=True)
-        folder = work / "specs"
-        make_specs(folder, args.specs)
-        samples: dict[str, list[float]] = {"anchor": [], "now": []}
-        for _ in range(args.rounds):
-            for label, tree in (("anchor", anchor), ("now", ROOT)):
-                samples[label] += tasks(tree, folder, work / f"home-{label}", args.repeat)
-        medians = {label: statistics.median(values) for label, values in samples.items()}
-        print(json.dumps({"specs": args.specs, **medians, "samples": samples}), flush=True)
+        with checked_out(args.anchor, work / "anchor") as anchor:
+            # Both trees' bytecode compiled ahead, as `make setup` does this one's:
+            # what differs is the code, not whether Python compiles it at import.
+            for tree in (anchor, ROOT):
+                subprocess.run([sys.executable, "-m", "compileall", "-q", "plugins", "dags", "spark_jobs"], cwd=tree,
+                               check=True, capture_output=True)
+            folder = work / "specs"
+            make_specs(folder, args.specs)
+            samples: dict[str, list[float]] = {"anchor": [], "now": []}
+            for _ in range(args.rounds):
+                for label, tree in (("anchor", anchor), ("now", ROOT)):
+                    samples[label] += tasks(tree, folder, work / f"home-{label}", args.repeat)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(anchor)], cwd=ROOT, check=False)
         shutil.rmtree(work, ignore_errors=True)
+    medians = {label: statistics.median(values) for label, values in samples.items()}
+    print(json.dumps({"specs": args.specs, **medians, "samples": samples}), flush=True)
     replace_section(DOC, SECTION, [
         SECTION,
         "",

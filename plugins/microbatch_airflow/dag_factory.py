@@ -320,14 +320,14 @@ def _older_objects_frozen() -> Iterator[None]:
     child does not copy their pages, and `gc.unfreeze` cannot tell its
     objects from ours (a review measured the child's private memory go
     from 8 to 59 MiB when a parse unfroze them). A task forked after
-    `task_imports` is frozen too, and says so at no cost: counting the
+    `task_imports` is frozen too (the module freezes what it imported as
+    its last step), which its presence says at no cost: counting the
     frozen objects walks them all, 40 ms in a task. (Not always true: a
     Celery pool process that replaces one forks from a worker that
     Airflow's provider unfroze once ready, `on_celery_worker_ready`, and
     parses then without a freeze; a review measured no difference, a
     task's parse setting off no full collection.)"""
-    preload = sys.modules.get("microbatch_airflow.task_imports")
-    if getattr(preload, "FROZEN", False) or gc.get_freeze_count():
+    if "microbatch_airflow.task_imports" in sys.modules or gc.get_freeze_count():
         yield
         return
     gc.freeze()

@@ -55,14 +55,14 @@ import logging
 import os
 import sys
 
-__all__ = ["FROZEN", "MODULES"]
+__all__ = ["MODULES"]
 
 #: What a task imports, heaviest first.
 MODULES = (
     "airflow.sdk.execution_time.supervisor",  # the worker's side of a task
     "airflow.sdk.execution_time.task_runner",  # the task's side
     # The task runner imports it to parse the DAG file: Airflow's ORM models
-    # and serialization, 0.4 to 0.6 CPU-s a task (docs/fleet.md).
+    # and serialization, about 0.3 CPU-s a task (docs/fleet.md).
     "airflow.dag_processing.dagbag",
     "pyspark.sql",  # a driver of the task's own (engine local[*], spark://)
     "pyspark.sql.connect.session",  # pandas, pyarrow, gRPC: the Connect client
@@ -91,7 +91,3 @@ def _reseed_numpy() -> None:
 
 os.register_at_fork(after_in_child=_reseed_numpy)
 gc.freeze()
-#: Set once the imports are frozen, for the DAG file's parse in a forked task
-#: to know it without `gc.get_freeze_count()`, which walks every frozen
-#: object (40 ms here: `dag_factory._older_objects_frozen`).
-FROZEN = True

@@ -12,7 +12,10 @@ tree's `task_imports` and the LocalExecutor (as a worker has), then forks
 `--repeat` tasks one after the other, and each task times (CPU seconds,
 `time.process_time`) what the task runner's parse costs it: DagBag's
 import, where the preload lacks it, and the parse of the DAG file over N
-specs (copies of `dags/pipelines/clicks_per_user.yaml`).
+specs: `bench/fleet.py`'s, each a `run_on_data` pipeline, so that its DAG
+is scheduled on a source asset with a watcher, as in a fleet (the first
+asset of a scheme other than ``file`` has Airflow discover its providers'
+URI handlers, where the preload has not).
 The anchor is the code of `--anchor`, checked out beside this tree, run on
 the same specs; the trees alternate `--rounds` times. Medians. Results:
 docs/fleet.md, "What a task pays before its batch".
@@ -37,12 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from dag_parse import make_specs  # noqa: E402
+from fleet import make_specs  # noqa: E402
 from doc_sections import replace_section  # noqa: E402
 from worktrees import checked_out  # noqa: E402
 
 DOC = ROOT / "docs" / "fleet.md"
 SECTION = "## What a task pays before its batch (issue 48, item 3)"
+DAG_ID = "fleet_007"  # the task's DAG, one of fleet.make_specs'
 
 # Run by each tree's interpreter with that tree's plugins first on the path:
 # the preload as the forkserver's, then the tasks forked from it in turn.
@@ -76,18 +80,18 @@ def tasks(tree: Path, folder: Path, home: Path, repeat: int) -> list[float]:
     """CPU seconds of each forked task's parse (its DAG checked: the one named)."""
     env = {**os.environ, "MICROBATCH_PIPELINES_DIR": str(folder), "AIRFLOW_HOME": str(home),
            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "PYTHONPATH": "",
-           "_AIRFLOW_PARSING_CONTEXT_DAG_ID": "p0007", "_AIRFLOW_PARSING_CONTEXT_TASK_ID": "run_batch"}
+           "_AIRFLOW_PARSING_CONTEXT_DAG_ID": DAG_ID, "_AIRFLOW_PARSING_CONTEXT_TASK_ID": "run_batch"}
     out = subprocess.run([sys.executable, "-c", _TASKS, str(tree), str(repeat)], env=env, capture_output=True,
                          text=True, check=True, cwd=tree)
     found = json.loads(out.stdout.strip().splitlines()[-1])
-    assert all(task["dags"] == ["p0007"] for task in found), found
+    assert all(task["dags"] == [DAG_ID] for task in found), found
     return [task["cpu_s"] for task in found]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", type=int, default=200)
-    parser.add_argument("--anchor", default="fde01f3", help="the commit to compare with")
+    parser.add_argument("--anchor", default="2b7f3ef", help="the commit to compare with")
     parser.add_argument("--repeat", type=int, default=7, help="tasks forked in a row from one preloaded process")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -100,7 +104,7 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "compileall", "-q", "plugins", "dags", "spark_jobs"], cwd=tree,
                                check=True, capture_output=True)
             folder = work / "specs"
-            make_specs(folder, args.specs)
+            make_specs(folder, args.specs, poll=10)
             samples: dict[str, list[float]] = {"anchor": [], "now": []}
             for _ in range(args.rounds):
                 for label, tree in (("anchor", anchor), ("now", ROOT)):
@@ -114,7 +118,7 @@ def main() -> None:
         "",
         f"{date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores: CPU seconds a task forked after "
         f"the preload spends in the task runner's parse of the DAG file (DagBag's import included), over "
-        f"{args.specs:,} specs; medians of {args.rounds * args.repeat} tasks, the trees alternating; the anchor is "
+        f"{args.specs:,} `run_on_data` specs (`bench/fleet.py`'s); medians of {args.rounds * args.repeat} tasks, the trees alternating; the anchor is "
         f"commit `{args.anchor}`.",
         "",
         "| anchor | now | now / anchor |",

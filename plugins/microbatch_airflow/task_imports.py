@@ -20,6 +20,14 @@ can this module be found. A preload module that cannot be found is skipped
 without a word (Python's rule): `tests/plugins/test_airflow_live.py` checks
 that the workers hold these modules.
 
+After the modules, the preload discovers Airflow's providers' asset URI
+handlers, which Airflow does once a process, at the first asset with a
+scheme other than ``file`` (a `run_on_data` pipeline's source asset is
+``microbatch://``): every installed provider's metadata read and checked
+against its schema, and their asset modules imported. In each task that
+was about 0.1 CPU-s here, and under a fleet's load 40% of the task
+process's profile (docs/fleet.md, "What a task pays before its batch").
+
 Each module is imported on its own, and one that fails (a broken setting
 read at import, say) is logged and left to the tasks, which then import it
 themselves and fail with its error as before: an exception out of a
@@ -81,6 +89,15 @@ for _name in MODULES:
         importlib.import_module(_name)
     except Exception:
         log.warning("not imported ahead of the tasks: %s (each task imports it itself)", _name, exc_info=True)
+
+
+try:
+    # A singleton: the tasks forked after this find it filled in.
+    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+
+    ProvidersManagerTaskRuntime().initialize_providers_asset_uri_resources()
+except Exception:
+    log.warning("providers' asset URI handlers not discovered ahead of the tasks (each task does it)", exc_info=True)
 
 
 def _reseed_numpy() -> None:

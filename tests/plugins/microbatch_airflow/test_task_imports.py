@@ -28,6 +28,12 @@ for i in range(3):
         write_deltalake(path, pa.table({"key": ["late"], "total": [2]}), mode="append")
         rows = pa.table(QueryBuilder().register("s", DeltaTable(path)).execute("SELECT sum(total) AS t, count(*) AS n FROM s").read_all())
         frozen_now = gc.get_freeze_count()
+        # A run_on_data pipeline's source asset: its scheme's normalizer is
+        # looked up among the providers', discovered by the preload.
+        from airflow.sdk import Asset
+        before = set(sys.modules)
+        source = Asset(name=f"microbatch.p{i}.new_data", uri=f"microbatch://p{i}/new_data")
+        asset_imports = sorted(set(sys.modules) - before)
         parse_counted = None
         if "microbatch_airflow.dag_factory" in sys.modules:
             # The DAG file's parse knows the imports are frozen without
@@ -38,7 +44,7 @@ for i in range(3):
             with _older_objects_frozen():
                 pass
             parse_counted = len(counted)
-        os.write(write, json.dumps({"rows": rows.to_pylist(), "frozen": frozen_now, "parse_counted": parse_counted, "random": numpy.random.rand()}).encode())
+        os.write(write, json.dumps({"rows": rows.to_pylist(), "frozen": frozen_now, "parse_counted": parse_counted, "asset_imports": asset_imports, "asset_uri": source.uri, "random": numpy.random.rand()}).encode())
         os._exit(0)
     tasks.append((pid, read))
 done = []
@@ -66,6 +72,10 @@ def test_tasks_forked_after_the_imports_write_and_read_delta_tables(tmp_path):
     # The imports' objects stay frozen out of garbage collection in the tasks.
     assert found["frozen"] > 100_000 and all(task["frozen"] > found["frozen"] // 2 for task in found["tasks"])
     assert [task["parse_counted"] for task in found["tasks"]] == [0, 0, 0]
+    # The providers' asset URI handlers were found once, before the fork:
+    # a task's first asset imports nothing.
+    assert [task["asset_imports"] for task in found["tasks"]] == [[], [], []]
+    assert [task["asset_uri"] for task in found["tasks"]] == [f"microbatch://p{i}/new_data" for i in range(3)]
     # numpy is seeded again in each task, as Python's random is: no two draw the same.
     assert len({task["random"] for task in found["tasks"]}) == 3
 

@@ -20,13 +20,18 @@ can this module be found. A preload module that cannot be found is skipped
 without a word (Python's rule): `tests/plugins/test_airflow_live.py` checks
 that the workers hold these modules.
 
-After the modules, the preload discovers Airflow's providers' asset URI
+After the modules, the preload has Airflow find its providers' asset URI
 handlers, which Airflow does once a process, at the first asset with a
 scheme other than ``file`` (a `run_on_data` pipeline's source asset is
-``microbatch://``): every installed provider's metadata read and checked
-against its schema, and their asset modules imported. In each task that
-was about 0.1 CPU-s here, and under a fleet's load 40% of the task
-process's profile (docs/fleet.md, "What a task pays before its batch").
+``microbatch://``): the modules that hold them are imported (boto3's and
+botocore's among them, for ``s3``). In each task that was about 0.1
+CPU-s here, and under a fleet's load 40% of the task process's profile
+(docs/fleet.md, "What a task pays before its batch"). Airflow records
+the discovery as done even when a handler's module failed to import (it
+logs it), and a task would then keep a URI that handler normalizes as
+written, for as long as the forkserver lives: so when a provider's
+declared scheme has no handler afterwards, the discovery is dropped and
+each task makes its own, as without the preload.
 
 Each module is imported on its own, and one that fails (a broken setting
 read at import, say) is logged and left to the tasks, which then import it
@@ -91,13 +96,37 @@ for _name in MODULES:
         log.warning("not imported ahead of the tasks: %s (each task imports it itself)", _name, exc_info=True)
 
 
-try:
-    # A singleton: the tasks forked after this find it filled in.
-    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+def _find_asset_uri_handlers() -> None:
+    """Have Airflow find its providers' asset URI handlers, in the singleton
+    the tasks forked after this inherit; drop that discovery again when a
+    provider's scheme has no handler (its module failed to import)."""
+    try:
+        from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+    except Exception:
+        log.warning("providers' asset URI handlers not found ahead of the tasks (each task looks)", exc_info=True)
+        return
+    try:
+        manager = ProvidersManagerTaskRuntime()
+        declared = {
+            scheme
+            for provider in manager.providers.values()
+            for uris in provider.data.get("asset-uris", [])
+            if "handler" in uris
+            for scheme in uris.get("schemes", [])
+        }
+        missing = sorted(declared - set(manager.asset_uri_handlers))
+        if missing:
+            log.warning("no asset URI handler found ahead of the tasks for %s (each task looks)", ", ".join(missing))
+    except Exception:
+        log.warning("providers' asset URI handlers not found ahead of the tasks (each task looks)", exc_info=True)
+        missing = ["(all)"]
+    if missing:
+        # A singleton of its own for each task, as without the preload.
+        ProvidersManagerTaskRuntime._instance = None
+        ProvidersManagerTaskRuntime._initialized = False
 
-    ProvidersManagerTaskRuntime().initialize_providers_asset_uri_resources()
-except Exception:
-    log.warning("providers' asset URI handlers not discovered ahead of the tasks (each task does it)", exc_info=True)
+
+_find_asset_uri_handlers()
 
 
 def _reseed_numpy() -> None:

@@ -89,3 +89,40 @@ def test_a_module_that_fails_to_import_is_left_to_the_tasks(tmp_path):
     assert "default_deferrable" in found["said"]
     assert found["modules"] == ["airflow.dag_processing.dagbag", "deltalake", "grpc", "pandas"]
     assert [task["rows"] for task in found["tasks"]] == [[{"t": i + 3, "n": 3}] for i in range(3)]
+
+
+ONCE_BROKEN = """
+import json, os, sys
+class Broken:  # the S3 handler's module fails to import while the forkserver starts, once
+    def find_spec(self, name, path=None, target=None):
+        if name == "airflow.providers.amazon.aws.assets.s3":
+            raise ImportError("a passing failure")
+sys.meta_path.insert(0, Broken())
+import microbatch_airflow.task_imports
+sys.meta_path.pop(0)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    from airflow.sdk import Asset
+    try:  # the S3 handler refuses a URI without a bucket
+        found = Asset(name="state", uri="s3:///lake/state").uri
+    except ValueError as exc:
+        found = f"refused: {exc}"
+    os.write(write, found.encode())
+    os._exit(0)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+print(json.dumps({"uri": os.read(read, 1000).decode()}))
+"""
+
+
+def test_a_handler_missing_at_the_preload_is_looked_for_by_each_task(tmp_path):
+    """Airflow records its providers' discovery as done even when a
+    handler's module failed to import: inherited, every task would keep an
+    S3 state asset's URI as written, unlike the dag-processor's, until the
+    forkserver restarts (``s3:///lake/state`` taken as ``s3:/lake/state``).
+    The preload drops such a discovery instead."""
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "home"), "PYTHONPATH": f"{ROOT / 'plugins'}{os.pathsep}{ROOT}"}
+    done = subprocess.run([sys.executable, "-c", ONCE_BROKEN], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["uri"].startswith("refused: "), done.stdout[-2000:]
+    assert "no asset URI handler found ahead of the tasks for s3" in done.stdout + done.stderr

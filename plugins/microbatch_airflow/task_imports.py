@@ -102,10 +102,7 @@ def _find_asset_uri_handlers() -> None:
     provider's scheme has no handler (its module failed to import)."""
     try:
         from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
-    except Exception:
-        log.warning("providers' asset URI handlers not found ahead of the tasks (each task looks)", exc_info=True)
-        return
-    try:
+
         manager = ProvidersManagerTaskRuntime()
         declared = {
             scheme
@@ -115,15 +112,15 @@ def _find_asset_uri_handlers() -> None:
             for scheme in uris.get("schemes", [])
         }
         missing = sorted(declared - set(manager.asset_uri_handlers))
-        if missing:
-            log.warning("no asset URI handler found ahead of the tasks for %s (each task looks)", ", ".join(missing))
+        if not missing:
+            return
+        log.warning("no asset URI handler found ahead of the tasks for %s (each task looks)", ", ".join(missing))
     except Exception:
         log.warning("providers' asset URI handlers not found ahead of the tasks (each task looks)", exc_info=True)
-        missing = ["(all)"]
-    if missing:
-        # A singleton of its own for each task, as without the preload.
-        ProvidersManagerTaskRuntime._instance = None
-        ProvidersManagerTaskRuntime._initialized = False
+    runtime = sys.modules.get("airflow.sdk.providers_manager_runtime")
+    if runtime is not None:  # a singleton of its own for each task, as without the preload
+        runtime.ProvidersManagerTaskRuntime._instance = None
+        runtime.ProvidersManagerTaskRuntime._initialized = False
 
 
 _find_asset_uri_handlers()

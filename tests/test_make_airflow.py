@@ -23,6 +23,7 @@ import pytest
 from dev.postgres import PostgresServer
 from dev.redis import RedisServer
 from spark_jobs.demo.clickstream import write_wave
+from spark_jobs.engine import connect_server
 from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import free_port
 
@@ -201,7 +202,9 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
     with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
         parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
         (server,) = _alive(str(tmp_path), "java")
-        assert b"connect_server.py" in open(f"/proc/{server}/cmdline", "rb").read()
+        command = open(f"/proc/{server}/cmdline", "rb").read().split(b"\0")
+        assert b"connect_server.py" in command[-2:]
+        assert connect_server.JVM_OPTIONS.encode() in command, "the server's JVM runs without connect_server.JVM_OPTIONS"
         _call(port, "PATCH", "/api/v2/dags/shared_clicks", {"is_paused": False})
         run = _call(port, "POST", "/api/v2/dags/shared_clicks/dagRuns", {"logical_date": None, "conf": {}})
         path = f"/api/v2/dags/shared_clicks/dagRuns/{run['dag_run_id']}"

@@ -21,6 +21,16 @@ other sessions. The project's clients add none. A server shared with clients
 that must not see each other's code should run Spark's class instead; the
 jobs run the same on both.
 
+Its launchers (`make airflow ENGINE=connect`, the compose file, the tests)
+also start its JVM with `JVM_OPTIONS`: the C1 compiler alone. A fleet's
+small batch is mostly Spark planning it (analysing, optimising, serialising
+tasks), code that C2 kept compiling batch after batch: on loopback, a
+pipeline's first batch after 40 others cost the server 1.18 CPU-s with the
+JVM's tiered compilation, 0.54 of them in C2's threads, and 0.57 with C1
+alone, in the same wall time; a batch of 300,000 records cost the same
+either way (docs/fleet.md). A server whose own JVM runs a few very large
+batches may do better with C2: start it without the option.
+
 Everything else is Spark's server as `SparkConnectService.start` makes it,
 with the settings given on the command line. It stops on SIGTERM or SIGINT,
 and with its JVM. It imports nothing from this package: the compose image
@@ -45,6 +55,12 @@ SHARED_CODE = {
 #: three of its own), past which every batch compiles again (least recently
 #: used first out). A thousand small generated classes take tens of MB.
 CODE_CACHE = ("spark.sql.codegen.cache.maxEntries", "1000")
+
+
+#: The server JVM's options (`spark.driver.extraJavaOptions`), given by its
+#: launchers on spark-submit's command line: the JVM is running by the
+#: time this file is.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 
 
 #: What PySpark leaves in a process's environment once it opened a Connect

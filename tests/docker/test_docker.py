@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from spark_jobs.engine import connect_server
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
@@ -364,6 +366,17 @@ def test_the_connect_server_leaves_cores_for_runs_on_the_cluster():
     settings = dict(connect[i + 1].split("=", 1) for i, arg in enumerate(connect) if arg == "--conf")
     assert "spark.cores.max" in settings, "docker/docker-compose.yml: cap the Connect server's cores (spark.cores.max)"
     assert int(settings["spark.cores.max"]) < cores, f"spark.cores.max={settings['spark.cores.max']} leaves none of {cores} cores"
+
+
+def test_the_connect_server_jvm_has_the_projects_options():
+    """Its JVM starts with `connect_server.JVM_OPTIONS` (C1 only), as
+    `make airflow ENGINE=connect` starts it: the JVM runs before the file
+    does, so only its command line can give them."""
+    connect = _config()["services"]["spark-connect"]["command"]
+    settings = dict(connect[i + 1].split("=", 1) for i, arg in enumerate(connect) if arg == "--conf")
+    assert settings.get("spark.driver.extraJavaOptions") == connect_server.JVM_OPTIONS, (
+        f"docker/docker-compose.yml: spark-connect needs --conf spark.driver.extraJavaOptions={connect_server.JVM_OPTIONS}"
+    )
 
 
 def test_the_connect_server_is_the_projects_file_in_the_spark_image():

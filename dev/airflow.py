@@ -130,7 +130,7 @@ def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]
         "spark.connect.grpc.binding.port": str(port),
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.driver.extraJavaOptions": connect_server.JVM_OPTIONS,
+        "spark.driver.defaultJavaOptions": connect_server.JVM_OPTIONS,
         **DELTA_SQL,
     }
     env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1",

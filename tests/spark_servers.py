@@ -147,7 +147,7 @@ def start_connect(
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.driver.extraJavaOptions": connect_server.JVM_OPTIONS,
+        "spark.driver.defaultJavaOptions": connect_server.JVM_OPTIONS,
         # Delta on the server, as the docker image's Connect server has it:
         # a client's `format("delta")` runs there.
         **DELTA_SQL,

@@ -28,8 +28,10 @@ tasks), code that C2 kept compiling batch after batch: on loopback, a
 pipeline's first batch after 40 others cost the server 1.18 CPU-s with the
 JVM's tiered compilation, 0.54 of them in C2's threads, and 0.57 with C1
 alone, in the same wall time; a batch of 300,000 records cost the same
-either way (docs/fleet.md). A server whose own JVM runs a few very large
-batches may do better with C2: start it without the option.
+either way (docs/fleet.md). They are `spark.driver.defaultJavaOptions`, so
+a server's own `spark.driver.extraJavaOptions` still apply, after them: a
+server whose JVM runs a few very large batches, which may do better with
+C2, can pass `-XX:TieredStopAtLevel=4` there.
 
 Everything else is Spark's server as `SparkConnectService.start` makes it,
 with the settings given on the command line. It stops on SIGTERM or SIGINT,
@@ -57,7 +59,7 @@ SHARED_CODE = {
 CODE_CACHE = ("spark.sql.codegen.cache.maxEntries", "1000")
 
 
-#: The server JVM's options (`spark.driver.extraJavaOptions`), given by its
+#: The server JVM's options (`spark.driver.defaultJavaOptions`), given by its
 #: launchers on spark-submit's command line: the JVM is running by the
 #: time this file is.
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1"

@@ -186,6 +186,10 @@ EXECUTOR ?= local
 CELERY_WORKERS ?= 2
 ENGINE ?= local
 CONNECT_PORT ?= 15002
+# More JVM options for the Connect server, after its own C1-only one
+# (spark_jobs/engine/connect_server.py): "-XX:TieredStopAtLevel=4" brings C2
+# back, for a server whose batches are large (docs/fleet.md).
+CONNECT_JAVA_OPTIONS ?=
 # Empty: Airflow's own setting (30 s unless airflow.cfg or the environment says otherwise).
 PARSE_INTERVAL ?=
 SCHEDULER_IDLE_SLEEP ?=
@@ -195,7 +199,7 @@ AIRFLOW_STOP_GRACE ?= 30
 airflow: setup spark-jars
 	@$(AIRFLOW_ENV) $(BIN)/python -m dev.airflow $(LOCAL_AIRFLOW_HOME) --executor $(EXECUTOR) \
 	  --workers $(CELERY_WORKERS) --engine $(ENGINE) --connect-port $(CONNECT_PORT) \
-	  --grace $(AIRFLOW_STOP_GRACE)
+	  --connect-java-options="$(CONNECT_JAVA_OPTIONS)" --grace $(AIRFLOW_STOP_GRACE)
 
 # Run any airflow command against the same local instance: make airflow-cli ARGS="dags list"
 # (It starts the database if `make airflow` is not running, and leaves it running.)

@@ -107,9 +107,11 @@ def _signal_sessions(sessions: list[int], sig: int) -> None:
             continue
 
 
-def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+def _start_connect(home: Path, port: int, java_options: str = "") -> tuple[subprocess.Popen[bytes], str]:
     """A Spark Connect server on loopback in a session of its own; (it, its URL).
-    The project's server (`spark_jobs.engine.connect_server`): its sessions share compiled code."""
+    The project's server (`spark_jobs.engine.connect_server`): its sessions
+    share compiled code, and its JVM runs C1 alone; `java_options` are the
+    user's (`spark.driver.extraJavaOptions`), which come after that."""
     import socket
 
     import pyspark
@@ -131,6 +133,7 @@ def _start_connect(home: Path, port: int) -> tuple[subprocess.Popen[bytes], str]
         "spark.ui.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.driver.defaultJavaOptions": connect_server.JVM_OPTIONS,
+        **({"spark.driver.extraJavaOptions": java_options} if java_options.strip() else {}),
         **DELTA_SQL,
     }
     env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
@@ -165,6 +168,8 @@ def main() -> None:
     parser.add_argument("--engine", choices=["local", "connect"], default="local",
                         help="connect: one Spark Connect server that every task uses (default: a JVM in each task)")
     parser.add_argument("--connect-port", type=int, default=15002)
+    parser.add_argument("--connect-java-options", default="",
+                        help="more JVM options for the Connect server, after its own (-XX:TieredStopAtLevel=4: C2 back)")
     parser.add_argument("--grace", type=float, default=30, help="seconds a stop waits before it kills")
     args = parser.parse_args()
     sessions: list[int] = []  # Airflow's processes, each a session
@@ -194,7 +199,7 @@ def main() -> None:
         env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database.url("airflow", driver="postgresql+psycopg2")}
         airflow = str(Path(sys.executable).parent / "airflow")
         if args.engine == "connect" and not stopping:
-            engine, url = _start_connect(args.home, args.connect_port)
+            engine, url = _start_connect(args.home, args.connect_port, args.connect_java_options)
             env["MICROBATCH_SPARK_MASTER"] = url
             _say(f"Spark Connect server at {url}: every task is its thin client")
         commands: list[tuple[list[str], dict[str, str]]] = []

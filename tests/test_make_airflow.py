@@ -192,19 +192,25 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
 def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_path):
     """ENGINE=connect: one Spark Connect server; the tasks are its thin
     clients and start no JVM of their own. One Ctrl-C stops it too. And the
+    server's JVM compiles with C1 alone and takes CONNECT_JAVA_OPTIONS. And the
     fleet's parse interval (PARSE_INTERVAL=300) reaches the dag-processor:
     the DAG file is not parsed again after Airflow's default 30 s; and its
     idle sleep (SCHEDULER_IDLE_SLEEP) reaches the scheduler."""
     pipelines = tmp_path / "pipelines"
     spec_file = write_spec(pipelines, oracle_spec_dict(name="shared_clicks"), "shared_clicks.yaml")
     write_wave(spec_file.parent / "landing", 0, files=3, records_per_file=200)
-    settings = ("ENGINE=connect", f"CONNECT_PORT={free_port()}", "PARSE_INTERVAL=300", "SCHEDULER_IDLE_SLEEP=5")
+    settings = ("ENGINE=connect", f"CONNECT_PORT={free_port()}", "PARSE_INTERVAL=300", "SCHEDULER_IDLE_SLEEP=5",
+                "CONNECT_JAVA_OPTIONS=-Dmicrobatch.test.option=given")
     with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
         parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
         (server,) = _alive(str(tmp_path), "java")
-        command = open(f"/proc/{server}/cmdline", "rb").read().split(b"\0")
-        assert b"connect_server.py" in command[-2:]
-        assert connect_server.JVM_OPTIONS.encode() in command, "the server's JVM runs without connect_server.JVM_OPTIONS"
+        assert b"connect_server.py" in open(f"/proc/{server}/cmdline", "rb").read()
+        # What the JVM runs with, not what its command line lists: C1 alone
+        # (connect_server.JVM_OPTIONS), and the user's CONNECT_JAVA_OPTIONS too.
+        flags = subprocess.run(["jcmd", str(server), "VM.flags"], capture_output=True, text=True, check=True).stdout
+        assert set(connect_server.JVM_OPTIONS.split()) <= set(flags.split()), flags
+        properties = subprocess.run(["jcmd", str(server), "VM.system_properties"], capture_output=True, text=True, check=True).stdout
+        assert "microbatch.test.option=given" in properties.splitlines(), "CONNECT_JAVA_OPTIONS did not reach the server"
         _call(port, "PATCH", "/api/v2/dags/shared_clicks", {"is_paused": False})
         run = _call(port, "POST", "/api/v2/dags/shared_clicks/dagRuns", {"logical_date": None, "conf": {}})
         path = f"/api/v2/dags/shared_clicks/dagRuns/{run['dag_run_id']}"

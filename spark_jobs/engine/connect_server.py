@@ -27,11 +27,15 @@ small batch is mostly Spark planning it (analysing, optimising, serialising
 tasks), code that C2 kept compiling batch after batch: on loopback, a
 pipeline's first batch after 40 others cost the server 1.18 CPU-s with the
 JVM's tiered compilation, 0.54 of them in C2's threads, and 0.57 with C1
-alone, in the same wall time; a batch of 300,000 records cost the same
-either way (docs/fleet.md). They are `spark.driver.defaultJavaOptions`, so
-a server's own `spark.driver.extraJavaOptions` still apply, after them: a
-server whose JVM runs a few very large batches, which may do better with
-C2, can pass `-XX:TieredStopAtLevel=4` there.
+alone, in the same wall time. The price is in large batches whose rows the
+server's own JVM processes (`local[*]`, as `make airflow` runs it; in the
+compose stack the executors are the workers' JVMs, which keep C2): a batch
+of 300,000 records cost the same either way, one of 1,000,000 about 1.3x
+the CPU as a pipeline's first batch and 2.5x as its second
+(docs/fleet.md). They are `spark.driver.defaultJavaOptions`, which replaces
+one set in `spark-defaults.conf`; a server's own options belong in
+`spark.driver.extraJavaOptions` (`make airflow CONNECT_JAVA_OPTIONS=...`),
+which come after them: `-XX:TieredStopAtLevel=4` there brings C2 back.
 
 Everything else is Spark's server as `SparkConnectService.start` makes it,
 with the settings given on the command line. It stops on SIGTERM or SIGINT,

@@ -374,6 +374,7 @@ def test_the_connect_server_jvm_has_the_projects_options():
     does, so only its command line can give them."""
     connect = _config()["services"]["spark-connect"]["command"]
     settings = dict(connect[i + 1].split("=", 1) for i, arg in enumerate(connect) if arg == "--conf")
+    assert "--driver-java-options" not in connect, "docker/docker-compose.yml: spark-connect's JVM options go in --conf"
     assert settings.get("spark.driver.defaultJavaOptions") == connect_server.JVM_OPTIONS, (
         f"docker/docker-compose.yml: spark-connect needs --conf spark.driver.defaultJavaOptions={connect_server.JVM_OPTIONS}"
     )

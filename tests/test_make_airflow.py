@@ -68,6 +68,20 @@ def _parent(pid: str) -> str:
         return stat.read().rsplit(")", 1)[1].split()[1]
 
 
+def _jvms(marker: str) -> list[str]:
+    """The live JVMs among `_alive(marker)`: their program is `java` (an
+    argument that names java, such as --connect-java-options, does not count)."""
+    found = []
+    for pid in _alive(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if os.path.basename(cmdline.read().split(b"\0")[0]) == b"java":
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def _in_session_of(pid: str, server: str) -> bool:
     """Whether `pid` runs in `server`'s session (the server's own children,
     orphaned ones included); True once it is gone (a task's JVM lives for
@@ -173,7 +187,7 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
         deadline = time.monotonic() + 300
         _call(port, "PATCH", "/api/v2/dags/busy_clicks", {"is_paused": False})
         _call(port, "POST", "/api/v2/dags/busy_clicks/dagRuns", {"logical_date": None, "conf": {}})
-        while not _alive(str(tmp_path), "java"):
+        while not _jvms(str(tmp_path)):
             assert time.monotonic() < deadline, "the batch never started Spark"
             time.sleep(0.5)
         time.sleep(3)  # inside the batch: Spark is at work
@@ -182,10 +196,10 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
         # process group of its own, inside the session `make airflow` made.
         component = "standalone" if executor == "local" else "celery"
         runner = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), component)}
-        spark = {os.getpgid(int(pid)) for pid in _alive(str(tmp_path), "java")}
+        spark = {os.getpgid(int(pid)) for pid in _jvms(str(tmp_path))}
         assert runner and spark and not spark & runner
         if executor == "celery":  # the batch runs under a Celery worker, not the scheduler
-            assert all(b"celery worker" in _session_leader(pid) for pid in _alive(str(tmp_path), "java"))
+            assert all(b"celery worker" in _session_leader(pid) for pid in _jvms(str(tmp_path)))
         _ctrl_c(make, tmp_path)
 
 
@@ -203,7 +217,7 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
                 "CONNECT_JAVA_OPTIONS=-Dmicrobatch.test.option=given")
     with _make_airflow(tmp_path, pipelines, *settings) as (make, port):
         parsed_at, seen_at = _call(port, "GET", "/api/v2/dags/shared_clicks")["last_parsed_time"], time.monotonic()
-        (server,) = _alive(str(tmp_path), "java")
+        (server,) = _jvms(str(tmp_path))
         assert b"connect_server.py" in open(f"/proc/{server}/cmdline", "rb").read()
         # What the JVM runs with, not what its command line lists: C1 alone
         # (connect_server.JVM_OPTIONS), and the user's CONNECT_JAVA_OPTIONS too.
@@ -220,7 +234,7 @@ def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_pa
             # child (its Python workers, a shell command) through
             # `<JDK>/lib/jspawnhelper`, a command line that names java. The
             # server runs in a session of its own; a task's JVM is in the task's.
-            others = [_command(pid) for pid in _alive(str(tmp_path), "java") if not _in_session_of(pid, server)]
+            others = [_command(pid) for pid in _jvms(str(tmp_path)) if not _in_session_of(pid, server)]
             assert not others, f"a task started a JVM of its own: {others}"
             assert time.monotonic() < deadline, "the run did not finish"
             time.sleep(0.5)

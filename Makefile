@@ -40,10 +40,11 @@ demo: setup spark-jars
 
 # How many of the slowest tests to list (0: all).
 DURATIONS ?= 25
-# Test processes (pytest-xdist). Most of the suite waits on JVMs, Airflow and
-# servers rather than computing: two processes took the suite from 42 to 33
-# minutes on 2 cores, and at 61 minutes two processes still kept the 2 cores
-# 35% busy (40 CPU-minutes user, 5 system). Three processes were slower
+# Test processes (pytest-xdist). Two processes took the suite from 42 to 33
+# minutes on 2 cores, when it was smaller. On 2026-11-29 it took 58.6 minutes here
+# with nothing else running, the 2 cores 97% busy from its first test to its
+# last (from /proc/stat): the suite is bound by CPU, its JVMs and live
+# Airflows, not by waiting, so more processes cannot shorten it. Three were slower
 # (CI: 82 minutes against 76 with two) and their JVMs starting at once
 # starved the live Airflows' heartbeats; tried again on 2026-11-28: 60
 # minutes against 63, the api-server once 30 s slow to answer a poll. A test file stays in one

@@ -135,6 +135,34 @@ def spark():
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_connect(tmp_path_factory):
+    """One Spark Connect server for the test process (the project's server,
+    `tests.spark_servers.start_connect`), started when a test first needs it.
+
+    A `microbatch run` in a process of its own pays for a JVM's start and its
+    JIT each time (about 10 CPU-s here); as a thin client of a running
+    server, under 2. Tests that kill the job's Python process at a fault
+    point, race runs or drive the CLI through chaos (what they check is the
+    protocol, not a process's start-up) run their CLIs against this server,
+    as a fleet on a shared engine runs in production (`on_connect`). Each
+    run is a session of its own on the server, and each test has its own
+    folders: nothing of one test is visible to the next."""
+    from tests.spark_servers import start_connect
+
+    server, url = start_connect(tmp_path_factory.mktemp("shared-connect"))
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def on_connect(shared_connect, monkeypatch) -> str:
+    """This test's CLI runs (`run_cli`, `start_cli`) are thin clients of the
+    process's shared Connect server (`shared_connect`); returns its URL."""
+    monkeypatch.setenv("MICROBATCH_SPARK_MASTER", shared_connect)
+    return shared_connect
+
+
 @pytest.fixture
 def compute(spark):
     """A compute factory sharing the session (the protocol closes computes; this one keeps it)."""

@@ -2,7 +2,10 @@
 (Redis as the broker, PostgreSQL for metadata and results), and one worker
 SIGKILLed, whole, while its batches sit between their state commit and their
 ledger commit. Their tasks are retried on the other worker and every
-pipeline ends exact by the oracle.
+pipeline ends exact by the oracle. The tasks are thin clients of the test
+process's shared Spark Connect server, as a fleet on Celery workers runs
+(`make airflow EXECUTOR=celery ENGINE=connect`): a worker's death takes its
+tasks' Python processes, where every commit is made.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ HELD = re.compile(rf"{MARKER} hold after_state_commit pid=(\d+)")
 
 
 @pytest.fixture(scope="module")
-def celery(tmp_path_factory):
+def celery(tmp_path_factory, shared_connect):
     root = tmp_path_factory.mktemp("celery")
     pipelines = root / "pipelines"
     for i in range(PIPELINES):
         name = f"fleet_{i:02d}"
-        spec = oracle_spec_dict(name=name, airflow={"retries": 3, "retry_delay_seconds": 2})
+        spec = oracle_spec_dict(name=name, airflow={"retries": 3, "retry_delay_seconds": 2}, engine={"master": shared_connect})
         spec["source"]["path"] = f"landing/{name}"
         spec["state"]["path"] = f"lake/{name}"
         spec["checkpoint"] = f"lake/_checkpoints/{name}"

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, shared_connect):
+    """The pipelines of these tests, on one live Airflow. `clicks_per_user`
+    starts Spark in its tasks, as on `local[*]` (its test reads what a
+    task's JVM logs); the others' tasks are thin clients of the test
+    process's shared Spark Connect server, as in a fleet on a shared engine."""
     root = tmp_path_factory.mktemp("live")
     pipelines = root / "pipelines"
     # The downstream example DAG follows clicks_per_user.yaml in the pipelines folder.
@@ -32,32 +36,38 @@ def live(tmp_path_factory):
     yearly["source"]["path"] = "landing_yearly"
     yearly["state"]["path"] = "lake/yearly"
     yearly["checkpoint"] = "lake/_checkpoints/yearly"
+    yearly["engine"] = {"master": shared_connect}
     write_spec(pipelines, yearly, "yearly_clicks.yaml")
     waiting = oracle_spec_dict(name="waiting_clicks", airflow={"wait_for_data": {"poll_seconds": 2, "timeout_seconds": 30, "deferrable": True}})
     waiting["source"]["path"] = "landing_waiting"
     waiting["state"]["path"] = "lake/waiting"
     waiting["checkpoint"] = "lake/_checkpoints/waiting"
+    waiting["engine"] = {"master": shared_connect}
     write_spec(pipelines, waiting, "waiting_clicks.yaml")
     watched = oracle_spec_dict(name="watched_clicks", airflow={"run_on_data": {"poll_seconds": 2}})
     watched["source"]["path"] = "landing_watched"
     watched["state"]["path"] = "lake/watched"
     watched["checkpoint"] = "lake/_checkpoints/watched"
+    watched["engine"] = {"master": shared_connect}
     write_spec(pipelines, watched, "watched_clicks.yaml")
     console = oracle_spec_dict(name="console_clicks", batch={"max_files": 2})
     console["source"]["path"] = "landing_console"
     console["state"]["path"] = "lake/console"
     console["checkpoint"] = "lake/_checkpoints/console"
+    console["engine"] = {"master": shared_connect}
     write_spec(pipelines, console, "console_clicks.yaml")
     stopped = oracle_spec_dict(name="stopped_clicks", airflow={"retries": 0})
     stopped["source"]["path"] = "landing_stopped"
     stopped["state"]["path"] = "lake/stopped"
     stopped["checkpoint"] = "lake/_checkpoints/stopped"
+    stopped["engine"] = {"master": shared_connect}
     write_spec(pipelines, stopped, "stopped_clicks.yaml")
     # Never run: a file waits, over its lag alert's threshold (the console shows it red).
     alerting = oracle_spec_dict(name="alerting_clicks", airflow={"lag_alert": {"count": 1}})
     alerting["source"]["path"] = "landing_alerting"
     alerting["state"]["path"] = "lake/alerting"
     alerting["checkpoint"] = "lake/_checkpoints/alerting"
+    alerting["engine"] = {"master": shared_connect}
     write_spec(pipelines, alerting, "alerting_clicks.yaml")
     write_wave(pipelines / "landing_alerting", 0, files=1, records_per_file=5)
     airflow = LiveAirflow(root / "home", pipelines)

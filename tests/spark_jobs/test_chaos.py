@@ -36,12 +36,12 @@ def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
     return counts
 
 
-def test_random_kills_and_overlapping_runs_end_exact(spec_path):
+def test_random_kills_and_overlapping_runs_end_exact(spec_path, on_connect):
     counts = _chaos(spec_path, rounds=4, seed=1)
     print(counts)
 
 
-def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp_path):
+def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp_path, on_connect):
     """Issue 47: the same chaos with every merge made by Spark's executors
     (`engine.state_write: executors`: a copy-on-write merge of the state's
     files, committed by the job), so kills land inside the executors'
@@ -54,7 +54,7 @@ def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [2, 3, 4])
-def test_chaos_soak(spec_path, seed):
+def test_chaos_soak(spec_path, on_connect, seed):
     print(_chaos(spec_path, rounds=30, seed=seed))
 
 
@@ -103,7 +103,7 @@ def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict
     return counts
 
 
-def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintenance(tmp_path):
+def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintenance(tmp_path, on_connect):
     counts = _chain_chaos(tmp_path, rounds=4, seed=11)
     print(counts)
     # A rewind needs a head past batch 1, which kills can keep it from reaching.
@@ -111,7 +111,7 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
 
 
 @pytest.mark.slow
-def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
+def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path, on_connect):
     """The downstream reads with delta-spark on the executors (`source.reader:
     spark`): the same kills, rewinds and maintenance, the same exact end."""
     counts = _chain_chaos(tmp_path, rounds=3, seed=21, reader="spark")
@@ -122,7 +122,7 @@ def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [12, 13, 14])
 @pytest.mark.parametrize("reader", ["driver", "spark"])
-def test_chain_chaos_soak(tmp_path, seed, reader):
+def test_chain_chaos_soak(tmp_path, seed, reader, on_connect):
     print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader))
 
 
@@ -178,7 +178,7 @@ def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
     return counts
 
 
-def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kills_rewinds_and_folds(tmp_path, spark):
+def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kills_rewinds_and_folds(tmp_path, spark, on_connect):
     counts = _appended_chaos(tmp_path, spark, rounds=3, seed=31)
     print(counts)
     assert counts["folds"] and counts["maintains"], counts
@@ -186,7 +186,7 @@ def test_an_appended_state_ends_exact_and_reads_exact_at_every_batch_through_kil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [32, 33, 34])
-def test_appended_chaos_soak(tmp_path, spark, seed):
+def test_appended_chaos_soak(tmp_path, spark, seed, on_connect):
     print(_appended_chaos(tmp_path, spark, rounds=20, seed=seed))
 
 
@@ -287,7 +287,7 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int, state_writ
     return counts
 
 
-def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark):
+def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark, on_connect):
     """With `engine.state_write: executors`, every fold `maintain` makes is
     Spark's executors' (issue 47), racing the batches and the rewinds."""
     counts = _appended_concurrent_chaos(tmp_path, spark, rounds=3, seed=46, state_write="executors")
@@ -299,5 +299,5 @@ def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills
 @pytest.mark.timeout(3600)  # 20 rounds of about 40 s, then a rewind to every batch
 @pytest.mark.parametrize("seed", [47, 48, 49])
 @pytest.mark.parametrize("state_write", ["auto", "executors"])
-def test_appended_concurrent_chaos_soak(tmp_path, spark, seed, state_write):
+def test_appended_concurrent_chaos_soak(tmp_path, spark, seed, state_write, on_connect):
     print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed, state_write=state_write))

@@ -3,6 +3,12 @@
 Everything here goes through the real CLI in new processes, as an Airflow
 task would run. Each crash run must print the fault marker (proof the point
 was reached); the pipeline must then end exactly equal to the oracle.
+
+The fault points and the races are the protocol's, in the job's Python
+process (where every commit is made): their runs are thin clients of the
+test process's shared Spark Connect server (`on_connect`), as a fleet on a
+shared engine runs. A SIGTERM's handling is the process's own, during
+Spark's start too: those runs start Spark themselves, as on `local[*]`.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def _drain(spec_path: Path, max_runs: int = 5) -> list[dict]:
 
 
 @pytest.mark.parametrize(("point", "seed"), FAULT_MATRIX)
-def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, seed):
+def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, seed, on_connect):
     """The fault matrix: every protocol boundary x three seeds of generated
     input (in `make test`, one seed per boundary: `FAULT_MATRIX`)."""
     landing = spec_path.parent / "landing"
@@ -104,7 +110,7 @@ def _wait_for_marker(log: Path, proc: subprocess.Popen, timeout: float = 120) ->
     raise AssertionError("the zombie never reached its fault point")
 
 
-def test_zombie_frozen_after_reading_cannot_commit_after_others_moved_on(spec_path, tmp_path):
+def test_zombie_frozen_after_reading_cannot_commit_after_others_moved_on(spec_path, tmp_path, on_connect):
     """SIGSTOP a run after it read batch 1; others commit 1 and 2; SIGCONT: it must not commit."""
     import os
     import sys
@@ -144,7 +150,7 @@ def test_zombie_frozen_after_reading_cannot_commit_after_others_moved_on(spec_pa
     assert sorted(r["batch_id"] for r in history if r["status"] == "committed") == [1, 2]
 
 
-def test_two_runs_at_once_one_commits_the_other_is_a_noop(spec_path):
+def test_two_runs_at_once_one_commits_the_other_is_a_noop(spec_path, on_connect):
     write_wave(spec_path.parent / "landing", 0, files=2, records_per_file=500, users=60)
     procs = [start_cli("run", str(spec_path), "--json") for _ in range(2)]
     outcomes = []
@@ -179,16 +185,16 @@ def _race_rounds(spec_path: Path, rounds: int, runners: int = 8) -> None:
 
 
 @pytest.mark.slow  # 2.4 min; `test_four_runs_at_once_over_a_backlog` and the chaos test race runs in `make test`
-def test_eight_runs_at_once(spec_path):
+def test_eight_runs_at_once(spec_path, on_connect):
     _race_rounds(spec_path, rounds=2)
 
 
 @pytest.mark.slow
-def test_eight_runs_at_once_twenty_rounds(spec_path):
+def test_eight_runs_at_once_twenty_rounds(spec_path, on_connect):
     _race_rounds(spec_path, rounds=20)
 
 
-def test_four_runs_at_once_over_a_backlog(spec_path):
+def test_four_runs_at_once_over_a_backlog(spec_path, on_connect):
     landing = spec_path.parent / "landing"
     write_wave(landing, 0, files=6, records_per_file=100, users=30)
     procs = [start_cli("run", str(spec_path), "--max-files", "2", "--json") for _ in range(4)]

@@ -104,7 +104,7 @@ def _chaos(tmp_path, *, rounds: int, seed: int, most: int, chained: bool) -> dic
     return counts
 
 
-def test_kafka_random_kills_and_overlapping_runs_end_exact(tmp_path):
+def test_kafka_random_kills_and_overlapping_runs_end_exact(tmp_path, on_connect):
     print(_chaos(tmp_path, rounds=2, seed=1, most=3, chained=False))
 
 

@@ -19,6 +19,9 @@ Spark's own shuffle renames, in the JVM process, are not traced) and fails
 the first ``rename``: with the batch already planned (no ledger write in
 this run) and no bad records (no quarantine write), the only rename left in
 the Python process is the state's data file.
+
+A log entry's fault is the job's process's alone: those runs are thin
+clients of the test process's shared Spark Connect server (`on_connect`).
 """
 
 from __future__ import annotations
@@ -141,7 +144,10 @@ def _assert_next_run_exact(spec_path: Path, spec: PipelineSpec, *, bad_lines: bo
         ("ledger_committed_write", "write", "ENOSPC", "No space left on device"),
     ],
 )
-def test_fault_on_a_delta_log_entry(spec_path, tmp_path, case, syscall, errno, cause):
+def test_fault_on_a_delta_log_entry(spec_path, tmp_path, on_connect, case, syscall, errno, cause):
+    """A log entry's write or publication fails in the job's process, where
+    delta-rs commits: its runs are thin clients of the shared Connect
+    server (strace then follows no JVM, whose every syscall it would slow)."""
     spec = _pipeline(spec_path, bad_lines=True)
     if case.startswith("state"):
         target, table = Path(spec.state_path) / "_delta_log" / f"{STATE_BATCH_1_LOG}#1", spec.state_path

@@ -2,7 +2,9 @@
 
 The S3 API is moto's server on loopback (real HTTP, real conditional puts);
 only AWS itself is replaced. Source files are generated locally (the oracle
-reads them there) and uploaded under the same names.
+reads them there) and uploaded under the same names. The CLI's runs are thin
+clients of the test process's shared Spark Connect server (`on_connect`),
+whose executors fetch the objects with the settings each run hands them.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def test_parquet_objects_are_read_on_executors(tmp_path, bucket, compute):
     assert reasons == ["key user_id is missing or null"]
 
 
-def test_concurrent_cli_runs_and_a_kill_before_the_ledger_row_end_exact_on_s3(tmp_path, bucket):
+def test_concurrent_cli_runs_and_a_kill_before_the_ledger_row_end_exact_on_s3(tmp_path, bucket, on_connect):
     mirror = tmp_path / "mirror"
     spec_file = _s3_spec(tmp_path, bucket)
     _land(mirror, bucket, 0, files=4, records_per_file=200, users=40, bad_every=60)
@@ -244,7 +246,7 @@ def faulty_s3(s3_endpoint):
     proxy.wait(30)
 
 
-def test_throttling_and_ambiguous_commits_on_s3_end_exact(tmp_path, bucket, faulty_s3):
+def test_throttling_and_ambiguous_commits_on_s3_end_exact(tmp_path, bucket, faulty_s3, on_connect):
     mirror = tmp_path / "mirror"
     spec_file = _s3_spec(tmp_path, bucket)
     through_proxy = {"AWS_ENDPOINT_URL": faulty_s3}  # driver, delta-rs and executors alike

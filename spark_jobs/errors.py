@@ -30,6 +30,7 @@ __all__ = [
     "EXIT_TERMINAL",
     "ComputeError",
     "ConcurrentRunError",
+    "InternalError",
     "MergeOverflowError",
     "MicrobatchError",
     "NewerFormatError",
@@ -236,6 +237,12 @@ class StorageError(Transient, MicrobatchError):
 class Terminated(Transient, MicrobatchError):
     """The run stopped at a protocol boundary because SIGTERM asked it to
     (see `spark_jobs.core.shutdown`). The next run resumes from there."""
+
+
+class InternalError(Terminal, MicrobatchError):
+    """A failure in this project's own code, which a retry replays the same
+    way (the batch's plan, records and code are the same): the message says
+    where, and how to get the pipeline going while it is fixed."""
 
 
 class RewindError(Terminal, MicrobatchError):

@@ -36,9 +36,9 @@ from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.compute import Compute, Engine, FileWriting
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
-from spark_jobs.core.fencing import Position
+from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, STATE_FENCE, Position
 from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
-from spark_jobs.core.ledger import LedgerView, RowStatus
+from spark_jobs.core.ledger import LedgerView, RowStatus, scoped
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
@@ -93,6 +93,12 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
     # pipeline older than it), so lookups stop reading the ledger.
     lineage = pipeline.lineage(view)
     lineage.record()
+    # Each table's fences, which the marker before an untracked file's removal carries (`untracked`).
+    fences = {
+        "ledger": [scoped(PLAN_FENCE, spec.name), scoped(COMMIT_FENCE, spec.name)],
+        "quarantine": [pipeline.quarantine.fence],
+        "consumed": [pipeline.consumed.fence(lineage.ledger)] if lineage.ledger is not None else [],
+    }
     for name, path in (("ledger", pipeline.ledger.path), ("quarantine", pipeline.quarantine.path), ("consumed", pipeline.consumed.path)):
         table = open_table(path)
         if table is None:
@@ -101,7 +107,7 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
             # VACUUM first, then compact: what this compaction replaces stays for
             # readers of older snapshots until the next maintenance removes it.
             removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
-            removed[f"{name} untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours)
+            removed[f"{name} untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours, fences[name])
             if name == "consumed":
                 lineage.sort()
             else:
@@ -145,7 +151,9 @@ def _maintain_state(
             state.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep_versions))
         )
         # Files no commit references: a fold that lost its race, a run killed before its commit.
-        removed["state untracked"] = remove_untracked(state, min(keep_versions, default=state.version()), spec.maintenance.untracked_files_hours)
+        removed["state untracked"] = remove_untracked(
+            state, min(keep_versions, default=state.version()), spec.maintenance.untracked_files_hours, [STATE_FENCE]
+        )
     else:
         # A batch or a rewind committed meanwhile: the versions to keep
         # were chosen for another head (a rewind may have just restored

@@ -20,7 +20,7 @@ class Pipeline:
         self.ledger = OffsetLedger(spec.ledger_path, spec.name)
         self.consumed = ConsumedIndex(spec.consumed_path, spec.name)
         self.state = StateTable(spec)
-        self.quarantine = Quarantine(spec.quarantine_path, spec.name)
+        self.quarantine = Quarantine(spec.quarantine_path, spec.name, spec.maintenance.untracked_files_hours)
         self.source: Source = make_source(spec)
 
     def batch(self, row: LedgerRow) -> BatchRange:

@@ -43,10 +43,14 @@ the two. A run of batch N (position ``(epoch, N)``):
    fence must still read H: if it reads N or beyond, another run committed
    this batch (or rewound the pipeline) and this run is a no-op. Otherwise
    MERGE the updates, carrying fence position N and the batch's metadata. If
-   the commit fails because a commit with the state fence landed after our
-   snapshot, the winner did the work: no-op, never a retry of N. (The
+   the commit fails because a commit that moved the state fence landed after
+   our snapshot, the winner did the work: no-op, never a retry of N. (The
    "winner" can be this very commit, reported as failed by the store after it
    landed; its ``commit_token`` says so, and the run carries on to step 5.)
+   A commit that moved no fence (a compaction, `maintain`'s marker before it
+   removes files no commit names) fails ours too, whenever it removed what
+   ours relies on: step 4 then starts again from a fresh snapshot, at most
+   three times (docs/reliability.md says which check guards each writer).
 
 5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
    from the state commit we just made. The consumed index, a cache of the
@@ -137,6 +141,11 @@ EXECUTORS_FROM_BYTES = 32 * 1024 * 1024
 #: it looked: each try sees a newer ledger, so only runs landing again and
 #: again exhaust it (then the run fails retryably).
 RECONCILE_TRIES = 3
+
+#: How often step 4 commits from a fresh snapshot after a commit that moved
+#: no fence landed first (`maintain`'s compaction, its marker, a tool's
+#: OPTIMIZE): then the run fails retryably.
+STATE_COMMIT_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -486,7 +495,43 @@ def _moved_on(pipeline: Pipeline, plan: Plan, table: DeltaTable) -> Done | None:
 
 
 def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float, engine: Engine) -> Committed | Done:
-    """Step 4, the commit point: MERGE the updates with fence position N, from a checked snapshot."""
+    """Step 4, the commit point: MERGE the updates with fence position N, from
+    a checked snapshot; again from a fresh one when a commit that moved no
+    fence landed first (a compaction, a VACUUM, `maintain`'s marker, any
+    tool's): at most `STATE_COMMIT_TRIES` times."""
+    spec, n = pipeline.spec, plan.position
+    metadata = _batch_metadata(pipeline, plan, processed, options, started)
+    watch_for_new_files("mid_state_merge", pipeline.state.path)
+    if isinstance(processed.updates, Staged):
+        fault_point("mid_state_merge")  # the batch's files are written, their commit not made
+    for attempt in range(1, STATE_COMMIT_TRIES + 1):
+        table = _checked_snapshot(pipeline, plan)
+        if isinstance(table, Done):
+            return table
+        try:
+            with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
+                # Also for a batch held here: a small batch into a big merged state
+                # has the executors rewrite the state's files (`StateTable.commit_batch`).
+                files = engine.files() if engine.writes_files else None
+                version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata, files)
+        except Exception as exc:
+            if not is_commit_conflict(exc):
+                raise
+            landed = _after_conflict(pipeline, plan, metadata, exc, last=attempt == STATE_COMMIT_TRIES)
+            if landed is None:
+                log.info("another commit landed on the state while %s committed (try %d); again from a fresh snapshot", n, attempt)
+                continue
+            return landed
+        # No stop here on SIGTERM: the ledger row is a few milliseconds away.
+        fault_point("after_state_commit")
+        return Committed(version, keys_updated)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _checked_snapshot(pipeline: Pipeline, plan: Plan) -> DeltaTable | Done:
+    """The state's snapshot step 4 commits from, checked: still at the
+    ledger's head H, and changed by no one outside the job since; or how
+    the run ends (another run committed N, or rewound the pipeline)."""
     spec, n, head = pipeline.spec, plan.position, plan.head
     # A new state table was created empty in step 3, so that even batch 1
     # commits from a checked snapshot.
@@ -514,23 +559,7 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
             return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan.batch)
     # Merging onto a change made outside the job since step 1 would hide it for good.
     check_unchanged(pipeline, plan.view, table)
-    metadata = _batch_metadata(pipeline, plan, processed, options, started)
-    watch_for_new_files("mid_state_merge", pipeline.state.path)
-    if isinstance(processed.updates, Staged):
-        fault_point("mid_state_merge")  # the batch's files are written, their commit not made
-    try:
-        with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
-            # Also for a batch held here: a small batch into a big merged state
-            # has the executors rewrite the state's files (`StateTable.commit_batch`).
-            files = engine.files() if engine.writes_files else None
-            version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata, files)
-    except Exception as exc:
-        if not is_commit_conflict(exc):
-            raise
-        return _after_conflict(pipeline, plan, metadata, exc)
-    # No stop here on SIGTERM: the ledger row is a few milliseconds away.
-    fault_point("after_state_commit")
-    return Committed(version, keys_updated)
+    return table
 
 
 def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
@@ -556,8 +585,12 @@ def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, option
     )
 
 
-def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, exc: Exception) -> Committed | Done:
-    """A commit with the state fence landed after our snapshot: whose was it?"""
+def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, exc: Exception, *, last: bool) -> Committed | Done | None:
+    """A commit landed after our snapshot and ours failed: whose was it? Ours
+    (reported as failed), another run's of N (or a rewind): how the run
+    ends. None: a commit that moved no fence (a compaction, say), after
+    which step 4 may try again from a fresh snapshot, unless this was the
+    `last` try."""
     n = plan.position
     table = pipeline.state.open()
     now = pipeline.state.position(table)
@@ -572,6 +605,8 @@ def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, ex
     if now >= n:
         reconcile(pipeline)
         return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, now), n, plan.batch)
+    if not last and plan.view.agrees(now):
+        return None
     raise ConcurrentRunError(
         f"pipeline {pipeline.spec.name}: the state table changed while committing {n} ({exc}); nothing was committed, run again",
         pipeline=pipeline.spec.name,

@@ -15,7 +15,7 @@ from deltalake import write_deltalake
 from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import POSITION_COLUMNS, scoped, utcnow
-from spark_jobs.core.staged import Staged, commit_files
+from spark_jobs.core.staged import Staged, commit_files, require_written
 from spark_jobs.errors import ConcurrentRunError
 
 __all__ = ["SCHEMA", "Quarantine"]
@@ -38,10 +38,12 @@ APPEND_TRIES = 3
 
 
 class Quarantine:
-    def __init__(self, path: str, pipeline: str) -> None:
+    def __init__(self, path: str, pipeline: str, untracked_hours: float) -> None:
         self.path = path
         self.pipeline = pipeline
         self.fence = scoped(QUARANTINE_FENCE, pipeline)
+        #: `maintenance.untracked_files_hours`: how old the executors' files may be when committed (`require_written`).
+        self.untracked_hours = untracked_hours
 
     def write(self, records: pa.Table | Staged, position: Position) -> bool:
         """Append one batch's quarantined records, once. True if we wrote them.
@@ -57,6 +59,7 @@ class Quarantine:
                 return False
             props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
             if isinstance(records, Staged):
+                require_written(records.root, records.files, self.untracked_hours, f"pipeline {self.pipeline}: quarantine of {position}")
                 try:
                     commit_files(table, records.files, table.schema(), props)
                     return True

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
-from decimal import Decimal
+from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
 
@@ -33,7 +33,8 @@ from deltalake import CommitProperties, DeltaTable
 from deltalake.transaction import AddAction, RemoveAction
 
 from spark_jobs.core.delta_io import arrow
-from spark_jobs.storage.listing import StoredFile, delete
+from spark_jobs.errors import ConcurrentRunError
+from spark_jobs.storage.listing import StoredFile, delete, modified_at
 from spark_jobs.storage.s3 import is_s3, read_bytes
 
 log = logging.getLogger("microbatch")
@@ -50,6 +51,7 @@ __all__ = [
     "delete_files",
     "files_bytes",
     "read_staged",
+    "require_written",
     "touched_files",
 ]
 
@@ -201,44 +203,129 @@ def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: 
     with one key column, those whose key range (from their statistics)
     meets the batch's; else, or without statistics, every file. (Keys that
     come back from all over the state touch every file: a copy-on-write
-    merge rewrites them all, as delta-rs's MERGE does.)"""
+    merge rewrites them all, as delta-rs's MERGE does.)
+
+    A file judged untouched keeps its rows as they are, and the batch's row
+    for a key in it is written beside it: the key twice. So every doubt
+    counts a file as touched: the two ranges are compared as values of the
+    key's type (never as text: a year before 1000 sorts wrongly as text),
+    and where the log's bounds are not exact they are widened first
+    (`_file_range`)."""
     actions = arrow(table.get_add_actions(flatten=True))
     paths = actions.column("path").to_pylist()
     if len(keys) != 1:
         return paths
     key = keys[0]
+    kind = staged.schema.field(key).type
     batch = _key_range(staged, key)
     lows, highs = f"min.{key}", f"max.{key}"
     if batch is None or lows not in actions.column_names or highs not in actions.column_names:
         return paths
     touched = []
     for path, low, high in zip(paths, actions.column(lows).to_pylist(), actions.column(highs).to_pylist()):
-        if low is None or high is None or not (_text(high) < batch[0] or _text(low) > batch[1]):
+        found = _file_range(kind, low, high)
+        if found is None or not (found[1] < batch[0] or found[0] > batch[1]):
             touched.append(path)
     return touched
 
 
 def _key_range(staged: Staged, key: str) -> tuple[Any, Any] | None:
-    """The batch's smallest and largest key, from its files' statistics (None: unknown)."""
+    """The batch's smallest and largest key as values of the key's type,
+    from what the writing tasks saw (None: unknown). Numbers come from the
+    exact bounds (`StagedFile.bounds`: a DECIMAL's statistics go through a
+    float); the rest from the files' statistics, which bound them (a time
+    rounded out to the millisecond)."""
+    kind = staged.schema.field(key).type
     lows, highs = [], []
     for f in staged.files:
-        stats = json.loads(f.stats)
-        low, high = stats.get("minValues", {}).get(key), stats.get("maxValues", {}).get(key)
-        if low is None or high is None:
+        if pa.types.is_integer(kind) or pa.types.is_decimal(kind) or pa.types.is_floating(kind):
+            pair = json.loads(f.bounds).get(key)
+        else:
+            stats = json.loads(f.stats)
+            pair = [stats.get("minValues", {}).get(key), stats.get("maxValues", {}).get(key)]
+        bounds = [_typed(kind, value) for value in pair] if pair else [None, None]
+        if None in bounds:
             return None
-        lows.append(low)
-        highs.append(high)
+        lows.append(bounds[0])
+        highs.append(bounds[1])
     return (min(lows), max(highs)) if lows else None
 
 
-def _text(value: Any) -> Any:
-    """A statistics value as the JSON statistics spell it (dates and times as
-    text), so that the log's and the files' bounds compare alike."""
-    if isinstance(value, datetime):
-        return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-    if isinstance(value, date):
-        return value.isoformat()
-    return value
+def _typed(kind: pa.DataType, value: Any) -> Any:
+    """A bound as the writing tasks give it (`spark_files`), as a value of
+    the key's type; None where the type is one this check does not order."""
+    if value is None:
+        return None
+    if pa.types.is_integer(kind):
+        return int(value)
+    if pa.types.is_decimal(kind):
+        return Decimal(value)
+    if pa.types.is_floating(kind):
+        return float(value)
+    if pa.types.is_timestamp(kind) and kind.tz is not None:
+        return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    if pa.types.is_date32(kind):
+        return date.fromisoformat(value)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_boolean(kind):
+        return value
+    return None
+
+
+def _file_range(kind: pa.DataType, low: Any, high: Any) -> tuple[Any, Any] | None:
+    """A state file's key range as the log gives it (delta-rs's typed
+    statistics), widened where they are not exact: a DECIMAL's bounds went
+    through a float (about 16 digits, and rounded either way), so they are
+    widened by a relative 2^-50 and a unit of the last place. Timestamps are
+    to the millisecond in the log, truncated, which a batch's bounds
+    (rounded out) still compare with rightly. None: no usable range."""
+    if low is None or high is None:
+        return None
+    if pa.types.is_decimal(kind):
+        with localcontext() as exact:
+            exact.prec = 100
+            unit = Decimal(1).scaleb(-kind.scale)
+            low, high = Decimal(low), Decimal(high)
+            return low - abs(low) * _DRIFT - unit, high + abs(high) * _DRIFT + unit
+    if pa.types.is_timestamp(kind):
+        if kind.tz is None or low.tzinfo is None:
+            return None
+        return low.astimezone(timezone.utc), high.astimezone(timezone.utc)
+    if isinstance(low, datetime) or isinstance(high, datetime):
+        return None
+    return low, high
+
+
+#: How far a DECIMAL bound read back from a float may be from its value, relative to it.
+_DRIFT = Decimal(2) ** -50
+
+
+def require_written(root: str, files: tuple[StagedFile, ...], untracked_hours: float, what: str) -> None:
+    """Before a commit names `files` (in the folder `root`): each is there,
+    and younger than half of `untracked_hours`, else a `ConcurrentRunError`
+    (nothing is committed; the replay writes them again).
+
+    `maintain` deletes the files no commit names once they are older than
+    `untracked_hours` (`spark_jobs.core.untracked`), and commits a fenced
+    marker before it does. A run whose snapshot predates the marker cannot
+    commit (the fence); one that read its snapshot after it checks here,
+    after the marker, that its files were younger than half the window: so
+    they were younger than the whole window when `maintain` chose what to
+    delete, and it spared them (docs/reliability.md, "Files are never
+    deleted under a live plan"). Without the check, a batch held or
+    frozen past the window commits files that are gone: rows the ledger
+    says are committed, which no reader can read."""
+    oldest = time.time() - untracked_hours * 3600 / 2
+    for f in files:
+        location = f"{root.rstrip('/')}/{f.path}"
+        written = modified_at(location)
+        if written is None or written < oldest:
+            said = "is gone" if written is None else f"was written {(time.time() - written) / 3600:.2f} h ago"
+            raise ConcurrentRunError(
+                f"{what}: its file {location} {said}, and `microbatch maintain` removes files no commit names once "
+                f"they are {untracked_hours:g} h old (maintenance.untracked_files_hours); nothing was committed, "
+                "run again: the batch is written anew",
+                path=root,
+            )
 
 
 def delete_files(root: str, files: tuple[StagedFile, ...]) -> None:
@@ -264,11 +351,19 @@ def commit_files(
     """Commit `added` (files already in the table's folder) and the removal of
     `removed` (paths of `table`'s snapshot) as one version, from `table`'s
     snapshot, with `properties` (the fence, the metadata). Raises delta-rs's
-    commit error when a conflicting commit landed first. The handle does not
-    move: find the version by its fence (`StateTable.find_commit`)."""
+    commit error when a conflicting commit landed first; with `removed`,
+    when any commit landed since the snapshot. The handle does not move:
+    find the version by its fence (`StateTable.find_commit`)."""
     now = int(time.time() * 1000)
     actions: list[Any] = [AddAction(f.path, f.size, {}, now, data_change, f.stats) for f in added]
     if removed:
+        # On the snapshot it was made from, or not at all: delta-rs's check
+        # lets a removal of files another commit removed meanwhile (an
+        # OPTIMIZE, a fold, any tool's) land, and this commit's rewrites of
+        # them would then stand beside that commit's copy: every key twice.
+        properties = CommitProperties(
+            custom_metadata=properties.custom_metadata, app_transactions=properties.app_transactions, max_commit_retries=0
+        )
         # Each removal carries its file's size, as the protocol recommends:
         # delta-rs's change-feed reader (`load_cdf`) refuses a removal
         # without one, should a reader ever read such a version's files.

@@ -37,10 +37,11 @@ from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_proper
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import (
-    CAST_FAILED, IN_PROCESS_ROWS, REWRITE_FROM_BYTES, Staged, StagedValues, commit_files, delete_files, files_bytes, read_staged,
-    touched_files,
+    CAST_FAILED, IN_PROCESS_ROWS, REWRITE_FROM_BYTES, Staged, StagedValues, commit_files, delete_files, files_bytes,
+    read_staged, require_written, touched_files,
 )
 from spark_jobs.core.sql_text import datafusion_identifier as _q
+from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
@@ -189,8 +190,9 @@ class StateTable:
                 # table, and only an unstreamed source gives delta-rs the
                 # key range it prunes the state's files with; streamed, every
                 # MERGE scanned the whole state (docs/benchmarks.md, "Figures
-                # behind the code's choices").
-                streamed_exec=False,
+                # behind the code's choices"). Unless a key's statistics
+                # cannot bound it (`_bounded_by_statistics`).
+                streamed_exec=not _bounded_by_statistics(data.schema, keys),
             )
             .when_matched_update(updates=updates_expr)
             .when_not_matched_insert(updates=inserts)
@@ -215,6 +217,9 @@ class StateTable:
             extra = carried(row_counts(table)) if is_appended(self.spec) else None
             return self._fenced_empty_commit(table, _fenced(metadata, extra)), 0
         extra = carried(row_counts(table)) if is_appended(self.spec) else None
+        # Committed, or read by the merge: they must still be there (`require_written`).
+        what = f"pipeline {self.spec.name}: the state commit of {position}"
+        require_written(self.path, staged.files, self.spec.maintenance.untracked_files_hours, what)
         rewritten = [] if is_appended(self.spec) else touched_files(table, self.spec.state.keys, staged)
         if not rewritten:
             # Every row of the batch is new to the state: its files are the merge's result.
@@ -222,8 +227,11 @@ class StateTable:
             return self._version_of(position), staged.rows
         try:
             done = self._merge_staged(table, staged, metadata, files, rewritten)
-        except Exception:
-            delete_files(staged.root, staged.files)
+        except Exception as exc:
+            if not is_commit_conflict(exc):
+                delete_files(staged.root, staged.files)
+            # (After a conflict step 4 may merge them again, from a fresh
+            # snapshot; if it does not, `maintain` removes them.)
             raise
         delete_files(staged.root, staged.files)
         return done
@@ -250,6 +258,9 @@ class StateTable:
         # Not deleted if the commit fails: a store may report a failure for
         # a commit that landed (`protocol._after_conflict`); `maintain`
         # removes them once no commit names them.
+        # (The rewritten files need no `require_written`: written after the
+        # snapshot this commits from was read, none of them was among the
+        # files a `maintain` marked before it chose what to delete.)
         commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
         return self._version_of(metadata.position), staged.rows
 
@@ -475,7 +486,8 @@ class StateTable:
         Maintenance (`MAINTENANCE_OPERATIONS`: OPTIMIZE, VACUUM, table
         properties, ...) keeps the data and is fine, and so do our own
         rewrites widening a column (`WIDEN_KEY`) or folding an appended
-        state (`FOLD_KEY`); anything else by someone
+        state (`FOLD_KEY`), and `maintain`'s marker before it removes
+        untracked files (`untracked.MARKER_KEY`); anything else by someone
         else is reported. Costs nothing in the usual case, where our last
         commit is the table's latest version.
         """
@@ -485,7 +497,7 @@ class StateTable:
             return []  # no version in between: no history to read
         changes = []
         for info in commit_infos(table.table_uri, last, max(since_version + 1, latest - HISTORY_SEARCH + 1)):
-            if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY):
+            if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY) or info.get(UNTRACKED_MARKER):
                 continue
             operation = str(info.get("operation", "")).upper()
             if operation not in MAINTENANCE_OPERATIONS:
@@ -515,6 +527,22 @@ class StateTable:
                     timestamp=datetime.fromtimestamp(info["timestamp"] / 1000, tz=timezone.utc),
                 )
         return None
+
+
+#: The most digits a float carries exactly (a DOUBLE round-trips 15 significant digits).
+FLOAT_DIGITS = 15
+
+
+def _bounded_by_statistics(schema: pa.Schema, keys: tuple[str, ...] | list[str]) -> bool:
+    """Whether the state's files' statistics bound every key column exactly
+    enough for delta-rs to prune files by a batch's key range. A DECIMAL's
+    statistics are written through a float: past 15 digits they are
+    rounded, either way, and delta-rs's MERGE then skipped the file holding
+    a key the batch brings back (found by issue 62's type matrix: a
+    DECIMAL(38,0) key stored twice). Such a MERGE reads every file."""
+    return not any(
+        pa.types.is_decimal(schema.field(key).type) and schema.field(key).type.precision > FLOAT_DIGITS for key in keys
+    )
 
 
 def _fenced(metadata: CommitMetadata, extra: dict[str, str] | None = None) -> CommitProperties:

@@ -23,58 +23,77 @@ removed before `keep_from` and VACUUM left are not needed by any kept
 version either. The log (`_delta_log`), change data (`_change_data`, whose
 files are named only by `cdc` actions and pruned by `maintain` apart) and
 the job's own folder (`_microbatch`) are never touched, nor hidden files.
+
+A file no commit names may still be one a run is about to commit: a batch
+held or frozen between the executors' writing its files and its commit (a
+hung task, a zombie resumed), for longer than the window. So before it
+deletes anything, `remove_untracked` commits a marker carrying the table's
+fences at the positions they hold (`MARKER_KEY`; it moves no fence), on the
+version it read the log to, or not at all. A run whose snapshot came before
+the marker cannot commit after it (delta-rs fails a commit when one carrying
+the same fence landed since its snapshot); one whose snapshot came after it
+checks, before it commits, that its files are younger than half the window
+(`staged.require_written`), so they were not among the files chosen here.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from urllib.parse import unquote
 
-from deltalake import DeltaTable
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from spark_jobs.core.delta_io import version_actions
+from spark_jobs.core.delta_io import is_commit_conflict, version_actions
 from spark_jobs.storage.listing import StoredFile, delete, list_files
 from spark_jobs.storage.s3 import delta_storage_options
 
-__all__ = ["remove_untracked"]
+__all__ = ["MARKER_KEY", "remove_untracked"]
+
+#: Commit info key of the marker committed before untracked files are deleted.
+MARKER_KEY = "microbatch.untracked"
 
 log = logging.getLogger("microbatch")
 
 
-def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float) -> int:
+def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float, fences: list[str]) -> int:
     """Delete the data files in `table`'s folder that no version from
-    `keep_from` on references and that are older than `older_than_hours`.
-    Returns how many went."""
+    `keep_from` on references and that are older than `older_than_hours`,
+    once a marker carrying `fences` (the table's fence app ids) is
+    committed (the module docstring says why). Returns how many went."""
     root = table.table_uri.rstrip("/")
-    referenced = _referenced(table, root, keep_from)
-    if referenced is None:
+    found = _referenced(root, keep_from)
+    if found is None:
         return 0
+    referenced, newest = found
     if older_than_hours < 1:
         log.warning(
             "maintenance.untracked_files_hours is %g: a write of a run still going that long may lose its files; "
             "keep it longer than any run", older_than_hours
         )
     cutoff = time.time() - older_than_hours * 3600
-    removed = 0
     files = list_files(root)
     nested = _nested_tables(files)
-    for stored in files:
-        if stored.mtime > cutoff or not stored.path.endswith(".parquet") or stored.path.startswith(nested):
-            continue
-        if stored.path in referenced or _skipped(stored.path):
-            continue
+    doomed = [
+        stored for stored in files
+        if stored.mtime <= cutoff and stored.path.endswith(".parquet") and not stored.path.startswith(nested)
+        and stored.path not in referenced and not _skipped(stored.path)
+    ]
+    if not doomed or not _mark(root, newest, fences, len(doomed)):
+        return 0
+    for stored in doomed:
         delete(stored)
-        removed += 1
-    if removed:
-        log.info("removed %d file(s) no commit of %s references (older than %g h)", removed, root, older_than_hours)
-    return removed
+    log.info("removed %d file(s) no commit of %s references (older than %g h)", len(doomed), root, older_than_hours)
+    return len(doomed)
 
 
-def _referenced(table: DeltaTable, root: str, keep_from: int) -> set[str] | None:
+def _referenced(root: str, keep_from: int) -> tuple[set[str], int] | None:
     """The files a version from `keep_from` on references, relative to the
-    table's folder and decoded; None if `keep_from`'s snapshot cannot be
-    read (its log entries cleaned up): nothing is removed then."""
+    table's folder and decoded, and the newest version read; None if
+    `keep_from`'s snapshot cannot be read (its log entries cleaned up):
+    nothing is removed then."""
     try:
         at = DeltaTable(root, version=keep_from, storage_options=delta_storage_options(root))
     except Exception as exc:  # noqa: BLE001 - no snapshot to compare with: remove nothing
@@ -88,7 +107,28 @@ def _referenced(table: DeltaTable, root: str, keep_from: int) -> set[str] | None
                 if kind in action:
                     referenced.add(unquote(action[kind]["path"]))
         version += 1
-    return referenced
+    return referenced, version - 1
+
+
+def _mark(root: str, newest: int, fences: list[str], count: int) -> bool:
+    """Commit the marker on version `newest` (the log read to), carrying
+    each of `fences` at the position it holds there; False if any commit
+    landed since (its files were not in what was read: nothing is removed
+    this time)."""
+    at = DeltaTable(root, version=newest, storage_options=delta_storage_options(root))
+    properties = CommitProperties(
+        custom_metadata={MARKER_KEY: json.dumps({"files": count})},
+        app_transactions=[Transaction(app, at.transaction_version(app) or 0) for app in fences],
+        max_commit_retries=0,
+    )
+    try:
+        write_deltalake(at, pa.schema(at.schema().to_arrow()).empty_table(), mode="append", commit_properties=properties)
+    except Exception as exc:
+        if not is_commit_conflict(exc):
+            raise
+        log.info("untracked files of %s not removed this time: a commit landed while they were looked for", root)
+        return False
+    return True
 
 
 def _nested_tables(files: list[StoredFile]) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
 from spark_jobs.engine import delta_read, exact_read, native_read, spark_files, spark_state
+from spark_jobs.engine.failures import never_retried
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 from spark_jobs.engine.session import SPARK_JARS_ENV, built_once, connect_session, default_session, redact_master, under_spark_submit
@@ -294,13 +295,16 @@ class SparkCompute:
         return pa.schema([fields[name] for name in [*spec.state.keys, *spec.value_columns]])
 
     def merge_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
-        return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates)
+        with _writing_state(spec):
+            return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates)
 
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
-        return spark_state.fold_files(self.spark, spec, root, schema, paths)
+        with _writing_state(spec):
+            return spark_state.fold_files(self.spark, spec, root, schema, paths)
 
     def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
-        return spark_state.rewrite_files(self.spark, spec, root, schema, rewritten, updates)
+        with _writing_state(spec):
+            return spark_state.rewrite_files(self.spark, spec, root, schema, rewritten, updates)
 
     def stage(self, root: str, rows: pa.Table, schema: pa.Schema) -> tuple[StagedFile, ...]:
         return spark_files.write_table(rows, root, schema, spark_state.client(root))
@@ -329,7 +333,7 @@ class SparkCompute:
                     pipeline=spec.name,
                     path=spec.state_path,
                 ) from exc
-            raise _reader_of(spec, batch).explain(spec, batch.manifest, exc) from exc
+            raise never_retried(spec, exc) or _reader_of(spec, batch).explain(spec, batch.manifest, exc) from exc
 
     def _first_read(self, spec: PipelineSpec, batch: BatchRange, *, alongside: bool = False) -> _FirstRead:
         """How a batch is read first, up to its transform (analysed, not run):
@@ -580,6 +584,21 @@ class SparkCompute:
                 return self.spark.sql(spec.transform)
         except Exception as exc:
             raise _transform_failed(spec, exc) from exc
+
+
+@contextmanager
+def _writing_state(spec: PipelineSpec) -> Iterator[None]:
+    """The executors writing the state's files (a merge, a fold): a failure a
+    replay meets again is terminal (`failures.never_retried`); any other
+    is the engine's, and retried."""
+    try:
+        yield
+    except MicrobatchError:
+        raise
+    except Exception as exc:
+        raise never_retried(spec, exc) or ComputeError(
+            f"pipeline {spec.name}: writing the state's files failed in Spark: {first_line(exc, 500)}", pipeline=spec.name
+        ) from exc
 
 
 def _transform_failed(spec: PipelineSpec, exc: Exception) -> MicrobatchError:

@@ -509,8 +509,12 @@ def _stat_value(t: pa.DataType, value: Any, *, up: bool) -> Any:
     if pa.types.is_timestamp(t):
         whole = value.replace(microsecond=value.microsecond // 1000 * 1000)
         if up and whole != value:
+            if whole.replace(tzinfo=None) >= datetime.datetime.max - datetime.timedelta(milliseconds=1):
+                return None  # the last millisecond of year 9999: no upper bound to give
             whole += datetime.timedelta(milliseconds=1)
-        return whole.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        utc = whole.astimezone(datetime.timezone.utc)
+        # The year in four digits (strftime's %Y gives year 1 as "1"), as Delta spells it.
+        return f"{utc.year:04d}-" + utc.strftime("%m-%dT%H:%M:%S.%f")[:-3] + "Z"
     if pa.types.is_date32(t):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):

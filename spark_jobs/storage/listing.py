@@ -8,7 +8,7 @@ from urllib.parse import unquote
 
 from spark_jobs.storage.s3 import S3Location, is_s3, s3_client
 
-__all__ = ["StoredFile", "delete", "list_files"]
+__all__ = ["StoredFile", "delete", "list_files", "modified_at"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ def list_files(root: str) -> list[StoredFile]:
                 continue
             found.append(StoredFile(os.path.relpath(full, folder).replace(os.sep, "/"), mtime, full))
     return found
+
+
+def modified_at(location: str) -> float | None:
+    """When the file at `location` (a local path or an ``s3://`` URI) was
+    last written, in seconds since the epoch; None if it is not there."""
+    if is_s3(location):
+        from botocore.exceptions import ClientError
+
+        parsed = S3Location.parse(location)
+        try:
+            return s3_client().head_object(Bucket=parsed.bucket, Key=parsed.key)["LastModified"].timestamp()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+    try:
+        return os.stat(unquote(location.removeprefix("file://"))).st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def delete(stored: StoredFile) -> None:

@@ -301,3 +301,65 @@ def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills
 @pytest.mark.parametrize("state_write", ["auto", "executors"])
 def test_appended_concurrent_chaos_soak(tmp_path, spark, seed, state_write, on_connect):
     print(_appended_concurrent_chaos(tmp_path, spark, rounds=20, seed=seed, state_write=state_write))
+
+
+def _merged_maintain_chaos(folder, rounds: int, seed: int, state_write: str) -> dict[str, int]:
+    """Issue 62: a merged state written by each path (`engine.state_write`)
+    through overlapping runs, `maintain` (compaction, VACUUM, the removal of
+    files no commit names, after a short window) and commits from outside
+    the job (an OPTIMIZE, a property) all at once, SIGKILLs at random. The
+    drain must leave the state equal to the oracle, each key once, and
+    every committed ledger row naming the commit that carries its batch."""
+    import threading
+
+    from spark_jobs.core.spec import load_spec
+    from tests.conftest import assert_versions_carry_batches
+
+    rng = random.Random(seed)
+    spec_path = write_spec(folder, oracle_spec_dict(
+        batch={"max_files": 1},
+        maintenance={"keep_batches": 3, "untracked_files_hours": 0.02},  # 72 s: longer than any run here
+        engine={"state_write": state_write},
+    ))
+    spec = load_spec(spec_path)
+    landing = folder / "landing"
+    counts = {"runs": 0, "killed": 0, "maintains": 0, "outside commits": 0, "outside commits lost": 0, "races lost": 0}
+    for wave in range(rounds):
+        write_wave(landing, wave, files=rng.randint(1, 3), records_per_file=150, users=40, seed=seed, bad_every=41)
+        procs = [start_cli("run", str(spec_path), "--catch-up") for _ in range(2)] + [start_cli("maintain", str(spec_path))]
+        counts["maintains"] += 1
+        outside = threading.Timer(rng.uniform(0.5, 8.0), _outside_commit, (spec.state_path, rng, counts))
+        outside.start()
+        for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.4, timeout=300):
+            if code == 1 and any(phrase in err for phrase in RACE_LOST):
+                counts["races lost"] += 1
+                continue
+            assert code in (0, -signal.SIGKILL), f"exit {code}: {err[-3000:]}"
+        outside.join()
+    for _ in range(rounds * 6 + 4):  # drain
+        result = run_cli("run", str(spec_path), "--json")
+        if result.returncode == 1 and any(phrase in result.stderr for phrase in RACE_LOST):
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            break
+    assert run_cli("maintain", str(spec_path)).returncode == 0
+    counts["batches"] = len(assert_exact(spec_path))
+    assert_versions_carry_batches(spec_path)
+    return counts
+
+
+def test_a_merged_state_written_by_the_executors_stays_exact_through_maintain_and_outside_compactions(tmp_path, on_connect):
+    """The executors' file-by-file merge, the path whose commits an OPTIMIZE
+    once doubled (issue 62); the other paths in `make soak`."""
+    counts = _merged_maintain_chaos(tmp_path, rounds=3, seed=62, state_write="executors")
+    print(counts)
+    assert counts["maintains"] and counts["outside commits"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("seed", [63, 64])
+@pytest.mark.parametrize("state_write", ["driver", "auto", "executors"])
+def test_merged_maintain_chaos_soak(tmp_path, on_connect, seed, state_write):
+    print(_merged_maintain_chaos(tmp_path, rounds=15, seed=seed, state_write=state_write))

@@ -34,17 +34,67 @@ import time
 from datetime import date
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from doc_sections import replace_section  # noqa: E402
-from kafka_vs_files import SCHEMA, click_lines, fresh, produce_lines, spec  # noqa: E402
+from spark_jobs.demo.clickstream import write_wave  # noqa: E402
 from run import timed  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Kafka side by side"
 TOPIC = "bench_clicks"
 PARTITIONS = 4
+SCHEMA = "event_id STRING, user_id STRING, amount DOUBLE, ts TIMESTAMP"
+TRANSFORM = "SELECT user_id, count(*) AS events, sum(amount) AS amount, max(ts) AS last_seen FROM batch GROUP BY user_id"
+STATE = {"keys": ["user_id"], "merge": {"events": "sum", "amount": "sum", "last_seen": "max"}}
+
+
+def spec(folder: Path, name: str, source: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    body = {
+        "name": name,
+        "source": source,
+        "transform": TRANSFORM,
+        "state": {"path": f"{name}_state", **STATE},
+        "checkpoint": f"{name}_checkpoint",
+        "batch": {"max_files": 1000} if source["type"] == "files" else {"max_records": 1_000_000},
+    }
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return path
+
+
+def fresh(path: Path) -> None:
+    """Forget everything the pipeline committed (its state and checkpoint)."""
+    body = yaml.safe_load(path.read_text())
+    for location in (body["state"]["path"], body["checkpoint"]):
+        shutil.rmtree(path.parent / location, ignore_errors=True)
+
+
+def click_lines(landing: Path, records: int) -> list[str]:
+    """`records` click events as 4 JSON-lines files in `landing`, and their lines."""
+    write_wave(landing, 0, files=4, records_per_file=records // 4, users=100_000, seed=11)
+    return [line for f in sorted(landing.rglob("*.json")) for line in f.read_text().splitlines() if line.strip()]
+
+
+def produce_lines(servers: str, topic: str, lines: list[str], *, partitions: int) -> float:
+    """Each line as one record, round-robin over the partitions; seconds taken."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": servers, "linger.ms": 20, "batch.num.messages": 10_000, "log_level": 2})
+    started = time.perf_counter()
+    for i, line in enumerate(lines):
+        while True:
+            try:
+                producer.produce(topic, value=line.encode(), partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    assert producer.flush(60) == 0, "records left unsent"
+    return time.perf_counter() - started
 
 
 def create_topic(servers: str) -> None:

@@ -3,7 +3,8 @@ the ledger is read by position, and consumed files are looked up in the
 consumed index, a cache of the ledger that is never trusted past what it
 says it holds. JVM-free: the pure-Arrow compute runs the real protocol on
 real Delta tables. (The figures are in docs/benchmarks.md, from
-bench/long_life.py; these tests check what the figures rely on.)"""
+bench/long_life.py, in the history: `git show 140d2d9:bench/long_life.py`; these
+tests check what the figures rely on.)"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint soak bench bench-full lock java clean
+.PHONY: setup demo test test-full test-costs lint soak bench bench-full lock java clean
 
 # The JVM class archives are checked every time (a no-op when built): their
 # key changes with the JDK, which can change under an unchanged virtualenv.
@@ -92,8 +92,25 @@ tools:
 	      || echo "missing:$$missing (apt-get install$$missing); the tests that need them say so"; \
 	  fi
 
-soak: setup jars
-	$(BIN)/python -m pytest -q -m slow
+# make test runs one test of each class (docs/testing.md lists them); make
+# soak runs the long variants of those classes (every crash point with
+# every seed, the chaos suites' long runs, the whole type matrix, ...), and
+# make test-full both. The soak's tests are as independent as make test's,
+# so they run in as many processes.
+soak: setup tools jars
+	$(BIN)/python -m pytest -q -m slow --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
+
+test-full: setup tools jars lint
+	$(BIN)/python -m pytest -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
+
+# make test, each test's cost measured (tests/costs.py): its wall time, the
+# CPU of every process it started, the JVMs, CLI runs and Airflow stacks it
+# started, its sleeps; the tables docs/testing.md holds, printed at the end.
+COSTS ?= .test-costs.jsonl
+test-costs: setup tools jars
+	rm -f $(COSTS)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile -p tests.costs --costs $(COSTS)
+	$(BIN)/python -m tests.costs $(COSTS)
 
 # The Flink anchor's own virtualenv: PyFlink pins pandas<2.3, pyarrow<21 and
 # py4j 0.10.9.7, which clash with ours (bench/anchors/README.md).

@@ -51,23 +51,28 @@ def pytest_configure(config):
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 
-#: The test files that take minutes (their tests' durations summed, two
-#: processes, 2026-11-26), longest first. pytest-xdist hands whole files to
-#: its processes in collection order (`make test`: `--dist loadfile`), so
-#: these start first and the short files fill in at the end, instead of one
-#: process running a long file alone at the end while the other idles.
+#: The test files that take minutes (their tests' wall time summed, 2026-12-02,
+#: `make test-costs`), longest first. pytest-xdist hands whole files to its
+#: processes in collection order (`make test`: `--dist loadfile`), so these
+#: start first and the short files fill in at the end, instead of one
+#: process running a long file alone at the end while the others idle.
 LONG_FILES = (
-    "tests/plugins/test_airflow_celery.py",
+    "tests/plugins/test_airflow_live.py",
     "tests/spark_jobs/engine/test_engines.py",
     "tests/spark_jobs/test_chaos.py",
-    "tests/test_topology.py",
-    "tests/spark_jobs/test_crash_and_race.py",
-    "tests/spark_jobs/storage/test_s3.py",
-    "tests/spark_jobs/engine/test_native_read.py",
-    "tests/plugins/test_airflow_live.py",
     "tests/spark_jobs/engine/test_delta_spark.py",
-    "tests/spark_jobs/engine/test_idle_hint.py",
+    "tests/spark_jobs/test_crash_and_race.py",
+    "tests/test_make_airflow.py",
+    "tests/spark_jobs/engine/test_state_write_types.py",
+    "tests/test_topology.py",
+    "tests/spark_jobs/storage/test_s3.py",
+    "tests/plugins/test_airflow_celery.py",
+    "tests/spark_jobs/core/test_storage_faults.py",
+    "tests/spark_jobs/engine/test_spark_state.py",
+    "tests/spark_jobs/core/test_state_commit_guards.py",
     "tests/spark_jobs/sources/test_kafka.py",
+    "tests/spark_jobs/engine/test_native_read.py",
+    "tests/spark_jobs/engine/test_idle_hint.py",
 )
 
 

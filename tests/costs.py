@@ -5,7 +5,9 @@ line per test to FILE: its wall time, the CPU time of the test process and
 of every process it started (a CLI run, its JVM, a live Airflow's
 components, a PostgreSQL server, ...), the processes it started by kind,
 and the seconds it slept in `time.sleep` (its polls). `python -m
-tests.costs FILE` prints the tables docs/testing.md holds.
+tests.costs FILE` prints the tables docs/testing.md holds. The Spark jobs
+counted are those of the test process's own session (the in-process
+tests'); a CLI run's or a Connect server's are in their CPU, not counted.
 
 How a process is known to be the test's: pytest marks its environment
 (`MICROBATCH_TEST_COSTS=<worker>`), which every process it starts inherits
@@ -155,7 +157,7 @@ class CostRecorder:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         cpu0, _ = self.sampler.take()
-        wall0, slept0 = time.monotonic(), self.slept
+        wall0, slept0, jobs0 = time.monotonic(), self.slept, _spark_jobs()
         yield
         cpu1, started = self.sampler.take()
         line = {
@@ -164,6 +166,7 @@ class CostRecorder:
             "wall": round(time.monotonic() - wall0, 2),
             "cpu": round(cpu1 - cpu0, 2),
             "slept": round(self.slept - slept0, 2),
+            "spark_jobs": max(_spark_jobs() - jobs0, 0),
             "started": dict(started),
             "slow": item.get_closest_marker("slow") is not None,
         }
@@ -174,6 +177,24 @@ class CostRecorder:
         self._stop.set()
         self._thread.join()
         time.sleep = self._sleep
+
+
+def _spark_jobs() -> int:
+    """How many jobs this process's Spark session has run (0: no session)."""
+    import sys
+
+    if "pyspark" not in sys.modules:
+        return 0
+    from pyspark import SparkContext
+
+    context = SparkContext._active_spark_context
+    if context is None:
+        return 0
+    try:
+        ids = context.statusTracker().getJobIdsForGroup()
+    except Exception:  # noqa: BLE001 - a session stopping: nothing to count
+        return 0
+    return max(ids) + 1 if ids else 0
 
 
 def pytest_addoption(parser):
@@ -203,16 +224,17 @@ def _file_of(test: str) -> str:
 
 def tables(lines: list[dict]) -> str:
     """The markdown tables docs/testing.md holds: by file, then the costliest tests."""
-    by_file: dict[str, dict] = defaultdict(lambda: {"tests": 0, "wall": 0.0, "cpu": 0.0, "slept": 0.0, "started": Counter()})
+    by_file: dict[str, dict] = defaultdict(lambda: {"tests": 0, "wall": 0.0, "cpu": 0.0, "slept": 0.0, "jobs": 0, "started": Counter()})
     for line in lines:
         row = by_file[_file_of(line["test"])]
         row["tests"] += 1
         for key in ("wall", "cpu", "slept"):
             row[key] += line[key]
+        row["jobs"] += line.get("spark_jobs", 0)
         row["started"].update(line["started"])
-    total = {"tests": 0, "wall": 0.0, "cpu": 0.0, "slept": 0.0, "started": Counter()}
+    total = {"tests": 0, "wall": 0.0, "cpu": 0.0, "slept": 0.0, "jobs": 0, "started": Counter()}
     for row in by_file.values():
-        for key in ("tests", "wall", "cpu", "slept"):
+        for key in ("tests", "wall", "cpu", "slept", "jobs"):
             total[key] += row[key]
         total["started"].update(row["started"])
     kinds = ("jvm", "cli", "airflow-scheduler", "airflow-migrate", "postgres")
@@ -220,11 +242,11 @@ def tables(lines: list[dict]) -> str:
     def cells(name: str, row: dict) -> str:
         started = row["started"]
         counts = " | ".join(str(started.get(kind, 0)) for kind in kinds)
-        return f"| {name} | {row['tests']} | {row['wall'] / 60:.1f} | {row['cpu'] / 60:.1f} | {row['slept'] / 60:.1f} | {counts} |"
+        return f"| {name} | {row['tests']} | {row['wall'] / 60:.1f} | {row['cpu'] / 60:.1f} | {row['slept'] / 60:.1f} | {row['jobs']} | {counts} |"
 
     head = (
-        "| file | tests | wall min | CPU min | slept min | JVMs | CLI runs | Airflow stacks | migrations | PostgreSQL processes |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| file | tests | wall min | CPU min | slept min | Spark jobs in process | JVMs | CLI runs | Airflow stacks | migrations | PostgreSQL processes |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [cells(name, row) for name, row in sorted(by_file.items(), key=lambda kv: -kv[1]["cpu"])]
     out = [head, *rows, cells("**all**", total), ""]

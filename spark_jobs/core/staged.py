@@ -221,8 +221,12 @@ def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: 
     lows, highs = f"min.{key}", f"max.{key}"
     if batch is None or lows not in actions.column_names or highs not in actions.column_names:
         return paths
+    try:
+        bounds = zip(paths, actions.column(lows).to_pylist(), actions.column(highs).to_pylist())
+    except (OverflowError, ValueError):  # a date or time past Python's years 1 to 9999, which Spark holds
+        return paths
     touched = []
-    for path, low, high in zip(paths, actions.column(lows).to_pylist(), actions.column(highs).to_pylist()):
+    for path, low, high in bounds:
         found = _file_range(kind, low, high)
         if found is None or not (found[1] < batch[0] or found[0] > batch[1]):
             touched.append(path)

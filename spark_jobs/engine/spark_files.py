@@ -438,7 +438,13 @@ class _Stats:
                 self.nonfinite.add(field.name)
                 continue
             found = pc.min_max(column)
-            low, high = found["min"].as_py(), found["max"].as_py()
+            try:
+                low, high = found["min"].as_py(), found["max"].as_py()
+            except (OverflowError, ValueError):
+                # A date or time outside Python's years 1 to 9999, which
+                # Spark holds: no bounds (a reader then reads the file).
+                self.unbounded.add(field.name)
+                continue
             if low is None:
                 continue
             self.low[field.name] = low if field.name not in self.low else min(self.low[field.name], low)

@@ -8,7 +8,8 @@ The fault points and the races are the protocol's, in the job's Python
 process (where every commit is made): their runs are thin clients of the
 test process's shared Spark Connect server (`on_connect`), as a fleet on a
 shared engine runs. A SIGTERM's handling is the process's own, during
-Spark's start too: those runs start Spark themselves, as on `local[*]`.
+Spark's start too, and `mid_executor_write` kills the run's own executors
+with it: those runs start Spark themselves, as on `local[*]`.
 """
 
 from __future__ import annotations
@@ -52,9 +53,14 @@ def _drain(spec_path: Path, max_runs: int = 5) -> list[dict]:
 
 
 @pytest.mark.parametrize(("point", "seed"), FAULT_MATRIX)
-def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, point, seed, on_connect):
+def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, point, seed):
     """The fault matrix: every protocol boundary x three seeds of generated
-    input (in `make test`, one seed per boundary: `FAULT_MATRIX`)."""
+    input (in `make test`, one seed per boundary: `FAULT_MATRIX`). The runs
+    are the shared Connect server's clients but at `mid_executor_write`,
+    where the run starts Spark itself: its death takes its driver JVM, and
+    the local executors writing, with it."""
+    if point != "mid_executor_write":
+        request.getfixturevalue("on_connect")
     landing = spec_path.parent / "landing"
     files = 1 + seed % 3
     reach(point, spec_path)

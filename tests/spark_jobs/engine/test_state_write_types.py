@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from spark_jobs.core.delta_io import open_table, read_all
@@ -56,7 +57,9 @@ KEYS = {
         ["2024-01-01 00:00:00.000500", "1970-01-01 00:00:00"],
         ["2024-01-01 00:00:00.000500", "2024-01-01 00:00:00.000700", "9999-12-31 23:59:59.999999"],
     ),
-    "date": ("CAST(k AS DATE)", ["2024-02-29", "0001-01-01"], ["2024-02-29", "9999-12-31", "1970-01-01"]),
+    "date": (
+        "CAST(k AS DATE)", ["2024-02-29", "0001-01-01", "+10000-01-01"], ["2024-02-29", "9999-12-31", "1970-01-01", "+10000-01-01"]
+    ),
     "binary": ("unhex(k)", ["00", "FF", ""], ["00", "00FF", "FF"]),
     "boolean": ("CAST(k AS BOOLEAN)", ["true"], ["true", "false"]),
     "string": (
@@ -78,6 +81,7 @@ VALUES = """
   max(CAST(t AS TIMESTAMP)) AS ts_max,
   min(CAST(t AS TIMESTAMP_NTZ)) AS ntz_min,
   max(CAST(CAST(t AS TIMESTAMP) AS DATE)) AS day_max,
+  max(date_add(DATE'9999-12-31', CAST(n % 3 AS INT))) AS far_day,
   max(unhex(hex(n))) AS bin_last,
   max(n % 2 = 0) AS flag_first,
   max(concat('v', CAST(n AS STRING))) AS text_last,
@@ -87,7 +91,7 @@ VALUES = """
 """
 MERGE = {
     "events": "sum", "total": "sum", "dec_sum": "sum", "dbl_sum": "sum", "ts_max": "max", "ntz_min": "min",
-    "day_max": "max", "bin_last": "last", "flag_first": "first", "text_last": "last", "struct_last": "last",
+    "day_max": "max", "far_day": "max", "bin_last": "last", "flag_first": "first", "text_last": "last", "struct_last": "last",
     "array_first": "first", "nullable_max": "max",
 }
 #: The ways a merged state is written (each a spec setting, and what the test patches).
@@ -122,12 +126,26 @@ def _land(folder: Path, batch: int, keys: list[str]) -> None:
     (landing / f"{batch:03d}.json").write_text(text)
 
 
+def _plain(table: pa.Table) -> list[dict]:
+    """Rows as Python values, a date or time as its number (Spark holds
+    years past 9999, which Python's dates do not)."""
+    columns = []
+    for field in table.schema:
+        column = table.column(field.name)
+        if pa.types.is_date32(field.type):
+            column = column.cast(pa.int32())
+        elif pa.types.is_timestamp(field.type):
+            column = column.cast(pa.int64())
+        columns.append(column)
+    return pa.table(columns, names=table.schema.names).to_pylist()
+
+
 def _state(spec_path: Path, way: str) -> list[tuple]:
     spec = load_spec(spec_path)
     if way.startswith("appended"):
-        rows = [r for b in read_state(spec) for r in b.to_pylist()]
+        rows = _plain(pa.Table.from_batches(list(read_state(spec))))
     else:
-        rows = read_all(open_table(spec.state_path)).to_pylist()
+        rows = _plain(read_all(open_table(spec.state_path)))
     found = sorted((repr(r["key"]), json.dumps({k: repr(v) for k, v in sorted(r.items())})) for r in rows)
     keys = [key for key, _ in found]
     assert len(keys) == len(set(keys)), f"{way}: a key is in the state more than once: {keys}"

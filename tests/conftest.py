@@ -133,15 +133,26 @@ def upload_folder(folder: Path, uri: str) -> None:
 
 @pytest.fixture(scope="session")
 def spark():
+    from spark_jobs.engine import jvm_cache
     from spark_jobs.engine.session import default_session
 
-    session = default_session("local[2]", app_name="microbatch-tests", short_lived=False, delta=True)
+    # A long-lived session (adaptive execution on, as a shared engine runs),
+    # in a JVM that compiles with C1 alone and collects serially, as a
+    # one-batch run's JVM does: the suite's JVM runs some two thousand small
+    # jobs on two cores, where C2's and the parallel collector's threads cost
+    # more than they return (13% less CPU for the in-process tests, 2026-12-02,
+    # docs/testing.md). Set only while the JVM starts: the CLI runs a test
+    # makes take the product's own options.
+    options = f"{jvm_cache.SHORT_JOB_JVM_OPTIONS} {jvm_cache.driver_java_options(short_lived=False)}".strip()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(jvm_cache.OPTIONS_ENV, options)
+        session = default_session("local[2]", app_name="microbatch-tests", short_lived=False, delta=True)
     yield session
     session.stop()
 
 
 @pytest.fixture(scope="session")
-def shared_connect(tmp_path_factory):
+def shared_connect_server(tmp_path_factory):
     """One Spark Connect server for the test process (the project's server,
     `tests.spark_servers.start_connect`), started when a test first needs it.
 
@@ -156,8 +167,14 @@ def shared_connect(tmp_path_factory):
     from tests.spark_servers import start_connect
 
     server, url = start_connect(tmp_path_factory.mktemp("shared-connect"))
-    yield url
+    yield server, url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_connect(shared_connect_server) -> str:
+    """The URL of the process's shared Connect server (`shared_connect_server`)."""
+    return shared_connect_server[1]
 
 
 @pytest.fixture

@@ -27,10 +27,11 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def connect_server(tmp_path_factory):
-    server, url = start_connect(tmp_path_factory.mktemp("connect"))
-    yield server, url
-    server.stop()
+def connect_server(shared_connect_server):
+    """The test process's shared server: what these tests check is a
+    server's sessions and its clients, not its start (which is
+    `test_a_connect_server_starts_from_a_process_that_was_a_connect_client`'s)."""
+    return shared_connect_server
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,19 @@ from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, kill_some, oracle_spec_dict, run_cli, start_cli, write_spec
 
 
+def _drain(spec_path, tries: int, *, races_lost: bool = False) -> None:
+    """Runs the pipeline until it has nothing new (at most `tries` runs),
+    each run exit 0; with `races_lost`, a run that lost a race to a
+    concurrent writer (`RACE_LOST`, exit 1, nothing committed) is tried again."""
+    for _ in range(tries):
+        result = run_cli("run", str(spec_path), "--json")
+        if races_lost and result.returncode == 1 and any(phrase in result.stderr for phrase in RACE_LOST):
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        if json.loads(result.stdout)["status"] == "no_new_data":
+            return
+
+
 def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     landing = spec_path.parent / "landing"
@@ -27,11 +40,7 @@ def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
         for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.7, timeout=300):
             # A run that was not killed must have succeeded (0) whatever happened around it.
             assert code in (0, -signal.SIGKILL), err
-    for _ in range(rounds * 3 + 2):  # drain
-        result = run_cli("run", str(spec_path), "--json")
-        assert result.returncode == 0, result.stderr[-2000:]
-        if json.loads(result.stdout)["status"] == "no_new_data":
-            break
+    _drain(spec_path, rounds * 3 + 2)
     assert_exact(spec_path)
     return counts
 
@@ -153,11 +162,7 @@ def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:
         for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.6, timeout=300):
             assert code in (0, -signal.SIGKILL), err
         _rewind_or_maintain(spec_path, rng, counts, wave, rounds, chance=0.4, back=3, keep=50)
-    for _ in range(rounds * 6 + 2):  # drain
-        result = run_cli("run", str(spec_path), "--json")
-        assert result.returncode == 0, result.stderr[-2000:]
-        if json.loads(result.stdout)["status"] == "no_new_data":
-            break
+    _drain(spec_path, rounds * 6 + 2)
     lineage = assert_exact(spec_path)
     spec = load_spec(spec_path)
     history = DeltaTable(spec.state_path).history()
@@ -261,13 +266,7 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int, state_writ
             overtaken = rewinding and i == 2 and code == 2 and any(p in err for p in REWIND_OVERTAKEN)
             assert code in (0, -signal.SIGKILL) or overtaken, f"exit {code}: {err[-3000:]}"
         outside.join()
-    for _ in range(rounds * 6 + 4):  # drain
-        result = run_cli("run", str(spec_path), "--json")
-        if result.returncode == 1 and any(phrase in result.stderr for phrase in RACE_LOST):
-            continue
-        assert result.returncode == 0, result.stderr[-2000:]
-        if json.loads(result.stdout)["status"] == "no_new_data":
-            break
+    _drain(spec_path, rounds * 6 + 4, races_lost=True)
     lineage = assert_exact(spec_path)
     assert_versions_carry_batches(spec_path)
     counts["batches"] = len(lineage)
@@ -336,13 +335,7 @@ def _merged_maintain_chaos(folder, rounds: int, seed: int, state_write: str) -> 
                 continue
             assert code in (0, -signal.SIGKILL), f"exit {code}: {err[-3000:]}"
         outside.join()
-    for _ in range(rounds * 6 + 4):  # drain
-        result = run_cli("run", str(spec_path), "--json")
-        if result.returncode == 1 and any(phrase in result.stderr for phrase in RACE_LOST):
-            continue
-        assert result.returncode == 0, result.stderr[-2000:]
-        if json.loads(result.stdout)["status"] == "no_new_data":
-            break
+    _drain(spec_path, rounds * 6 + 4, races_lost=True)
     assert run_cli("maintain", str(spec_path)).returncode == 0
     counts["batches"] = len(assert_exact(spec_path))
     assert_versions_carry_batches(spec_path)

@@ -107,7 +107,7 @@ test-full: setup tools jars lint
 # CPU of every process it started, the JVMs, CLI runs and Airflow stacks it
 # started, its sleeps; the tables docs/testing.md holds, printed at the end.
 COSTS ?= .test-costs.jsonl
-test-costs: setup tools jars
+test-costs: setup tools jars lint
 	rm -f $(COSTS)
 	$(BIN)/python -m pytest -q -m "not slow" --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile -p tests.costs --costs $(COSTS)
 	$(BIN)/python -m tests.costs $(COSTS)

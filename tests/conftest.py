@@ -144,11 +144,45 @@ def spark():
     # docs/testing.md). Set only while the JVM starts: the CLI runs a test
     # makes take the product's own options.
     options = f"{jvm_cache.SHORT_JOB_JVM_OPTIONS} {jvm_cache.driver_java_options(short_lived=False)}".strip()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(jvm_cache.OPTIONS_ENV, options)
+    environment = dict(os.environ)
+    os.environ[jvm_cache.OPTIONS_ENV] = options
+    try:
         session = default_session("local[2]", app_name="microbatch-tests", short_lived=False, delta=True)
+    finally:
+        # And what starting the session set for itself (the Python workers'
+        # interpreter, the driver's address) is not the CLI runs' either.
+        os.environ.clear()
+        os.environ.update(environment)
     yield session
     session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _shared_session_as_it_was(request):
+    """A test that used the process's shared session (`spark`, `compute`)
+    leaves it as it found it: the settings it (or the code it ran) set are
+    put back and its temporary views dropped, so a later test cannot pass
+    on a setting it did not make (delta_read sets one for the session, as
+    a one-batch run may)."""
+    if "spark" not in request.fixturenames:
+        yield
+        return
+    spark = request.getfixturevalue("spark")
+    settings = spark.conf.getAll
+    views = _temporary_views(spark)
+    yield
+    now = spark.conf.getAll
+    for key in now.keys() - settings.keys():
+        spark.conf.unset(key)
+    for key, value in settings.items():
+        if now.get(key) != value:
+            spark.conf.set(key, value)
+    for view in _temporary_views(spark) - views:
+        spark.catalog.dropTempView(view)
+
+
+def _temporary_views(spark) -> set[str]:
+    return {table.name for table in spark.catalog.listTables() if table.isTemporary}
 
 
 @pytest.fixture(scope="session")

@@ -53,10 +53,24 @@ def test_random_kills_and_overlapping_runs_end_exact(spec_path, on_connect):
 def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp_path, on_connect):
     """Issue 47: the same chaos with every merge made by Spark's executors
     (`engine.state_write: executors`: a copy-on-write merge of the state's
-    files, committed by the job), so kills land inside the executors'
-    writes and between them and the commit."""
+    files, committed by the job), so kills land between their writes and
+    the commit. The runs are a shared Connect server's clients: a killed
+    run's executors write on without it, files no commit names. The soak
+    below kills runs on their own Spark, inside the executors' writes."""
     spec_path = write_spec(tmp_path, oracle_spec_dict(engine={"state_write": "executors"}))
     counts = _chaos(spec_path, rounds=3, seed=5)
+    print(counts)
+    assert counts["killed"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("seed", [6, 7])
+def test_the_executors_merging_ends_exact_through_kills_of_each_run_s_own_spark(tmp_path, seed):
+    """The chaos above, each run starting Spark itself: a kill takes the
+    run's driver and the local executors writing the state's files with it."""
+    spec_path = write_spec(tmp_path, oracle_spec_dict(engine={"state_write": "executors"}))
+    counts = _chaos(spec_path, rounds=8, seed=seed)
     print(counts)
     assert counts["killed"], counts
 
@@ -354,5 +368,9 @@ def test_a_merged_state_written_by_the_executors_stays_exact_through_maintain_an
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", [63, 64])
 @pytest.mark.parametrize("state_write", ["driver", "auto", "executors"])
-def test_merged_maintain_chaos_soak(tmp_path, on_connect, seed, state_write):
+def test_merged_maintain_chaos_soak(tmp_path, request, seed, state_write):
+    """`executors`' runs start Spark themselves (a kill takes their executors
+    with them), the others' are the shared Connect server's clients."""
+    if state_write != "executors":
+        request.getfixturevalue("on_connect")
     print(_merged_maintain_chaos(tmp_path, rounds=15, seed=seed, state_write=state_write))

@@ -224,7 +224,8 @@ def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engi
 @pytest.mark.parametrize(
     ("engine", "reader"),
     # The cluster's case (3 min) in `make soak`: delta-spark's JARs reaching a
-    # cluster's executors are tests/test_topology.py's, Spark's reader `auto`'s over Connect.
+    # cluster's executors are test_delta_spark_reads_the_state_on_the_cluster's,
+    # Spark's reader is `auto`'s over Connect.
     [pytest.param("cluster", "spark", marks=pytest.mark.slow), ("connect", "auto"), ("connect", "driver")],
 )
 def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reader, tmp_path):
@@ -260,7 +261,6 @@ print(json.dumps([[r.user_id, r.events] for r in rows]))
 """
 
 
-@pytest.mark.slow  # in `make test`, tests/test_topology.py reads every state with delta-spark on a cluster, through its Connect server
 def test_delta_spark_reads_the_state_on_the_cluster(cluster, tmp_path):
     """A Delta-querying session's delta-spark JARs reach a cluster's executors
     (`spark.jars`). (A Connect server started with them serves Delta too:

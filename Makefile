@@ -40,16 +40,13 @@ demo: setup spark-jars
 
 # How many of the slowest tests to list (0: all).
 DURATIONS ?= 25
-# Test processes (pytest-xdist). Two processes took the suite from 42 to 33
-# minutes on 2 cores, when it was smaller. On 2026-11-29 it took 58.6 minutes
-# here with nothing else running, the machine's 2 cores about 96% busy over
-# it (/proc/stat, machine-wide; 89% in its last 4 minutes, one process left):
-# the suite is bound by CPU now, not by waiting, so a third process has
-# little to gain. Three were slower once (CI: 82 minutes against 76 with
-# two), their JVMs starting at once starving the live Airflows' heartbeats;
-# tried again on 2026-11-28, three took 60 minutes against two's 63, and the
-# api-server was once 30 s slow to answer a poll. A test file stays in one
-# process (its module fixtures, such as a live Airflow, start once).
+# Test processes (pytest-xdist). The suite is bound by CPU: on 2026-12-02
+# its tests took 58 CPU-minutes of 2 cores (docs/testing.md, "Where the time
+# goes"). Three processes took 33.4 minutes and stretched every test (their
+# wall times summed to 90 minutes against two's 62); earlier, three starved
+# the live Airflows' heartbeats (CI: 82 minutes against 76 with two). A test
+# file stays in one process (its module fixtures, such as a live Airflow,
+# start once).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup tools jars lint

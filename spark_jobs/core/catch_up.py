@@ -38,7 +38,8 @@ from spark_jobs.core.compute import Compute, ComputeResult, Engine
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.fencing import Position
-from spark_jobs.core.protocol import Plan, RunOptions, StepTimes, complete, executors_write, prepare, sink_for
+from spark_jobs.core.protocol import Plan, RunOptions, complete, executors_write, prepare, sink_for
+from spark_jobs.core.run_report import StepTimes
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, delete_files
 from spark_jobs.errors import first_line

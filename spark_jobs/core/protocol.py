@@ -100,8 +100,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, cast
@@ -114,12 +113,13 @@ from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.faults import fault_point, watch_for_new_files
-from spark_jobs.core.folding import is_appended, row_counts
+from spark_jobs.core.folding import is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
 from spark_jobs.core.identity import SpecIdentity, new_pipeline_id
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
+from spark_jobs.core.run_report import StepTimes, moved_past, note_fold_due, nothing_new, outcome_of
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, Staged
 from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
@@ -238,12 +238,12 @@ def prepare(pipeline: Pipeline, options: RunOptions, engine: Engine, steps: Step
     with steps("plan"):
         plan = plan_batch(pipeline, view, options, engine)
     if isinstance(plan, Done):
-        return _outcome(spec, options, started, plan, steps=steps)
+        return outcome_of(spec, options, started, plan, steps=steps)
     _boundary("after_plan", spec)
     with steps("read"):
         processed = read_and_quarantine(pipeline, plan, engine)
     if isinstance(processed, Done):
-        return _outcome(spec, options, started, processed, steps=steps)
+        return outcome_of(spec, options, started, processed, steps=steps)
     return plan, processed
 
 
@@ -255,15 +255,15 @@ def complete(
     with steps("commit"):
         committed = commit_state(pipeline, plan, processed, options, started, engine)
     if isinstance(committed, Done):
-        return _outcome(spec, options, started, committed, steps=steps)
+        return outcome_of(spec, options, started, committed, steps=steps)
     # DEBUG: the run's outcome (the CLI's table, the task's one summary line) says it.
     log.debug("committed %s: state version %d, %d keys updated", plan.position, committed.state_version, committed.keys_updated)
     with steps("project"):
         project(pipeline)
     if is_appended(spec):
-        _note_fold_due(pipeline)
+        note_fold_due(pipeline)
     done = Done(Outcome.COMMITTED, f"committed {plan.position}: {plan.batch.describe()}", plan.position, plan.batch)
-    return _outcome(spec, options, started, done, processed, committed, steps=steps)
+    return outcome_of(spec, options, started, done, processed, committed, steps=steps)
 
 
 # -- 1. Reconcile ----------------------------------------------------------------------
@@ -329,7 +329,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
     else:
         planned = pipeline.source.plan(pipeline.lineage(view), until=options.interval_end, caps=options.caps(spec))
         if planned is None:
-            return Done(Outcome.NO_NEW_DATA, _nothing_new(options, view.head), head)
+            return Done(Outcome.NO_NEW_DATA, nothing_new(options, view.head), head)
         batch = planned
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
@@ -375,7 +375,7 @@ def _record_plan(
     if theirs is not None:
         return view, theirs, pipeline.batch(theirs)
     if view.position >= n:
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, view.position), n, batch)
+        return Done(Outcome.ALREADY_COMMITTED, moved_past(n, view.position), n, batch)
     raise ConcurrentRunError(
         f"pipeline {spec.name}: could not plan {n}: the ledger moved; run again", pipeline=spec.name, position=n
     )
@@ -485,7 +485,7 @@ def _moved_on(pipeline: Pipeline, plan: Plan, table: DeltaTable) -> Done | None:
     n, current = plan.position, pipeline.state.position(table)
     if current >= n:
         reconcile(pipeline)  # records the winner's commit, or refuses one that is not ours
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
+        return Done(Outcome.ALREADY_COMMITTED, moved_past(n, current), n, plan.batch)
     if not plan.view.agrees(current):
         raise StateBehindLedgerError(pipeline.spec.name, plan.head, current)
     return None
@@ -547,7 +547,7 @@ def _checked_snapshot(pipeline: Pipeline, plan: Plan) -> DeltaTable | Done:
     current = pipeline.state.position(table)
     if current >= n:
         reconcile(pipeline)
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, current), n, plan.batch)
+        return Done(Outcome.ALREADY_COMMITTED, moved_past(n, current), n, plan.batch)
     if not plan.view.agrees(current):
         raise StateBehindLedgerError(spec.name, head, current)
     if current == ORIGIN:
@@ -556,7 +556,7 @@ def _checked_snapshot(pipeline: Pipeline, plan: Plan) -> DeltaTable | Done:
         # must find out from the ledger, just before its first commit.
         moved = pipeline.ledger.load().position
         if moved != head:
-            return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, moved), n, plan.batch)
+            return Done(Outcome.ALREADY_COMMITTED, moved_past(n, moved), n, plan.batch)
     # Merging onto a change made outside the job since step 1 would hide it for good.
     check_unchanged(pipeline, plan.view, table)
     return table
@@ -604,7 +604,7 @@ def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, ex
         return Committed(landed.version, landed.keys_updated)
     if now >= n:
         reconcile(pipeline)
-        return Done(Outcome.ALREADY_COMMITTED, _moved_past(n, now), n, plan.batch)
+        return Done(Outcome.ALREADY_COMMITTED, moved_past(n, now), n, plan.batch)
     if not last and plan.view.agrees(now):
         return None
     raise ConcurrentRunError(
@@ -639,101 +639,10 @@ def project(pipeline: Pipeline) -> None:
         log.warning("consumed source data not released this time (%s); the next committing run tries again", exc)
 
 
-def _note_fold_due(pipeline: Pipeline) -> None:
-    """After step 5: an appended state whose partial rows passed
-    `state.fold_at` is due a fold, which `maintain` makes (the maintenance
-    DAG, a cron): never a batch, which would then take as long as a MERGE
-    of the whole state. The newest commit says it (no data read)."""
-    counts = row_counts(pipeline.state.open())
-    if counts.fold_due(pipeline.spec.state.fold_at):
-        log.info(
-            "the state holds %d rows appended since its last fold (state.fold_at %g of %d): `microbatch maintain` "
-            "folds them (airflow.maintenance_schedule runs it)", counts.appended, pipeline.spec.state.fold_at, counts.folded
-        )
-
-
 # -- helpers ---------------------------------------------------------------------------
-
-
-class StepTimes:
-    """Milliseconds per protocol step, for the outcome. The engine's start is
-    counted apart from the step that needed it first. A step that raises is
-    not timed: no `finally`, so nothing runs on the way out of a crash."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self.ms: dict[str, int] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        begun, engine_before = time.monotonic(), self._engine.start_s
-        yield
-        engine_start = self._engine.start_s - engine_before
-        self.ms[name] = int((time.monotonic() - begun - engine_start) * 1000)
-        if engine_start:
-            self.ms["engine_start"] = int(engine_start * 1000)
 
 
 def _boundary(point: str, spec: PipelineSpec) -> None:
     """A protocol boundary: a named fault point, and where a SIGTERM stops the run."""
     fault_point(point)
     shutdown.check(point, spec.name)
-
-
-def _moved_past(n: Position, current: Position) -> str:
-    """Why a run of `n` is a no-op, given the position the pipeline moved to."""
-    if current.epoch > n.epoch:
-        return f"the pipeline was rewound (now at {current}) while this run prepared {n}; nothing to do"
-    return f"another run already committed {n} (the pipeline is at {current}); nothing to do"
-
-
-def _nothing_new(options: RunOptions, head: LedgerRow | None) -> str:
-    """Why a run found nothing: for an interval, whether a batch already read
-    past its end (it is covered) or nothing arrived in it at all."""
-    at = head.position if head is not None else ORIGIN
-    end = options.interval_end
-    if end is None:
-        return f"no new data (pipeline at {at})"
-    # What the head batch read: up to its interval's end if it had one, else
-    # what had arrived when it was planned. A rewind read nothing.
-    read_to = None
-    if head is not None and head.status is RowStatus.COMMITTED:
-        read_to = head.interval_end or head.planned_at
-    if read_to is not None and read_to >= end:
-        return (
-            f"this interval is already covered: batch {head.batch_id} (epoch {head.epoch}) read what had arrived "
-            f"by {read_to.isoformat()}, after the interval's end {end.isoformat()} (pipeline at {at})"
-        )
-    start = f"{options.interval_start.isoformat()} to " if options.interval_start else "before "
-    return f"nothing new arrived in the interval {start}{end.isoformat()} (pipeline at {at})"
-
-
-def _outcome(
-    spec: PipelineSpec,
-    options: RunOptions,
-    started: float,
-    done: Done,
-    processed: Processed | None = None,
-    committed: Committed | None = None,
-    *,
-    steps: StepTimes | None = None,
-) -> BatchOutcome:
-    """The one place a run's outcome is built."""
-    batch = done.batch
-    return BatchOutcome(
-        status=done.status,
-        pipeline=spec.name,
-        message=done.message,
-        run_id=options.run_id,
-        epoch=done.position.epoch,
-        batch_id=done.position.batch_id,
-        start_offsets=batch.start.to_dict() if batch else None,
-        end_offsets=batch.end.to_dict() if batch else None,
-        inputs=tuple(batch.manifest.inputs()) if batch else (),
-        records_in=processed.records_in if processed else None,
-        records_quarantined=processed.records_quarantined if processed else None,
-        keys_updated=committed.keys_updated if committed else None,
-        state_version=committed.state_version if committed else None,
-        duration_ms=int((time.monotonic() - started) * 1000),
-        steps_ms=dict(steps.ms) if steps else None,
-    )

@@ -205,6 +205,11 @@ def test_one_ctrl_c_stops_make_airflow_while_a_batch_runs(tmp_path, executor):
         _ctrl_c(make, tmp_path)
 
 
+# Soak: what it checks is `make airflow`'s options reaching each component
+# (most of its three minutes are Airflow's parse interval going by); `make
+# test` keeps `make airflow`'s own class (the Ctrl-C test above) and runs
+# Airflow's tasks on a shared Connect server in plugins/test_airflow_live.py.
+@pytest.mark.slow
 def test_make_airflow_with_a_shared_connect_engine_runs_every_batch_on_it(tmp_path):
     """ENGINE=connect: one Spark Connect server; the tasks are its thin
     clients and start no JVM of their own. One Ctrl-C stops it too. And the

@@ -80,6 +80,9 @@ def _s3_pipeline(tmp_path, bucket: str) -> tuple:
             "source": {**base["source"], "path": f"s3://{bucket}/landing/clicks"},
             "state": {**base["state"], "path": f"s3://{bucket}/lake/state"},
             "checkpoint": f"s3://{bucket}/lake/_checkpoints/clicks",
+            # The refused run fails once, not three times 10 s apart: its
+            # retries would meet the same missing connection.
+            "airflow": {"retries": 0},
         }
     )
     folder = tmp_path / "pipelines"

@@ -30,7 +30,7 @@ def test_fires_when_a_file_lands(spec_path):
     assert event.payload == {"status": "ready", "waiting": 2}
 
 
-def test_between_checks_a_poll_takes_the_fingerprint_and_a_rewind_or_a_file_fires_it(spec_path):
+def test_between_checks_a_poll_takes_the_fingerprint_and_a_rewind_or_a_file_fires_it(spec_path, on_connect):
     """An idle poll reads no ledger (the fingerprint stands for it); what
     changes the ledger (a rewind makes consumed files new) or the folder
     (a file lands) makes the next poll check in full, and fire."""
@@ -140,7 +140,7 @@ class _Watcher:
         self._thread.join(10)
 
 
-def test_the_watcher_emits_once_per_news_never_while_idle_and_not_for_a_batch_starting(spec_path):
+def test_the_watcher_emits_once_per_news_never_while_idle_and_not_for_a_batch_starting(spec_path, on_connect):
     """The watcher behind `run_on_data`: an event when files land, none while
     nothing changes, none when a batch only starts (the ledger moves, the
     count does not), one when a commit leaves files behind, none when the

@@ -239,7 +239,7 @@ def _state(spec_path: Path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("after_commit", ["delete", pytest.param("archive", marks=pytest.mark.slow)])
-def test_a_file_renamed_over_a_planned_one_before_the_read_is_never_counted_for_it(tmp_path, after_commit):
+def test_a_file_renamed_over_a_planned_one_before_the_read_is_never_counted_for_it(tmp_path, after_commit, on_connect):
     """Issue 46, item 2, through the CLI with real Spark: `orders.json`
     (`a: 1`) is planned, then a writer renames a new `orders.json` (`a: 100`,
     `b: 5`) over it before Spark reads it. The batch read the new bytes under

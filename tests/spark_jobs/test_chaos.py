@@ -85,11 +85,15 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
     """Now and then rewind `spec` up to `back` batches, and maintain it keeping `keep` batches.
 
     Random, but each tried at least once before the drain: the kills'
-    timing changes which draws the generator makes, so no seed can promise it."""
+    timing changes which draws the generator makes, so no seed can promise it.
+    A rewind goes no further back than an earlier maintain kept rewindable
+    (`status`'s oldest rewindable batch): past it, the refusal by name is
+    right (`test_maintain.py` shows it)."""
     if rng.random() < chance or (wave >= rounds - 2 and not counts["rewinds"]):
-        head = json.loads(run_cli("status", str(spec), "--json").stdout)["last_batch"]
-        if head > 1:
-            result = run_cli("rewind", str(spec), "--to-batch", str(rng.randint(max(head - back, 1), head - 1)))
+        status = json.loads(run_cli("status", str(spec), "--json").stdout)
+        head, oldest = status["last_batch"], status["oldest_rewindable"] or 1
+        if head > max(oldest, 1):
+            result = run_cli("rewind", str(spec), "--to-batch", str(rng.randint(max(head - back, oldest, 1), head - 1)))
             assert result.returncode == 0, result.stderr[-2000:]
             counts["rewinds"] += 1
     if rng.random() < chance or (wave == rounds - 1 and not counts["maintains"]):

@@ -126,21 +126,21 @@ $(FLINK_STAMP): bench/anchors/flink_requirements.txt | java
 bench: setup jars
 	$(BIN)/python bench/headline.py
 
-# Side by side with Structured Streaming and Flink (docs/benchmarks.md), then
-# micro-batches against continuous snapshots (docs/micro-batch-vs-continuous.md),
-# the state write as the state grows (docs/state-at-scale.md) and each state
-# layout beside Structured Streaming as users come back (docs/benchmarks.md), what idle
-# pipelines cost a live Airflow, fleets of 10 to 200 pipelines beside
-# Structured Streaming, and a hundred on Celery workers, one of them killed
-# (docs/fleet.md). About 4.5 h.
+# Side by side with Structured Streaming and Flink, Kafka beside Structured
+# Streaming's Kafka source and the two readers of a Delta source
+# (docs/benchmarks.md), then micro-batches against continuous snapshots
+# (docs/micro-batch-vs-continuous.md), each state layout beside Structured
+# Streaming as users come back (docs/benchmarks.md), what a fleet at rest costs
+# a live Airflow, fleets of 10 to 200 pipelines beside Structured Streaming,
+# and a hundred on Celery workers, one of them killed (docs/fleet.md). Under
+# 4.5 h. The scripts share bench/harness.py; BENCH_DOCS=DIR writes into a copy
+# of docs/ instead.
 bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py --delta-reads
 	$(BIN)/python bench/kafka_vs_ss.py
-	$(BIN)/python bench/delta_read_ways.py
 	$(BIN)/python bench/continuous.py
-	$(BIN)/python bench/state_scale.py
 	$(BIN)/python bench/state_vs_ss.py
-	$(BIN)/python bench/idle_cost.py
 	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 \

@@ -34,109 +34,60 @@ Writes docs/micro-batch-vs-continuous.md's "Measured" section and plots
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
+from harness import FLINK_PYTHON, ROOT, become_subreaper, children_cpu, event_at, flink_args, flink_bounded
+from harness import (
+    measured_by,
+    microbatch,
+    pct,
+    pyplot,
+    reap_orphans,
+    save_plot,
+    scratch,
+    tree_cpu,
+    write_section,
+    write_spec,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "bench" / "anchors"))
+from flink_state import Tail, fold_output  # (anchors/: plain Python, no Flink import)
+from spark_jobs.demo.clickstream import ORACLE_MERGE, ORACLE_TRANSFORM, Totals, differences, fold, write_wave
 
-from doc_sections import replace_section  # noqa: E402
-from flink_state import Tail, fold_output  # noqa: E402  (plain Python, no Flink import)
-from run import FLINK_PYTHON, machine  # noqa: E402
-from spark_jobs.demo.clickstream import ORACLE_MERGE, ORACLE_TRANSFORM, Totals, differences, fold, write_wave  # noqa: E402
-
-DOC = ROOT / "docs" / "micro-batch-vs-continuous.md"
 RECORDS_PER_FILE = 5_000
 LAND_EVERY_S = 2.0
 USERS = 100_000
-SCHEMA = "event_id STRING, user_id STRING, amount DOUBLE, ts TIMESTAMP"
-
-
-# -- CPU accounting ------------------------------------------------------------------------
-
-
-def become_subreaper() -> None:
-    """Orphans of our children (a JVM whose Python parent exited first) are
-    re-parented to this process, so reaping them adds their CPU time to
-    RUSAGE_CHILDREN: every process of a run is counted."""
-    PR_SET_CHILD_SUBREAPER = 36
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def reap_orphans(wait_s: float = 0.0) -> None:
-    """Reap exited orphans; wait up to `wait_s` for the ones still exiting."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(0.05)
-
-
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def tree_cpu(root: int) -> float:
-    """CPU-seconds used so far by `root` and its live descendants (from /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, _) in stats.items():
-            if ppid == parent and pid not in tree:
-                tree.add(pid)
-                frontier.append(pid)
-    return sum(stats[pid][1] for pid in tree if pid in stats)
+Look = Callable[[list[str]], set[str]]
 
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
-# -- the stream ----------------------------------------------------------------------------
+# -- the stream ------------------------------------------------------------------------------
 
 
 class Stream:
     """Lands a file of click records every `every` seconds (atomically: a hidden
     temp name, then a rename), its last line a probe for a user of its own."""
 
-    def __init__(self, landing: Path, staging: Path, seed: int, every: float = LAND_EVERY_S) -> None:
-        self.landing, self.staging, self.seed, self.every = landing, staging, seed, every
+    def __init__(self, folder: Path, seed: int, every: float = LAND_EVERY_S) -> None:
+        self.landing, self.staging, self.seed, self.every = folder / "landing", folder / "staging", seed, every
         self.landed: dict[str, float] = {}  # probe user -> time its file landed
-        self.count = 0  # records landed, probes included
+        self.records = 0  # landed, probes included
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        landing.mkdir(parents=True, exist_ok=True)
+        self.landing.mkdir(parents=True, exist_ok=True)
 
     def land(self, n: int, records: int = RECORDS_PER_FILE) -> str:
         [made] = write_wave(self.staging, n, files=1, records_per_file=records, users=USERS, seed=self.seed)
@@ -149,7 +100,7 @@ class Stream:
         temp.write_text(text, encoding="utf-8")
         os.replace(temp, target)
         self.landed[probe] = time.time()
-        self.count += records + 1
+        self.records += records + 1
         return probe
 
     def start(self) -> None:
@@ -167,14 +118,18 @@ class Stream:
             next_at += self.every
             self._stop.wait(max(0.0, next_at - time.monotonic()))
 
-    def records(self) -> int:
-        return self.count
+
+def backlog(folder: Path, files: int, seed: int) -> Stream:
+    stream = Stream(folder, seed=seed)
+    for n in range(files):
+        stream.land(n, records=50_000)
+    return stream
 
 
 class Visibility:
     """Polls what a reader can query every 0.1 s and notes when each probe first shows."""
 
-    def __init__(self, probes: dict[str, float], look: Any) -> None:
+    def __init__(self, probes: dict[str, float], look: Look) -> None:
         self.probes, self.look = probes, look
         self.seen: dict[str, float] = {}
         self._stop = threading.Event()
@@ -206,7 +161,7 @@ class Visibility:
         return [self.seen[p] - t for p, t in self.probes.items() if p in self.seen]
 
 
-def delta_probes(state_path: Path) -> Any:
+def delta_probes(state_path: Path) -> Look:
     """A `look` for the project: probes present in the state table (read only when its version moved)."""
     from spark_jobs.core.delta_io import open_table, read_all
 
@@ -224,7 +179,7 @@ def delta_probes(state_path: Path) -> Any:
     return look
 
 
-def flink_probes(out: Path) -> Any:
+def flink_probes(out: Path) -> Look:
     tail = Tail(out)
 
     def look(pending: list[str]) -> set[str]:
@@ -234,50 +189,20 @@ def flink_probes(out: Path) -> Any:
     return look
 
 
-# -- the project ---------------------------------------------------------------------------
+def oracle_check(landing: Path, actual: dict[str, Totals]) -> list[str]:
+    return differences(fold(sorted(landing.glob("*.json"))), actual)
+
+
+def flink_totals(out: Path) -> dict[str, Totals]:
+    return {u: Totals(a.events, a.amount, a.idhash, a.last_seen) for u, a in fold_output(out).items()}
+
+
+# -- the project -----------------------------------------------------------------------------
 
 
 def project_spec(folder: Path) -> Path:
-    spec = {
-        "name": "continuous_clicks",
-        "source": {"type": "files", "path": "landing", "format": "json", "schema": SCHEMA},
-        "transform": ORACLE_TRANSFORM,
-        "state": {"path": "lake/state", "keys": ["user_id"], "merge": ORACLE_MERGE},
-        "checkpoint": "lake/_checkpoints/continuous",
-    }
-    path = folder / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
-def microbatch(spec: Path, remote: str | None = None, *, kill_after: float | None = None) -> dict[str, Any]:
-    """`microbatch run` in a new process; its outcome, wall seconds and the lake's bytes written."""
-    lake = spec.parent / "lake"
-    before = dir_bytes(lake)
-    args = [sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json", *(["--master", remote] if remote else [])]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.time()
-        child = subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, start_new_session=True)
-        if kill_after is not None:
-            try:
-                child.wait(kill_after)
-                raise RuntimeError(f"the run ended before the kill at {kill_after} s")
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-                return {"killed_at_s": time.time() - started, "started": started}
-        code = child.wait(900)
-        ended = time.time()
-        out.seek(0)
-        err.seek(0)
-        if code != 0:
-            raise RuntimeError(f"microbatch run failed ({code}): {err.read()[-3000:]}")
-        outcome = json.loads(out.read())
-    return {**outcome, "wall_s": ended - started, "started": started, "ended": ended, "bytes": dir_bytes(lake) - before}
-
-
-def oracle_check(landing: Path, actual: dict[str, Totals]) -> list[str]:
-    return differences(fold(sorted(landing.glob("*.json"))), actual)
+    state = {"path": "lake/state", "keys": ["user_id"], "merge": ORACLE_MERGE}
+    return write_spec(folder, "continuous_clicks", transform=ORACLE_TRANSFORM, state=state)
 
 
 def project_totals(spec: Path) -> dict[str, Totals]:
@@ -287,13 +212,37 @@ def project_totals(spec: Path) -> dict[str, Totals]:
     return state_totals(load_spec(spec))
 
 
-def project_latency(work: Path, interval: float, window: float, remote: str | None = None, server: int | None = None) -> dict[str, Any]:
+def project_run(spec: Path, remote: str | None = None) -> dict[str, Any]:
+    """`microbatch run` in a new process: its outcome, wall seconds and the bytes it added to the lake."""
+    before = dir_bytes(spec.parent / "lake")
+    took, stdout = microbatch(spec, *(["--master", remote] if remote else []))
+    return {**json.loads(stdout), "wall_s": took, "bytes": dir_bytes(spec.parent / "lake") - before}
+
+
+def killed_run(spec: Path, after: float) -> float:
+    """`microbatch run` SIGKILLed, its whole process group, `after` seconds into it; when, from its start."""
+    started = time.time()
+    command = [sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json"]
+    child = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
+    )
+    try:
+        child.wait(after)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return time.time() - started
+    raise RuntimeError(f"the run ended before the kill at {after} s")
+
+
+def project_latency(
+    work: Path, interval: float, window: float, remote: str | None = None, server: int = 0
+) -> dict[str, Any]:
     """Runs started every `interval` s (one at a time, as `max_active_runs=1`) while files land for `window` s.
     With `remote`, the Spark Connect server's process (`server`) is counted too, idle time included."""
     folder = work / f"project-{interval:g}{'-connect' if remote else ''}"
-    folder.mkdir(parents=True)
     spec = project_spec(folder)
-    stream = Stream(folder / "landing", folder / "staging", seed=int(interval * 10) + (1 if remote else 0))
+    stream = Stream(folder, seed=int(interval * 10) + (1 if remote else 0))
     visible = Visibility(stream.landed, delta_probes(folder / "lake" / "state"))
     reap_orphans()
     cpu0 = children_cpu() - (tree_cpu(server) if server else 0.0)
@@ -308,7 +257,7 @@ def project_latency(work: Path, interval: float, window: float, remote: str | No
             if not stopped and time.monotonic() - begun >= window:
                 stream.stop()
                 stopped = True
-            runs.append(microbatch(spec, remote))
+            runs.append(project_run(spec, remote))
             reap_orphans()
             if stopped and runs[-1]["status"] == "no_new_data":
                 break
@@ -321,18 +270,60 @@ def project_latency(work: Path, interval: float, window: float, remote: str | No
     reap_orphans(5)
     cpu = children_cpu() + (tree_cpu(server) if server else 0.0) - cpu0
     committed = [r for r in runs if r["status"] == "committed"]
-    problems = oracle_check(folder / "landing", project_totals(spec))
+    problems = oracle_check(stream.landing, project_totals(spec))
     return {
-        "engine": "project" + (" (warm Spark Connect)" if remote else ""), "setting": f"every {interval:g} s",
-        "interval_s": interval, "latencies": visible.latencies(), "files": len(stream.landed), "records": stream.records(),
-        "cpu_s": cpu, "runs": len(runs), "commits": len(committed),
+        "engine": "project" + (" (warm Spark Connect)" if remote else ""),
+        "setting": f"every {interval:g} s",
+        "latencies": visible.latencies(),
+        "files": len(stream.landed),
+        "records": stream.records,
+        "cpu_s": cpu,
+        "commits": len(committed),
         "commit_ms": [r["steps_ms"].get("commit", 0) for r in committed],
-        "commit_bytes": [r["bytes"] for r in committed], "run_s": [r["wall_s"] for r in committed],
-        "oracle": problems[:5], "oracle_ok": not problems and len(visible.seen) == len(stream.landed),
+        "commit_bytes": [r["bytes"] for r in committed],
+        "run_s": [r["wall_s"] for r in committed],
+        "oracle": problems[:5],
+        "oracle_ok": not problems and len(visible.seen) == len(stream.landed),
     }
 
 
-# -- Flink ---------------------------------------------------------------------------------
+def project_idle(work: Path, runs: int = 3) -> dict[str, Any]:
+    """Runs that find nothing new, after one that commits: CPU-seconds and wall each."""
+    folder = work / "idle-project"
+    Stream(folder, seed=8001).land(0)
+    spec = project_spec(folder)
+    project_run(spec)
+    reap_orphans(5)
+    cpu, wall = [], []
+    for _ in range(runs):
+        cpu0 = children_cpu()
+        run = project_run(spec)
+        reap_orphans(5)
+        assert run["status"] == "no_new_data", run
+        cpu.append(children_cpu() - cpu0)
+        wall.append(run["wall_s"])
+    return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall)}
+
+
+def project_recovery(work: Path, kill_after: float) -> dict[str, Any]:
+    """kill -9 a run in the middle of its batch (2 x 50k records), then the next run."""
+    folder = work / "recovery-project"
+    backlog(folder, 2, seed=9001)
+    spec = project_spec(folder)
+    killed_at = killed_run(spec, kill_after)
+    reap_orphans(5)
+    rerun = project_run(spec)
+    exact = not oracle_check(folder / "landing", project_totals(spec)) and rerun["status"] == "committed"
+    return {
+        "killed_at_s": killed_at,
+        "recovered_s": rerun["wall_s"],
+        "replayed_records": rerun["records_in"],
+        "lost_s": killed_at,
+        "oracle_ok": exact,
+    }
+
+
+# -- Flink -----------------------------------------------------------------------------------
 
 
 class FlinkJob:
@@ -343,13 +334,10 @@ class FlinkJob:
         folder.mkdir(parents=True, exist_ok=True)
         self.log = open(folder / "flink.stderr", "a")  # noqa: SIM115 (closed in wait)
         self.started = time.time()
-        self.process = subprocess.Popen(
-            [str(FLINK_PYTHON), str(ROOT / "bench/anchors/flink_clicks.py"), "--landing", str(landing), "--out", str(self.out),
-             "--checkpoints", str(folder / "checkpoints"), "--monitor-interval-ms", "500", "--checkpoint-interval-ms",
-             str(checkpoint_ms), "--backend", "rocksdb", "--metrics-file", str(self.metrics),
-             *(["--restore", "latest"] if restore else [])],
-            stdout=self.log, stderr=self.log, cwd=ROOT, start_new_session=True,
-        )
+        args = ["--monitor-interval-ms", "500", "--checkpoint-interval-ms", str(checkpoint_ms)]
+        args += ["--restore", "latest"] if restore else []
+        command = flink_args(landing, folder, self.metrics, *args)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log, cwd=ROOT, start_new_session=True)
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.metrics.exists():
@@ -364,7 +352,9 @@ class FlinkJob:
             if found:
                 return found[0]
             if self.process.poll() is not None:
-                raise RuntimeError(f"Flink exited ({self.process.returncode}) before {kind}: see {self.folder / 'flink.stderr'}")
+                raise RuntimeError(
+                    f"Flink exited ({self.process.returncode}) before {kind}: see {self.folder / 'flink.stderr'}"
+                )
             time.sleep(0.1)
         raise TimeoutError(f"no {kind} from Flink in {timeout} s")
 
@@ -387,12 +377,10 @@ class FlinkJob:
 def flink_latency(work: Path, checkpoint_s: float, window: float, idle_s: float) -> dict[str, Any]:
     """A running job (started before the stream: its start-up is reported apart), files landing for `window` s."""
     folder = work / f"flink-{checkpoint_s:g}"
-    landing = folder / "landing"
-    landing.mkdir(parents=True)
-    stream = Stream(landing, folder / "staging", seed=1000 + int(checkpoint_s * 10))
+    stream = Stream(folder, seed=1000 + int(checkpoint_s * 10))
     reap_orphans()
     cpu0 = children_cpu()
-    job = FlinkJob(landing, folder, int(checkpoint_s * 1000))
+    job = FlinkJob(stream.landing, folder, int(checkpoint_s * 1000))
     running = job.wait_for("job_running")
     tree0, t0 = tree_cpu(job.process.pid), time.time()
     visible = Visibility(stream.landed, flink_probes(job.out))
@@ -400,7 +388,7 @@ def flink_latency(work: Path, checkpoint_s: float, window: float, idle_s: float)
     time.sleep(window)
     stream.stop()
     caught_up = visible.wait_all(120)
-    tree1, t1 = tree_cpu(job.process.pid), time.time()
+    tree1 = tree_cpu(job.process.pid)
     time.sleep(idle_s)  # nothing new lands: what the job costs while idle
     idle_cpu = tree_cpu(job.process.pid) - tree1
     job.stop()
@@ -408,99 +396,25 @@ def flink_latency(work: Path, checkpoint_s: float, window: float, idle_s: float)
     reap_orphans(10)
     cpu = children_cpu() - cpu0
     checkpoints = [e for e in job.events("checkpoint") if not e.get("savepoint") and e["t"] >= t0]
-    problems = oracle_check(landing, {u: Totals(a.events, a.amount, a.idhash, a.last_seen) for u, a in fold_output(job.out).items()})
+    problems = oracle_check(stream.landing, flink_totals(job.out))
     return {
-        "engine": "flink", "setting": f"checkpoint every {checkpoint_s:g} s", "interval_s": checkpoint_s,
-        "latencies": visible.latencies(), "files": len(stream.landed), "records": stream.records(),
-        "startup_s": running["t"] - job.started, "stream_cpu_s": tree1 - tree0, "stream_s": t1 - t0,
-        "idle_cpu_s": idle_cpu, "idle_s": idle_s, "cpu_s": cpu, "commits": len(checkpoints),
-        "commit_ms": [c["duration_ms"] for c in checkpoints], "commit_bytes": [c.get("checkpointed_size") or 0 for c in checkpoints],
+        "engine": "flink",
+        "setting": f"checkpoint every {checkpoint_s:g} s",
+        "latencies": visible.latencies(),
+        "files": len(stream.landed),
+        "records": stream.records,
+        "startup_s": running["t"] - job.started,
+        "stream_cpu_s": tree1 - tree0,
+        "idle_cpu_s": idle_cpu,
+        "idle_s": idle_s,
+        "cpu_s": cpu,
+        "commits": len(checkpoints),
+        "commit_ms": [c["duration_ms"] for c in checkpoints],
+        "commit_bytes": [c.get("checkpointed_size") or 0 for c in checkpoints],
         "state_bytes": [c.get("state_size") or 0 for c in checkpoints],
-        "oracle": problems[:5], "oracle_ok": caught_up and not problems,
+        "oracle": problems[:5],
+        "oracle_ok": caught_up and not problems,
     }
-
-
-# -- throughput, idle and recovery ---------------------------------------------------------
-
-
-def backlog(folder: Path, files: int, seed: int) -> Stream:
-    stream = Stream(folder / "landing", folder / "staging", seed=seed)
-    for n in range(files):
-        stream.land(n, records=50_000)
-    return stream
-
-
-def throughput(work: Path, files: int) -> list[dict[str, Any]]:
-    """A backlog of `files` x 50k records: the project in one batch (a new process), Flink bounded."""
-    out = []
-    folder = work / "throughput-project"
-    folder.mkdir(parents=True)
-    stream = backlog(folder, files, seed=7001)
-    spec = project_spec(folder)
-    reap_orphans()
-    cpu0 = children_cpu()
-    run = microbatch(spec)
-    reap_orphans(5)
-    records = stream.records()
-    problems = oracle_check(folder / "landing", project_totals(spec))
-    out.append({"engine": "project", "records": records, "wall_s": run["wall_s"], "cpu_s": children_cpu() - cpu0,
-                "oracle_ok": not problems and run["records_in"] == records, "steps_ms": run["steps_ms"]})
-    folder = work / "throughput-flink"
-    folder.mkdir(parents=True)
-    shutil.copytree(stream.landing, folder / "landing")
-    cpu0 = children_cpu()
-    started = time.time()
-    done = subprocess.run(
-        [str(FLINK_PYTHON), str(ROOT / "bench/anchors/flink_clicks.py"), "--landing", str(folder / "landing"),
-         "--out", str(folder / "out"), "--checkpoints", str(folder / "checkpoints"), "--bounded",
-         "--checkpoint-interval-ms", "1000", "--backend", "rocksdb", "--metrics-file", str(folder / "m.jsonl")],
-        capture_output=True, text=True, cwd=ROOT, timeout=1800,
-    )
-    wall = time.time() - started
-    reap_orphans(10)
-    if done.returncode != 0:
-        raise RuntimeError(f"Flink bounded run failed: {done.stderr[-3000:]}")
-    events = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
-    first = next(e["t"] for e in events if e["event"] == "first_record")
-    finished = next(e["t"] for e in events if e["event"] == "job_finished")
-    problems = oracle_check(folder / "landing", {u: Totals(a.events, a.amount, a.idhash, a.last_seen)
-                                                 for u, a in fold_output(folder / "out").items()})
-    out.append({"engine": "flink", "records": records, "wall_s": wall, "cpu_s": children_cpu() - cpu0,
-                "processing_s": finished - first, "oracle_ok": not problems})
-    return out
-
-
-def project_idle(work: Path, runs: int = 3) -> dict[str, Any]:
-    """Runs that find nothing new, after one that commits: CPU-seconds and wall each."""
-    folder = work / "idle-project"
-    folder.mkdir(parents=True)
-    Stream(folder / "landing", folder / "staging", seed=8001).land(0)
-    spec = project_spec(folder)
-    microbatch(spec)
-    reap_orphans(5)
-    cpu, wall = [], []
-    for _ in range(runs):
-        cpu0 = children_cpu()
-        run = microbatch(spec)
-        reap_orphans(5)
-        assert run["status"] == "no_new_data", run
-        cpu.append(children_cpu() - cpu0)
-        wall.append(run["wall_s"])
-    return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall)}
-
-
-def project_recovery(work: Path, kill_after: float) -> dict[str, Any]:
-    """kill -9 a run in the middle of its batch (2 x 50k records), then the next run."""
-    folder = work / "recovery-project"
-    folder.mkdir(parents=True)
-    backlog(folder, 2, seed=9001)
-    spec = project_spec(folder)
-    killed = microbatch(spec, kill_after=kill_after)
-    reap_orphans(5)
-    rerun = microbatch(spec)
-    problems = oracle_check(folder / "landing", project_totals(spec))
-    return {"killed_at_s": killed["killed_at_s"], "recovered_s": rerun["wall_s"], "replayed_records": rerun["records_in"],
-            "lost_s": killed["killed_at_s"], "oracle_ok": not problems and rerun["status"] == "committed"}
 
 
 def flink_recovery(work: Path, files: int, kill_after: float, checkpoint_s: float) -> dict[str, Any]:
@@ -522,30 +436,83 @@ def flink_recovery(work: Path, files: int, kill_after: float, checkpoint_s: floa
     restored.stop()
     visible.stop()
     reap_orphans(10)
-    problems = oracle_check(stream.landing, {u: Totals(a.events, a.amount, a.idhash, a.last_seen)
-                                             for u, a in fold_output(folder / "out").items()})
-    return {"killed_at_s": killed - first["t"], "last_checkpoint_age_s": killed - (last["trigger_t"] if last else first["t"]),
-            "checkpoints_before_kill": len(done), "recovered_s": recovered, "restart_to_first_record_s": restart_first,
-            "records": stream.records(), "oracle_ok": caught_up and not problems}
+    problems = oracle_check(stream.landing, flink_totals(folder / "out"))
+    return {
+        "killed_at_s": killed - first["t"],
+        "last_checkpoint_age_s": killed - (last["trigger_t"] if last else first["t"]),
+        "checkpoints_before_kill": len(done),
+        "recovered_s": recovered,
+        "restart_to_first_record_s": restart_first,
+        "records": stream.records,
+        "oracle_ok": caught_up and not problems,
+    }
 
 
-# -- report --------------------------------------------------------------------------------
+# -- throughput ------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+def throughput(work: Path, files: int) -> list[dict[str, Any]]:
+    """A backlog of `files` x 50k records: the project in one batch (a new process), Flink bounded."""
+    folder = work / "throughput-project"
+    stream = backlog(folder, files, seed=7001)
+    spec = project_spec(folder)
+    reap_orphans()
+    cpu0 = children_cpu()
+    run = project_run(spec)
+    reap_orphans(5)
+    exact = not oracle_check(stream.landing, project_totals(spec)) and run["records_in"] == stream.records
+    out = [
+        {
+            "engine": "project",
+            "records": stream.records,
+            "wall_s": run["wall_s"],
+            "cpu_s": children_cpu() - cpu0,
+            "oracle_ok": exact,
+            "steps_ms": run["steps_ms"],
+        }
+    ]
+    folder = work / "throughput-flink"
+    shutil.copytree(stream.landing, folder / "landing")
+    cpu0 = children_cpu()
+    wall, events = flink_bounded(folder / "landing", folder)
+    reap_orphans(10)
+    exact = not oracle_check(folder / "landing", flink_totals(folder / "out"))
+    out.append(
+        {
+            "engine": "flink",
+            "records": stream.records,
+            "wall_s": wall,
+            "cpu_s": children_cpu() - cpu0,
+            "processing_s": event_at(events, "job_finished") - event_at(events, "first_record"),
+            "oracle_ok": exact,
+        }
+    )
+    return out
 
 
-def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[dict[str, Any]], recovery: dict[str, Any],
-              minutes: float, window: float) -> list[str]:
-    plot_latency(phases, ROOT / "docs" / "continuous_latency.png")
-    plot_cpu(phases, through, ROOT / "docs" / "continuous_cpu.png")
+# -- report ----------------------------------------------------------------------------------
+
+
+def setting(p: dict[str, Any]) -> str:
+    """A phase's setting: `every 10 s`, `every 5 s (Connect)`, `checkpoint every 1 s`."""
+    return p["setting"] + (" (Connect)" if "Connect" in p["engine"] else "")
+
+
+def label(p: dict[str, Any], sep: str = "\n") -> str:
+    """A phase's name in the plots: `project` or `Flink`, then its setting."""
+    return ("project" if p["engine"].startswith("project") else "Flink") + sep + setting(p)
+
+
+def write_doc(
+    phases: list[dict], idle: dict, through: list[dict], recovery: dict, minutes: float, window: float
+) -> None:
+    plot(phases, through)
     rate = RECORDS_PER_FILE / LAND_EVERY_S
+    exact = {True: "exact", False: "NOT EXACT"}
     lines = [
         "## Measured",
         "",
-        f"By `bench/continuous.py` (`make bench-full`) in one run of {minutes:.0f} minutes on {machine()}.",
+        f"{measured_by('`make bench-full` (`bench/continuous.py`)', minutes)}.",
         "",
         f"**Stream**: a file of {RECORDS_PER_FILE:,} click records every {LAND_EVERY_S:g} s ({rate:,.0f} records/s) for "
         f"at least {window:g} s per setting (the project's: until its first run after that), each file ending with a probe record; per user count, sum, hash-sum and max "
@@ -558,27 +525,29 @@ def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in phases:
-        lat = p["latencies"]
-        cpu = p.get("stream_cpu_s", p["cpu_s"])
+        lat, cpu = p["latencies"], p.get("stream_cpu_s", p["cpu_s"])
+        oracle = "exact" if p["oracle_ok"] else "NOT EXACT: " + "; ".join(p["oracle"])
         lines.append(
-            f"| {p['engine']} | {p['setting']} | {p['files']} | {pct(lat, .5):.1f} s | {pct(lat, .9):.1f} s | {pct(lat, 1):.1f} s | "
+            f"| {p['engine']} | {p['setting']} | {p['files']} | {pct(lat, 0.5):.1f} s | {pct(lat, 0.9):.1f} s | {pct(lat, 1):.1f} s | "
             f"{cpu / p['records'] * 1e6:,.0f} | {p['commits']} | {statistics.median(p['commit_ms'] or [0]) / 1000:.2f} s | "
-            f"{statistics.median(p['commit_bytes'] or [0]) / 1e6:.2f} MB | {'exact' if p['oracle_ok'] else 'NOT EXACT: ' + '; '.join(p['oracle'])} |"
+            f"{statistics.median(p['commit_bytes'] or [0]) / 1e6:.2f} MB | {oracle} |"
         )
     flink = [p for p in phases if p["engine"] == "flink"]
+    run_s = "; ".join(f"{setting(p)}: {statistics.median(p['run_s']):.1f} s" for p in phases if "run_s" in p)
     lines += [
         "",
         "* Project runs are new processes, as Airflow tasks: each pays Python's start, a JVM's start and the plan "
         "(on the warm Spark Connect server, no JVM start; the server's CPU counts, its idle time included). "
         "A run started while the previous one was still going waits for it (`max_active_runs=1`), so an interval "
-        "shorter than a run's duration degrades to back-to-back runs. Run durations (median): "
-        + "; ".join(f"{p['setting']}{' (Connect)' if 'Connect' in p['engine'] else ''}: {statistics.median(p['run_s']):.1f} s" for p in phases if p["engine"].startswith("project")) + ".",
+        f"shorter than a run's duration degrades to back-to-back runs. Run durations (median): {run_s}.",
         "* Project commit: the state MERGE and the ledger's commit (`commit` step); bytes: what the batch added to the "
         "lake (state files rewritten by the MERGE, the ledger row, the Delta log entries).",
         "* Flink's CPU is counted from its job running to the last probe's visibility (its start-up, "
-        + ", ".join(f"{p['startup_s']:.1f} s" for p in flink) + ", is not in the latency figures: the job was running before "
+        + ", ".join(f"{p['startup_s']:.1f} s" for p in flink)
+        + ", is not in the latency figures: the job was running before "
         "the first file landed). Checkpoint bytes: what each incremental RocksDB checkpoint wrote (full state: "
-        + ", ".join(f"{statistics.median(p['state_bytes'] or [0]) / 1e6:.1f} MB" for p in flink) + ").",
+        + ", ".join(f"{statistics.median(p['state_bytes'] or [0]) / 1e6:.1f} MB" for p in flink)
+        + ").",
         "* Flink's mini-batch aggregation (1 s bundles) and its source's 0.5 s file discovery are part of its latency; "
         "its sink makes a part file visible when the checkpoint covering it completes.",
         "",
@@ -588,81 +557,83 @@ def write_doc(phases: list[dict[str, Any]], idle: dict[str, Any], through: list[
         f"{idle['cpu_s']:.2f} CPU-s and {idle['wall_s']:.2f} s wall. Scheduled every minute: {idle['cpu_s'] * 60:.0f} CPU-s an hour.",
     ]
     for p in flink:
-        lines.append(f"* Flink ({p['setting']}), running with nothing to read for {p['idle_s']:.0f} s: {p['idle_cpu_s']:.1f} CPU-s, "
-                     f"{p['idle_cpu_s'] / p['idle_s'] * 3600:,.0f} CPU-s an hour, and its JVM's memory held all the while.")
-    lines += ["", "### Throughput over a backlog", "",
-              "| engine | records | wall | records/s | CPU-s | CPU-s / M records | exactly-once (oracle) |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"* Flink ({p['setting']}), running with nothing to read for {p['idle_s']:.0f} s: {p['idle_cpu_s']:.1f} CPU-s, "
+            f"{p['idle_cpu_s'] / p['idle_s'] * 3600:,.0f} CPU-s an hour, and its JVM's memory held all the while."
+        )
+    lines += [
+        "",
+        "### Throughput over a backlog",
+        "",
+        "| engine | records | wall | records/s | CPU-s | CPU-s / M records | exactly-once (oracle) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in through:
-        lines.append(f"| {t['engine']} | {t['records']:,} | {t['wall_s']:.1f} s | {t['records'] / t['wall_s']:,.0f} | {t['cpu_s']:.1f} | "
-                     f"{t['cpu_s'] / t['records'] * 1e6:.1f} | {'exact' if t['oracle_ok'] else 'NOT EXACT'} |")
-    ft = next((t for t in through if t["engine"] == "flink"), None)
-    pt = next(t for t in through if t["engine"] == "project")
-    lines += ["", "* The project did the backlog in one batch (one new process): "
-              + ", ".join(f"{k} {v / 1000:.1f} s" for k, v in pt["steps_ms"].items()) + "."]
-    if ft:
-        lines.append(f"* Flink, bounded: {ft['processing_s']:.1f} s from its first record to its end "
-                     f"({ft['records'] / ft['processing_s']:,.0f} records/s once running); the rest is its start-up.")
+        lines.append(
+            f"| {t['engine']} | {t['records']:,} | {t['wall_s']:.1f} s | {t['records'] / t['wall_s']:,.0f} | {t['cpu_s']:.1f} | "
+            f"{t['cpu_s'] / t['records'] * 1e6:.1f} | {exact[t['oracle_ok']]} |"
+        )
+    pt, ft = through
+    lines += [
+        "",
+        "* The project did the backlog in one batch (one new process): "
+        + ", ".join(f"{k} {v / 1000:.1f} s" for k, v in pt["steps_ms"].items())
+        + ".",
+        f"* Flink, bounded: {ft['processing_s']:.1f} s from its first record to its end "
+        f"({ft['records'] / ft['processing_s']:,.0f} records/s once running); the rest is its start-up.",
+    ]
     pr, fr = recovery["project"], recovery["flink"]
     lines += [
-        "", "### Recovery after kill -9", "",
+        "",
+        "### Recovery after kill -9",
+        "",
         f"* The project: a run killed {pr['killed_at_s']:.1f} s after it started, on a batch of {pr['replayed_records']:,} records. The next run replays the "
         f"planned range (the same files, recorded in the ledger before the read): {pr['replayed_records']:,} records read again, "
         f"caught up {pr['recovered_s']:.1f} s after it started. Work done twice: the killed run's {pr['lost_s']:.1f} s. "
-        f"Oracle: {'exact' if pr['oracle_ok'] else 'NOT EXACT'}.",
+        f"Oracle: {exact[pr['oracle_ok']]}.",
         f"* Flink: a job over {fr['records']:,} records killed {fr['killed_at_s']:.1f} s after its first record, "
         f"{fr['last_checkpoint_age_s']:.1f} s after its last completed checkpoint was triggered (of {fr['checkpoints_before_kill']}). "
         f"Restored from it: first record {fr['restart_to_first_record_s']:.1f} s after the restart, everything visible "
         + (f"{fr['recovered_s']:.1f} s after it" if fr["recovered_s"] is not None else "never (timed out)")
-        + f". Work done twice: what the job did since that checkpoint's barrier. Oracle: {'exact' if fr['oracle_ok'] else 'NOT EXACT'}.",
+        + f". Work done twice: what the job did since that checkpoint's barrier. Oracle: {exact[fr['oracle_ok']]}.",
         "",
         "![latency](continuous_latency.png)",
         "",
         "![cpu](continuous_cpu.png)",
         "",
     ]
-    replace_section(DOC, "## Measured", lines)
-    return lines
+    write_section("micro-batch-vs-continuous.md", lines)
 
 
-def plot_latency(phases: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(phases: list[dict[str, Any]], through: list[dict[str, Any]]) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.4, 3.8))
-    labels = [f"{'project' if p['engine'].startswith('project') else 'Flink'}\n{p['setting']}{' (Connect)' if 'Connect' in p['engine'] else ''}" for p in phases]
-    colours = ["#2f6f9f" if p["engine"] == "project" else "#6c9bc2" if p["engine"].startswith("project") else "#c9a26b" for p in phases]
     box = ax.boxplot([p["latencies"] for p in phases], patch_artist=True, whis=(0, 100))
-    for patch, colour in zip(box["boxes"], colours):
-        patch.set_facecolor(colour)
-    ax.set_xticks(range(1, len(phases) + 1), labels, fontsize=7)
+    for patch, p in zip(box["boxes"], phases):
+        patch.set_facecolor(
+            "#2f6f9f" if p["engine"] == "project" else "#6c9bc2" if p["engine"].startswith("project") else "#c9a26b"
+        )
+    ax.set_xticks(range(1, len(phases) + 1), [label(p) for p in phases], fontsize=7)
     ax.set_ylabel("seconds, landing to queryable")
     ax.set_yscale("log")
     ax.set_title("Latency by schedule interval (project) and checkpoint interval (Flink)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_cpu(phases: list[dict[str, Any]], through: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save_plot(fig, "continuous_latency.png")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
-    names = [f"{'project' if p['engine'].startswith('project') else 'Flink'} {p['setting'].replace('checkpoint ', 'ckpt ')}{' (Connect)' if 'Connect' in p['engine'] else ''}" for p in phases]
-    values = [p.get("stream_cpu_s", p["cpu_s"]) / p["records"] * 1e6 for p in phases]
-    left.barh(names, values, color=["#2f6f9f" if p["engine"].startswith("project") else "#c9a26b" for p in phases])
+    colours = ["#2f6f9f" if p["engine"].startswith("project") else "#c9a26b" for p in phases]
+    left.barh(
+        [label(p, " ").replace("checkpoint ", "ckpt ") for p in phases],
+        [p.get("stream_cpu_s", p["cpu_s"]) / p["records"] * 1e6 for p in phases],
+        color=colours,
+    )
     left.set_xlabel(f"CPU-s per million records at {RECORDS_PER_FILE / LAND_EVERY_S:,.0f} records/s")
     left.tick_params(axis="y", labelsize=7)
-    right.bar([t["engine"] for t in through], [t["cpu_s"] / t["records"] * 1e6 for t in through], color=["#2f6f9f", "#c9a26b"][: len(through)])
+    right.bar(
+        [t["engine"] for t in through], [t["cpu_s"] / t["records"] * 1e6 for t in through], color=["#2f6f9f", "#c9a26b"]
+    )
     right.set_ylabel("CPU-s per million records")
     right.set_title(f"a backlog of {through[0]['records']:,} records", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, "continuous_cpu.png")
 
 
 def main() -> None:
@@ -670,16 +641,19 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=90, help="seconds files land for, per setting (default 90)")
     parser.add_argument("--intervals", default="10,20,40", help="the project's schedule intervals, seconds")
     parser.add_argument("--checkpoints", default="1,5,10", help="Flink's checkpoint intervals, seconds")
-    parser.add_argument("--connect-interval", type=float, default=5, help="schedule interval on a warm Spark Connect server (0: skip)")
-    parser.add_argument("--backlog-files", type=int, default=20, help="files of 50k records for throughput (default 20: a million)")
+    parser.add_argument(
+        "--connect-interval", type=float, default=5, help="schedule interval on a warm Spark Connect server (0: skip)"
+    )
+    parser.add_argument(
+        "--backlog-files", type=int, default=20, help="files of 50k records for throughput (default 20: a million)"
+    )
     args = parser.parse_args()
     if not FLINK_PYTHON.exists():
-        sys.exit(f"no Flink virtualenv at {FLINK_PYTHON.parent.parent}: `make bench-full` creates it")
+        sys.exit(f"no Flink virtualenv at {FLINK_PYTHON.parents[1]}: `make bench-full` creates it")
     become_subreaper()
-    work = Path(tempfile.mkdtemp(prefix="microbatch-continuous-"))
     started = time.time()
     phases: list[dict[str, Any]] = []
-    try:
+    with scratch("continuous") as work:
         intervals = [float(s) for s in args.intervals.split(",")]
         checkpoints = [float(s) for s in args.checkpoints.split(",")]
         for i in range(max(len(intervals), len(checkpoints))):  # interleaved, so load hits both alike
@@ -695,7 +669,7 @@ def main() -> None:
             print(f"project on a warm Spark Connect server, a run every {args.connect_interval:g} s...", flush=True)
             server, url = start_connect(work / "connect-server")
             try:
-                phases.append(project_latency(work, args.connect_interval, args.window, remote=url, server=server.procs[0].pid))
+                phases.append(project_latency(work, args.connect_interval, args.window, url, server.procs[0].pid))
             finally:
                 server.stop()
                 reap_orphans(10)
@@ -704,12 +678,11 @@ def main() -> None:
         print("throughput over a backlog...", flush=True)
         through = throughput(work, args.backlog_files)
         print("recovery after kill -9...", flush=True)
-        recovery = {"project": project_recovery(work, kill_after=4.0),
-                    "flink": flink_recovery(work, args.backlog_files, kill_after=8.0, checkpoint_s=5.0)}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    lines = write_doc(phases, idle, through, recovery, (time.time() - started) / 60, args.window)
-    print("\n".join(lines))
+        recovery = {
+            "project": project_recovery(work, kill_after=4.0),
+            "flink": flink_recovery(work, args.backlog_files, kill_after=8.0, checkpoint_s=5.0),
+        }
+    write_doc(phases, idle, through, recovery, (time.time() - started) / 60, args.window)
     bad = [p["setting"] for p in phases if not p["oracle_ok"]] + [t["engine"] for t in through if not t["oracle_ok"]]
     bad += [k for k, r in recovery.items() if not r["oracle_ok"]]
     if bad:

@@ -1,36 +1,34 @@
 """A fleet at rest, all in: what N idle pipelines cost with Airflow's fixed cost (issue 36).
 
-`bench/idle_cost.py` measures what one idle pipeline *adds* (a difference
-between two windows on the same Airflow). A team also pays for Airflow
+What one idle pipeline *adds* (a difference between two windows on the same
+Airflow) is in docs/fleet.md, "An idle pipeline". A team also pays for Airflow
 itself, and part of that grows with the number of specs: the dag-processor
 parses the pipelines' DAG file again every `[dag_processor]
 min_file_process_interval` (30 s by default), every spec in it, whether a
 spec changed or not. This measures the whole bill at fleet size, once per
 parse interval (`--parse-intervals`, default Airflow's 30 s and the fleet
 setting of 300 s that `make airflow PARSE_INTERVAL=300` and the compose
-file's `AIRFLOW_PARSE_INTERVAL` give), in one run:
+file's `AIRFLOW_PARSE_INTERVAL` give) and scheduler idle sleep
+(`--idle-sleeps`, `scheduler_idle_sleep_time`, Airflow's 1 s by default),
+in one run:
 
 1. `--pipelines` N specs with `airflow.run_on_data` (the fleet default),
    each with its own empty landing folder, on a live Airflow
    (`tests/plugins/live_airflow.py`: api-server, scheduler, dag-processor,
    triggerer, LocalExecutor, PostgreSQL) with Airflow's default loop
    settings and this parse interval.
-2. All unpaused, then `airflow dags reserialize` (a watcher is registered
-   by a parse of its unpaused DAG; docs/fleet.md tells a fleet to run it
-   rather than wait for the next parse); once every watcher runs in the
-   triggerer and has made its first full check, the window: from one parse
-   of the DAG file to the k-th after it (changes of one DAG's
-   `last_parsed_time`), k the whole parse cycles in `--window` seconds and
-   at least 2, so that the count of parses in it is not a matter of phase.
+2. All unpaused, then `airflow dags reserialize` (`fleet.start_watching`);
+   once every watcher runs in the triggerer and has made its first full
+   check, the window: from one parse of the DAG file to the k-th after it
+   (changes of one DAG's `last_parsed_time`), k the whole parse cycles in
+   `--window` seconds and at least 2, so that the count of parses in it is
+   not a matter of phase.
 3. Measured over the window: each component's CPU (every process of its
    process group, and the parse processes it reaped), and the machine's
    CPU (PostgreSQL and everything else besides).
 
 Nothing arrives, so no DAG run may start: checked. Results go to
 docs/fleet.md, section "A fleet at rest, all in".
-
-Each parse interval runs once per `--idle-sleeps` (the scheduler's
-`scheduler_idle_sleep_time`, Airflow's 1 s by default).
 
     .venv/bin/python bench/idle_fleet.py [--pipelines 100] [--parse-intervals 30,300] [--idle-sleeps 1] [--window 300] [--poll 10]
 """
@@ -39,28 +37,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
-import shutil
-import sys
-import subprocess
-import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "plugins"))
-
-from doc_sections import replace_section  # noqa: E402
-from fleet import TICK, fleet_airflow, machine_busy, make_specs  # noqa: E402
-from idle_cost import group_cpu, running_watchers  # noqa: E402
-from tests.plugins.live_airflow import BIN, COMPONENTS, LiveAirflow  # noqa: E402
-
-DOC = ROOT / "docs" / "fleet.md"
-SECTION = "## A fleet at rest, all in"
+from fleet import fleet_airflow, make_specs, start_watching
+from harness import TICK, group_cpu, machine_busy, measured_by, numbers, scratch, write_section
+from tests.plugins.live_airflow import COMPONENTS, LiveAirflow
 
 
 class Parses:
@@ -76,7 +58,7 @@ class Parses:
         self.dag_id = dag_id
         self.last = self._stamp()
 
-    def _stamp(self):
+    def _stamp(self) -> object:
         with self.connection.cursor() as cursor:
             cursor.execute("SELECT last_parsed_time FROM dag WHERE dag_id = %s", (self.dag_id,))
             return cursor.fetchone()[0]
@@ -90,32 +72,19 @@ class Parses:
             time.sleep(1)
         self.last = stamp
 
-    def close(self) -> None:
-        self.connection.close()
 
-
-def measure(n: int, parse_interval: int, idle_sleep: float, cycles: int, args: argparse.Namespace, work: Path) -> dict:
+def measure(n: int, parse_interval: int, idle_sleep: float, cycles: int, poll: float, work: Path) -> dict:
     """N idle pipelines at this parse interval: CPU over `cycles` whole parse
     cycles, from one parse to the `cycles`-th after it, so that the count of
     parses in the window is not a matter of where it starts."""
     folder = work / "pipelines"
-    names = make_specs(folder, n, args.poll)
+    names = make_specs(folder, n, poll)
     for name in names:
         (folder / "landing" / name).mkdir(parents=True, exist_ok=True)
     live = fleet_airflow(work / "airflow", folder, parse_interval, idle_sleep)
     parses = None
     try:
-        live.start()
-        for name in names:
-            live.wait_for_dag(name, timeout=900)
-        for name in names:
-            live.unpause(name)
-        # A watcher is registered by a parse of its unpaused DAG: what
-        # docs/fleet.md tells a fleet to run after unpausing, rather than
-        # wait for the next parse.
-        subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=live.env, check=True, capture_output=True)
-        live.wait(lambda: running_watchers(live) == n, 900, "every watcher to run in the triggerer")
-        time.sleep(args.poll * 2)  # past the watchers' first, full checks
+        start_watching(live, names, poll)
         parses = Parses(live, names[0])
         parses.next(parse_interval * 2 + 300)
         before = {c: group_cpu(p.pid) for c, p in zip(COMPONENTS, live.procs)}
@@ -127,7 +96,7 @@ def measure(n: int, parse_interval: int, idle_sleep: float, cycles: int, args: a
         runs = sum(len(live.runs(name)) for name in names)
     finally:
         if parses is not None:
-            parses.close()
+            parses.connection.close()
         live.stop()
     assert runs == 0, f"{runs} DAG runs started with nothing arriving"
     return {
@@ -135,9 +104,9 @@ def measure(n: int, parse_interval: int, idle_sleep: float, cycles: int, args: a
         "parse_interval": parse_interval,
         "idle_sleep": idle_sleep,
         "window_s": window,
+        "parses": cycles,
         "components": components,
         "machine_s": (busy1[0] - busy0[0]) / TICK,
-        "parses": cycles,
     }
 
 
@@ -146,10 +115,9 @@ def write_doc(args: argparse.Namespace, results: list[dict]) -> None:
         return r["machine_s"] * 3600 / r["window_s"] / r["n"]
 
     lines = [
-        SECTION,
+        "## A fleet at rest, all in",
         "",
-        f"Measured by `bench/idle_fleet.py` on {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, {date.today().isoformat()}, in one run: {args.pipelines} pipelines with "
+        f"{measured_by('`bench/idle_fleet.py`')}, in one run: {args.pipelines} pipelines with "
         f"`run_on_data` polling every {args.poll:.0f} s, nothing arriving, on a live Airflow 3 (api-server, "
         "scheduler, dag-processor, triggerer; LocalExecutor; PostgreSQL; Airflow's default loop settings but "
         "the two a row names: `[dag_processor] min_file_process_interval`, the parse interval, and `[scheduler] "
@@ -167,8 +135,7 @@ def write_doc(args: argparse.Namespace, results: list[dict]) -> None:
         lines.append(
             f"| {r['parse_interval']} s | {r['idle_sleep']:g} s | {r['window_s']:.0f} s | {r['parses']} | "
             + " | ".join(f"{r['components'][c] * hour:.0f}" for c in COMPONENTS)
-            + f" | {r['machine_s'] * hour:.0f} | **{all_in(r):.2f}** | "
-            f"{r['components']['dag-processor'] / r['parses']:.2f} CPU-s |"
+            + f" | {r['machine_s'] * hour:.0f} | **{all_in(r):.2f}** | {r['components']['dag-processor'] / r['parses']:.2f} CPU-s |"
         )
     lines += [
         "",
@@ -183,42 +150,41 @@ def write_doc(args: argparse.Namespace, results: list[dict]) -> None:
         lines += [
             f"At the 300 s parse interval, the lowest all-in cost was {all_in(best):.2f} CPU-s a pipeline-hour "
             f"(scheduler idle sleep {best['idle_sleep']:g} s); the goal (issue 48), at most 2 for {args.pipelines} "
-            f"idle pipelines, is {'met' if all_in(best) <= 2 else 'not met'} (what one pipeline adds is in \"An "
-            "idle pipeline\" above).",
+            f'idle pipelines, is {"met" if all_in(best) <= 2 else "not met"} (what one pipeline adds is in "An '
+            'idle pipeline" above).',
             "",
             "The price of a long parse interval: a spec that is edited, added or removed, and a `run_on_data` DAG "
             "paused or unpaused (its watcher is registered or dropped by a parse), reach Airflow only at the next "
-            "parse, unless `airflow dags reserialize` runs (`make airflow-cli ARGS=\"dags reserialize\"`), which "
+            'parse, unless `airflow dags reserialize` runs (`make airflow-cli ARGS="dags reserialize"`), which '
             "parses at once; a removed spec's DAG is deactivated by the dag-processor's own parse only. The price "
             "of a long idle sleep: a DAG run that a watcher's event asks for may wait up to that long for the "
             "scheduler's next loop (a loop that found work does not sleep).",
             "",
         ]
-    replace_section(DOC, SECTION, lines)
-    print("\n".join(lines))
+    write_section("fleet.md", lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pipelines", type=int, default=100)
     parser.add_argument("--parse-intervals", default="30,300")
-    parser.add_argument("--idle-sleeps", default="1", help="the scheduler's scheduler_idle_sleep_time, each with each parse interval")
-    parser.add_argument("--window", type=float, default=300, help="at least this many seconds of whole parse cycles, and 2 cycles")
+    parser.add_argument(
+        "--idle-sleeps", default="1", help="the scheduler's scheduler_idle_sleep_time, each with each parse interval"
+    )
+    parser.add_argument(
+        "--window", type=float, default=300, help="at least this many seconds of whole parse cycles, and 2 cycles"
+    )
     parser.add_argument("--poll", type=float, default=10)
     args = parser.parse_args()
     if args.pipelines < 1:
         parser.error("--pipelines must be at least 1")
     results = []
-    sleeps = [float(s) for s in args.idle_sleeps.split(",")]
-    for interval, sleep in [(i, s) for i in sorted(int(s) for s in args.parse_intervals.split(",")) for s in sleeps]:
-        cycles = max(2, math.ceil(args.window / interval))
-        work = Path(tempfile.mkdtemp(prefix=f"microbatch-idle-fleet-{interval}-"))
-        try:
-            result = measure(args.pipelines, interval, sleep, cycles, args, work)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        results.append(result)
-        print(result, flush=True)
+    for interval in sorted(numbers(args.parse_intervals)):
+        for sleep in (float(s) for s in args.idle_sleeps.split(",")):
+            with scratch(f"idle-fleet-{interval}") as work:
+                cycles = max(2, math.ceil(args.window / interval))
+                results.append(measure(args.pipelines, interval, sleep, cycles, args.poll, work))
+            print(results[-1], flush=True)
     write_doc(args, results)
 
 

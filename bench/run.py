@@ -28,7 +28,23 @@ Figures:
 Prints the table and writes docs/benchmarks.md's sections "Side by side" and
 "State size", with plots (docs/bench_*.png).
 
-    .venv/bin/python bench/run.py [--repeat 3] [--state-sizes 100000,1000000,10000000]
+`--delta-reads` measures, instead, the project's two readers of a Delta
+source's batch against each other (`engine/delta_read.py`, `source.reader`):
+the driver's (delta-rs: `load_cdf` and the net-change filter, or the files the
+versions added, then `createDataFrame`) and Spark's (delta-spark on the
+executors: `readChangeFeed` and the same filter as window functions, or the
+table as of the versions kept to the files they added), in turn, in one
+session with delta-spark loaded, over ranges of growing size of two upstreams
+written by delta-rs (`read: changes`: `--versions` appends of `--rows` rows
+over 200,000 users with the change feed on, after every fifth a MERGE updating
+a tenth of the users; `read: appends`: the appends alone), checking that both
+give the same result; in local mode and on a standalone cluster on loopback
+(two one-core executors: there the driver's rows travel to the executors, and
+Spark's read spreads the files over two processes); and the first Delta read
+of a fresh JVM. It writes docs/benchmarks.md's "Reading a Delta source".
+
+    .venv/bin/python bench/run.py [--repeat 3] [--state-sizes 100000,1000000,10000000] [--spread-sizes 1000000]
+    .venv/bin/python bench/run.py --delta-reads [--versions 20] [--rows 100000] [--repeat 3] [--no-cluster] [--master URL]
 """
 
 from __future__ import annotations
@@ -36,49 +52,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import yaml
+from harness import FLINK_PYTHON, MERGE, event_at, flink_bounded, last_json, measured_by, microbatch, numbers
+from harness import pyplot, save_plot, scratch, ss_anchor, timed, write_section, write_spec
+from spark_jobs.demo.clickstream import write_wave
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from doc_sections import replace_section  # noqa: E402
-from spark_jobs.demo.clickstream import write_wave  # noqa: E402
-
-DOC = ROOT / "docs" / "benchmarks.md"
-FLINK_PYTHON = ROOT / ".venv-flink" / "bin" / "python"
+DOC = "benchmarks.md"
 RECORDS_PER_FILE = 50_000
 FILES_PER_BATCH = 2
+BATCH_RECORDS = FILES_PER_BATCH * RECORDS_PER_FILE
 USERS = 100_000
 SEED = 11
-TRANSFORM = "SELECT user_id, count(*) AS events, sum(amount) AS amount, max(ts) AS last_seen FROM batch GROUP BY user_id"
+WAVE = {"files": FILES_PER_BATCH, "records_per_file": RECORDS_PER_FILE, "users": USERS, "seed": SEED}
 
 
-def spec_dict(max_files: int = FILES_PER_BATCH) -> dict[str, Any]:
-    return {
-        "name": "bench_clicks",
-        "source": {"type": "files", "path": "landing", "format": "json",
-                   "schema": "event_id STRING, user_id STRING, amount DOUBLE, ts TIMESTAMP"},
-        "transform": TRANSFORM,
-        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum", "amount": "sum", "last_seen": "max"}},
-        "checkpoint": "lake/_checkpoints/bench",
-        "batch": {"max_files": max_files},
-    }
-
-
-# -- data ----------------------------------------------------------------------------------
+# -- data and runs ---------------------------------------------------------------------------
 
 
 class Waves:
@@ -91,7 +87,7 @@ class Waves:
 
     def files(self, wave: int) -> list[Path]:
         while self.written <= wave:
-            write_wave(self.folder, self.written, files=FILES_PER_BATCH, records_per_file=RECORDS_PER_FILE, users=USERS, seed=SEED)
+            write_wave(self.folder, self.written, **WAVE)
             self.written += 1
         return sorted(self.folder.glob(f"clicks-s{SEED}-w{wave:05d}-*.json"))
 
@@ -103,72 +99,28 @@ class Waves:
         return landing
 
 
-# -- runs ----------------------------------------------------------------------------------
-
-
-def timed(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 900) -> tuple[float, str]:
-    """Wall seconds of a new process from its start to its exit, and its stdout.
-
-    Output goes to files, not pipes: a pipe is read until every process
-    holding it has closed it, so a JVM child still shutting down would count.
-    """
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.perf_counter()
-        code = subprocess.run(args, stdout=out, stderr=err, env={**os.environ, **(env or {})}, timeout=timeout, cwd=ROOT).returncode
-        took = time.perf_counter() - started
-        out.seek(0)
-        err.seek(0)
-        stdout = out.read()
-        if code != 0:
-            raise RuntimeError(f"{' '.join(args[:3])} ... failed ({code}):\n{stdout[-3000:]}\n{err.read()[-3000:]}")
-    return took, stdout
-
-
-def project_pipeline(folder: Path, waves: Waves, landed: range, max_files: int = FILES_PER_BATCH) -> Path:
-    folder.mkdir(parents=True)
+def project_pipeline(folder: Path, waves: Waves, landed: range) -> Path:
+    """The project's pipeline in `folder` (`max_files: 2`) over the `landed` waves; its spec."""
     waves.land(folder / "landing", landed)
-    spec = folder / "bench.yaml"
-    spec.write_text(yaml.safe_dump(spec_dict(max_files), sort_keys=False))
-    return spec
+    return write_spec(folder, "bench_clicks", batch={"max_files": FILES_PER_BATCH})
 
 
 def project_run(spec: Path, remote: str | None = None) -> tuple[float, dict[str, Any]]:
     """`microbatch run` in a new process, as an Airflow task runs it; on `remote`'s
     Spark Connect server when given."""
-    took, stdout = timed([sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json",
-                          *(["--master", remote] if remote else [])])
+    took, stdout = microbatch(spec, *(["--master", remote] if remote else []))
     return took, json.loads(stdout)
 
 
 def ss_run(landing: Path, checkpoint: Path, remote: str | None = None) -> tuple[float, dict[str, Any]]:
-    took, stdout = timed([sys.executable, str(ROOT / "bench/anchors/structured_streaming.py"), "--landing", str(landing),
-                          "--checkpoint", str(checkpoint), "--max-files", str(FILES_PER_BATCH),
-                          *(["--remote", remote] if remote else [])])
-    return took, json.loads(stdout.strip().splitlines()[-1])
-
-
-def flink_run(landing: Path, work: Path) -> tuple[float, list[dict[str, Any]]]:
-    """A bounded Flink run over `landing`: wall seconds and its progress events."""
-    metrics = work / "metrics.jsonl"
-    took, _ = timed([str(FLINK_PYTHON), str(ROOT / "bench/anchors/flink_clicks.py"), "--landing", str(landing),
-                     "--out", str(work / "out"), "--checkpoints", str(work / "checkpoints"), "--bounded",
-                     "--checkpoint-interval-ms", "1000", "--backend", "rocksdb", "--metrics-file", str(metrics)],
-                    timeout=1800)
-    return took, [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def flink_available() -> str | None:
-    """Why Flink cannot run here, or None."""
-    if not FLINK_PYTHON.exists():
-        return f"no Flink virtualenv at {FLINK_PYTHON.parent.parent} (`make bench-full` creates it)"
-    return None
+    remote_args = ["--remote", remote] if remote else []
+    return ss_anchor("--landing", landing, "--checkpoint", checkpoint, "--max-files", FILES_PER_BATCH, *remote_args)
 
 
 def project_steady(spec: Path, batches: int, *, read_ahead: bool = True) -> list[dict[str, Any]]:
     """`batches` batches in one new process (this script's --child-steady)."""
-    _, stdout = timed([sys.executable, __file__, "--child-steady", str(spec), "--batches", str(batches),
-                       *([] if read_ahead else ["--one-by-one"])], timeout=1800)
-    return json.loads(stdout.strip().splitlines()[-1])
+    args = ["--child-steady", str(spec), "--batches", str(batches), *([] if read_ahead else ["--one-by-one"])]
+    return last_json(timed([sys.executable, __file__, *args], timeout=1800)[1])
 
 
 def child_steady(spec_path: str, batches: int, read_ahead: bool) -> None:
@@ -187,33 +139,31 @@ def child_steady(spec_path: str, batches: int, read_ahead: bool) -> None:
     from spark_jobs.engine.spark_compute import SparkCompute
 
     spec = load_spec(spec_path)
-    session = default_session(short_lived=False)
+    factory = partial(SparkCompute, session=default_session(short_lived=False))
     out = []
-
-    begun = time.perf_counter()
+    begun = last = time.perf_counter()
 
     def record(outcome: Any, started: float) -> None:
         now = time.perf_counter()
-        out.append({"seconds": now - started, "at": now - begun, "status": str(outcome.status), "records": outcome.records_in,
-                    "steps_ms": outcome.steps_ms})
+        out.append({"seconds": now - started, "at": now - begun, "status": str(outcome.status)})
+        out[-1].update(records=outcome.records_in, steps_ms=outcome.steps_ms)
 
     if read_ahead:
-        last = [time.perf_counter()]
 
         def on_outcome(outcome: Any) -> None:
-            record(outcome, last[0])
-            last[0] = time.perf_counter()
+            nonlocal last
+            record(outcome, last)
+            last = time.perf_counter()
 
-        catch_up(spec, RunOptions(run_id="bench-catch-up"), lambda: SparkCompute(session=session), max_batches=batches,
-                 on_outcome=on_outcome)
+        catch_up(spec, RunOptions(run_id="bench-catch-up"), factory, max_batches=batches, on_outcome=on_outcome)
     else:
         for n in range(batches):
             started = time.perf_counter()
-            record(run_batch(spec, RunOptions(run_id=f"bench-{n}"), compute_factory=lambda: SparkCompute(session=session)), started)
+            record(run_batch(spec, RunOptions(run_id=f"bench-{n}"), compute_factory=factory), started)
     print(json.dumps(out))
 
 
-# -- the side-by-side figures --------------------------------------------------------------
+# -- the side-by-side figures ----------------------------------------------------------------
 
 
 @dataclass
@@ -222,7 +172,6 @@ class Figure:
 
     name: str
     samples: dict[str, list[float]] = field(default_factory=dict)
-    note: str = ""
 
     def add(self, engine: str, value: float) -> None:
         self.samples.setdefault(engine, []).append(value)
@@ -237,7 +186,8 @@ class Figure:
 
 
 def one_batch_and_no_data(work: Path, waves: Waves, repeat: int, flink: bool) -> tuple[Figure, Figure, dict[str, Any]]:
-    """Figures 1 and 2: a fresh pipeline's first 100k batch in a new process, then runs with nothing new."""
+    """Figures 1 and 2: a fresh pipeline's first 100k batch in a new process (process start to exit: JVM start,
+    planning, reading, state, commit), then runs with nothing new (Flink, a continuous job, has no such run)."""
     one, none = Figure("one 100k batch, new process"), Figure("no new data, new process")
     detail: dict[str, Any] = {"ss_session_s": [], "project_steps": [], "flink_first_record_s": []}
     for r in range(repeat):
@@ -249,22 +199,19 @@ def one_batch_and_no_data(work: Path, waves: Waves, repeat: int, flink: bool) ->
         detail["ss_session_s"].append(ss["session_s"])
         spec = project_pipeline(base / "project", waves, range(r, r + 1))
         took, outcome = project_run(spec)
-        assert outcome["status"] == "committed" and outcome["records_in"] == RECORDS_PER_FILE * FILES_PER_BATCH, outcome
+        assert outcome["status"] == "committed" and outcome["records_in"] == BATCH_RECORDS, outcome
         one.add("project", took)
         detail["project_steps"].append(outcome["steps_ms"])
         if flink:
-            took, events = flink_run(waves.land(base / "flink" / "landing", range(r, r + 1)), base / "flink")
+            took, events = flink_bounded(waves.land(base / "flink" / "landing", range(r, r + 1)), base / "flink")
             one.add("flink", took)
-            first = next(e["t"] for e in events if e["event"] == "first_record")
-            detail["flink_first_record_s"].append(first - next(e["t"] for e in events if e["event"] == "process_start"))
+            detail["flink_first_record_s"].append(event_at(events, "first_record") - event_at(events, "process_start"))
         took, ss = ss_run(landing, base / "ss" / "checkpoint")
         assert not ss["batches"], ss
         none.add("structured streaming", took)
         took, outcome = project_run(spec)
         assert outcome["status"] == "no_new_data", outcome
         none.add("project", took)
-    one.note = "process start to exit: JVM start, planning, reading, state, commit"
-    none.note = "Flink: a continuous job has no such run (its idle cost is in docs/micro-batch-vs-continuous.md)"
     return one, none, detail
 
 
@@ -284,15 +231,13 @@ def one_batch_connect(work: Path, waves: Waves, repeat: int) -> Figure:
         for r in range(repeat):
             print(f"  round {r + 1}/{repeat}", flush=True)
             base = work / f"connect-{r}"
-            landing = waves.land(base / "ss" / "landing", range(r, r + 1))
-            took, _ = ss_run(landing, base / "ss" / "checkpoint", url)
+            took, _ = ss_run(waves.land(base / "ss" / "landing", range(r, r + 1)), base / "ss" / "checkpoint", url)
             figure.add("structured streaming", took)
             took, outcome = project_run(project_pipeline(base / "project", waves, range(r, r + 1)), url)
-            assert outcome["status"] == "committed" and outcome["records_in"] == RECORDS_PER_FILE * FILES_PER_BATCH, outcome
+            assert outcome["status"] == "committed" and outcome["records_in"] == BATCH_RECORDS, outcome
             figure.add("project", took)
     finally:
         server.stop()
-    figure.note = "both on the same warm server; the project's ratio to Structured Streaming in its own JVM is in the notes"
     return figure
 
 
@@ -313,7 +258,9 @@ def steady_pace(runs: list[dict[str, Any]]) -> float:
 def steady(work: Path, waves: Waves, repeat: int, batches: int, flink: bool) -> tuple[Figure, dict[str, Any]]:
     """Figure 3: batches 2..N in one process. The project runs them as
     `microbatch run --catch-up` does (reading ahead); the same batches run
-    one `run_batch` at a time are reported beside it."""
+    one `run_batch` at a time are reported beside it. Flink's figure is its
+    steady throughput, as seconds per 100k records (first record to the job's
+    end, final checkpoint included)."""
     figure = Figure(f"steady batch in one process (mean of batches 2-{batches})")
     detail: dict[str, Any] = {"ss": [], "project": [], "one_by_one": [], "flink_records_per_s": []}
     landed = range(100, 100 + batches)
@@ -333,24 +280,20 @@ def steady(work: Path, waves: Waves, repeat: int, batches: int, flink: bool) -> 
         assert all(run["status"] == "committed" for run in runs), runs
         detail["one_by_one"].append(statistics.mean(run["seconds"] for run in runs[1:]))
         if flink:
-            _, events = flink_run(waves.land(base / "flink" / "landing", landed), base / "flink")
-            first = next(e["t"] for e in events if e["event"] == "first_record")
-            finished = next(e["t"] for e in events if e["event"] == "job_finished")
-            records = batches * FILES_PER_BATCH * RECORDS_PER_FILE
-            detail["flink_records_per_s"].append(records / (finished - first))
-            figure.add("flink", (finished - first) / batches)
-    figure.note = "Flink: its steady throughput, as seconds per 100k records (first record to the job's end, final checkpoint included)"
+            _, events = flink_bounded(waves.land(base / "flink" / "landing", landed), base / "flink")
+            took = event_at(events, "job_finished") - event_at(events, "first_record")
+            detail["flink_records_per_s"].append(batches * BATCH_RECORDS / took)
+            figure.add("flink", took / batches)
     return figure, detail
 
 
-# -- state size ----------------------------------------------------------------------------
+# -- state size ------------------------------------------------------------------------------
 
 
-def state_size_curve(work: Path, sizes: list[int], spread_sizes: list[int]) -> list[dict[str, Any]]:
-    """Batches against a state of each size, in one process (Spark warm)."""
-    _, stdout = timed([sys.executable, __file__, "--child-state", str(work / "state"), "--sizes", ",".join(map(str, sizes)),
-                       "--spread", ",".join(map(str, spread_sizes))], timeout=7200)
-    return json.loads(stdout.strip().splitlines()[-1])
+def state_size_curve(work: Path, sizes: str, spread_sizes: str) -> list[dict[str, Any]]:
+    """Batches against a state of each size (`1000,20000`), in one process (Spark warm)."""
+    args = ["--child-state", str(work / "state"), "--sizes", sizes, "--spread", spread_sizes]
+    return last_json(timed([sys.executable, __file__, *args], timeout=7200)[1])
 
 
 def child_state(folder: str, sizes: list[int], spread_sizes: list[int]) -> None:
@@ -361,29 +304,31 @@ def child_state(folder: str, sizes: list[int], spread_sizes: list[int]) -> None:
     from spark_jobs.engine.session import default_session
     from spark_jobs.engine.spark_compute import SparkCompute
 
-    session = default_session(short_lived=False)
+    factory = partial(SparkCompute, session=default_session(short_lived=False))
     waves = Waves(Path(folder) / "waves")
     out = []
-    cases = [(USERS, "warm-up"), *[(n, "clustered") for n in sizes], *[(n, "spread") for n in spread_sizes]]
-    for size, layout in cases:
+    for size, layout in [
+        (USERS, "warm-up"),
+        *((n, "clustered") for n in sizes),
+        *((n, "spread") for n in spread_sizes),
+    ]:
         batches = 6 if layout == "warm-up" else 3
-        spec_path = project_pipeline(Path(folder) / f"state-{size}-{layout}", waves, range(200, 200 + batches))
-        spec = load_spec(spec_path)
+        spec = load_spec(project_pipeline(Path(folder) / f"state-{size}-{layout}", waves, range(200, 200 + batches)))
         started = time.perf_counter()
         _seed_state(spec.state_path, size, spread=layout == "spread")
         seeded = time.perf_counter() - started
         runs = []
         for n in range(batches):
-            outcome = run_batch(spec, RunOptions(run_id=f"bench-{n}"), compute_factory=lambda: SparkCompute(session=session))
-            assert outcome.status == "committed" and outcome.records_in == RECORDS_PER_FILE * FILES_PER_BATCH, outcome
+            outcome = run_batch(spec, RunOptions(run_id=f"bench-{n}"), compute_factory=factory)
+            assert outcome.status == "committed" and outcome.records_in == BATCH_RECORDS, outcome
             runs.append({"seconds": outcome.duration_ms / 1000, "steps_ms": outcome.steps_ms})
         median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         state_bytes = sum(p.stat().st_size for p in Path(spec.state_path).rglob("*.parquet"))
-        print(f"  {layout} state of {size:,} keys: batches {[round(r['seconds'], 2) for r in runs]} {median['steps_ms']}",
-              file=sys.stderr, flush=True)
+        all_s = [r["seconds"] for r in runs]
+        print(f"  {layout} state of {size:,} keys: batches {all_s} {median['steps_ms']}", file=sys.stderr, flush=True)
         if layout != "warm-up":
-            out.append({"keys": size, "layout": layout, **median, "all_s": [r["seconds"] for r in runs], "seed_s": seeded,
-                        "state_bytes": state_bytes})
+            out.append({"keys": size, "layout": layout, **median, "all_s": all_s, "seed_s": seeded})
+            out[-1]["state_bytes"] = state_bytes
         shutil.rmtree(Path(folder) / f"state-{size}-{layout}")
     print(json.dumps(out))
 
@@ -407,52 +352,203 @@ def _seed_state(path: str, size: int, *, spread: bool) -> None:
     stride = max(1, size // USERS) if spread else 1
     step = 1_000_000
     for start in range(0, size, step):
-        numbers = pa.array(range(start, min(size, start + step)), pa.int64())
-        is_user = pc.and_(pc.equal(pc.subtract(numbers, pc.multiply(pc.divide(numbers, stride), stride)), 0),
-                          pc.less(pc.divide(numbers, stride), USERS))
-        user_digits = pc.utf8_lpad(pc.cast(pc.divide(numbers, stride), pa.string()), 6, "0")
-        users = pc.binary_join_element_wise("user", user_digits, "")
-        old = pc.binary_join_element_wise("old", pc.utf8_lpad(pc.cast(numbers, pa.string()), 10, "0"), "")
+        keys = pa.array(range(start, min(size, start + step)), pa.int64())
+        user = pc.divide(keys, stride)
+        is_user = pc.and_(pc.equal(pc.subtract(keys, pc.multiply(user, stride)), 0), pc.less(user, USERS))
+        users = pc.binary_join_element_wise("user", pc.utf8_lpad(pc.cast(user, pa.string()), 6, "0"), "")
+        old = pc.binary_join_element_wise("old", pc.utf8_lpad(pc.cast(keys, pa.string()), 10, "0"), "")
         ids = pc.if_else(is_user, users, old)
         n = len(ids)
-        piece = pa.table({"user_id": ids, "events": pa.array([1] * n, pa.int64()), "amount": pa.array([1.0] * n),
-                          "last_seen": pa.nulls(n, pa.timestamp("us", tz="UTC")), "_batch_id": pa.array([0] * n, pa.int64())})
+        columns = [ids, pa.array([1] * n, pa.int64()), pa.array([1.0] * n), pa.nulls(n, pa.timestamp("us", tz="UTC"))]
+        piece = pa.table([*columns, pa.array([0] * n, pa.int64())], names=["user_id", *MERGE, "_batch_id"])
         write_deltalake(path, piece, mode="append", commit_properties=properties if start + step >= size else None)
 
 
-# -- report --------------------------------------------------------------------------------
+# -- reading a Delta source (--delta-reads) --------------------------------------------------
+
+DELTA_USERS = 200_000
+DELTA_TRANSFORMS = {
+    "changes": """
+SELECT user_id,
+       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN events ELSE -events END) AS events,
+       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN amount ELSE -amount END) AS amount
+FROM batch GROUP BY user_id
+""",
+    "appends": "SELECT user_id, sum(events) AS events, sum(amount) AS amount FROM batch GROUP BY user_id",
+}
 
 
-def machine() -> str:
-    memory = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")), "0")
-    java = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()[0]
-    return (f"{platform.machine()}, {os.cpu_count()} cores, {int(memory) / 1024 ** 2:.0f} GB, Python {platform.python_version()}, "
-            f"{java}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+def build_upstream(uri: str, versions: int, rows: int, *, updates: bool) -> None:
+    import numpy as np
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    schema = pa.schema([("user_id", pa.string()), ("events", pa.int64()), ("amount", pa.float64())])
+    DeltaTable.create(uri, schema, configuration={"delta.enableChangeDataFeed": "true"} if updates else None)
+    rng = np.random.default_rng(7)
+    for v in range(versions):
+        users = [f"u{u}" for u in rng.integers(0, DELTA_USERS, rows)]
+        data = {"user_id": users, "events": rng.integers(1, 5, rows), "amount": rng.random(rows)}
+        write_deltalake(uri, pa.table(data, schema=schema), mode="append")
+        if updates and v % 5 == 4:  # an update of a tenth of the users: change data files with pre and post images
+            picked = pa.table({"user_id": [f"u{u}" for u in range(v, DELTA_USERS, 10)]})
+            merge = DeltaTable(uri).merge(picked, "t.user_id = s.user_id", source_alias="s", target_alias="t")
+            merge.when_matched_update({"events": "t.events + 1"}).execute()
+
+
+def read_delta(spark: Any, uri: str, read: str, last: int, reader: str) -> tuple[Any, int | None]:
+    """Versions 1..`last` of `uri` through `reader` (driver or spark), then the per-user sum: the result
+    (Arrow), and the rows the driver's reader read."""
+    from spark_jobs.engine.delta_read import read_versions, spark_versions
+    from spark_jobs.sources.delta import DeltaManifest
+
+    manifest, rows = DeltaManifest(uri, read, 1, last, ()), None
+    if reader == "driver":
+        rows = read_versions(manifest)
+        spark.createDataFrame(rows).createOrReplaceTempView("batch")
+    else:
+        spark_versions(spark, manifest).createOrReplaceTempView("batch")
+    return spark.sql(DELTA_TRANSFORMS[read]).toArrow(), rows.num_rows if rows is not None else None
+
+
+def first_read_s(uri: str) -> float:
+    """The first Delta read of a fresh long-lived session, in its own process."""
+    code = (
+        "import time; from spark_jobs.engine.session import default_session; "
+        "s = default_session('local[*]', short_lived=False, delta=True); t = time.perf_counter(); "
+        "s.read.format('delta').option('readChangeFeed', 'true').option('startingVersion', 1)"
+        f".option('endingVersion', 1).load({uri!r}).count(); print(time.perf_counter() - t)"
+    )
+    return float(timed([sys.executable, "-c", code])[1].strip().splitlines()[-1])
+
+
+def time_reads(master: str, uris: dict[str, str], spans: list[int], repeat: int) -> tuple[dict, dict]:
+    """Both readers over each span of each upstream, alternately, in one session on `master`:
+    {(read, span): {reader: seconds}}, {(read, span): rows read}."""
+    from spark_jobs.engine.session import default_session
+
+    figures: dict[tuple[str, int], dict[str, list[float]]] = {}
+    rows_in: dict[tuple[str, int], int] = {}
+    spark = default_session(master, app_name="delta-read-ways", short_lived=False, delta=True)
+    try:
+        for read, uri in uris.items():
+            read_delta(spark, uri, read, 1, "spark")  # warm both paths once
+            read_delta(spark, uri, read, 1, "driver")
+            for span in spans:
+                last = span + (span // 5 if read == "changes" else 0)  # the updates come in between the appends
+                times = figures[read, span] = {"driver": [], "spark": []}
+                for _ in range(repeat):
+                    for reader in ("driver", "spark"):
+                        started = time.perf_counter()
+                        result, n = read_delta(spark, uri, read, last, reader)
+                        times[reader].append(time.perf_counter() - started)
+                        got = sorted((r["user_id"], r["events"], round(r["amount"], 6)) for r in result.to_pylist())
+                        if n is not None:
+                            rows_in[read, span], expected = n, got
+                        assert got == expected, f"the readers differ over {read} 1..{last} ({master})"
+                print(master, read, span, {k: [f"{x:.2f}" for x in v] for k, v in times.items()}, flush=True)
+    finally:
+        spark.stop()
+    return figures, rows_in
+
+
+def delta_reads(args: argparse.Namespace) -> None:
+    with scratch("delta-read") as work:
+        uris = {read: str(work / f"upstream-{read}") for read in ("changes", "appends")}
+        for read, uri in uris.items():
+            build_upstream(uri, args.versions, args.rows, updates=read == "changes")
+        cold = first_read_s(uris["changes"])
+        print(f"first Delta read of a fresh session: {cold:.1f} s", flush=True)
+        spans = sorted({1, max(1, args.versions // 4), args.versions})
+        engines, cluster = {}, None
+        try:
+            if not args.no_cluster:
+                from tests.spark_servers import start_cluster
+
+                cluster, engines["cluster"] = start_cluster(work / "cluster", cores=2)
+                # Two one-core executors on the worker. Given at the driver JVM's
+                # launch, which the local session after it reuses (it ignores the setting).
+                os.environ["PYSPARK_SUBMIT_ARGS"] = "--conf spark.executor.cores=1 pyspark-shell"
+            engines["local"] = "local[*]"
+            if args.master:
+                engines["given"] = args.master
+            measured = {engine: time_reads(master, uris, spans, args.repeat) for engine, master in engines.items()}
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    write_reads_doc(args, measured, spans, cold)
+
+
+def write_reads_doc(
+    args: argparse.Namespace, measured: dict[str, tuple[dict, dict]], spans: list[int], cold: float
+) -> None:
+    where = {"local": "local mode", "cluster": "standalone cluster, 2 executors of 1 core", "given": args.master}
+    lines = [
+        "## Reading a Delta source",
+        "",
+        f"{measured_by('`bench/run.py --delta-reads`')}. Two upstreams written by delta-rs: for "
+        f"`read: changes`, {args.versions} appends of {args.rows:,} rows over {DELTA_USERS:,} users with the change feed "
+        "on, and after every fifth a MERGE updating a tenth of the users; for `read: appends`, the same appends "
+        "alone. Per engine, one long-lived session that loads delta-spark (`default_session(delta=True)`), the two "
+        f"readers of `engine/delta_read.py` in turn, each followed by a per-user sum, medians of {args.repeat}; both "
+        "gave the same result (checked). The cluster runs on loopback on the same two cores "
+        "(`tests/spark_servers.py`).",
+        "",
+        "| engine | read | appends in the range | rows read | driver (`reader: driver`) | Spark (`reader: spark`) | Spark / driver |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ratio: dict[tuple[str, str, int], float] = {}
+    for engine in sorted(measured, key=list(where).index):
+        figures, rows_in = measured[engine]
+        for (read, span), times in sorted(figures.items(), key=lambda item: (item[0][0] != "changes", item[0][1])):
+            d, s = statistics.median(times["driver"]), statistics.median(times["spark"])
+            ratio[engine, read, span] = s / d
+            lines.append(
+                f"| {where[engine]} | {read} | {span} | {rows_in[read, span]:,} | {d:.2f} s | {s:.2f} s | {s / d:.2f} |"
+            )
+    at_small = [r for key, r in ratio.items() if key[2] == spans[0]]
+    at_large = [r for key, r in ratio.items() if key[2] == spans[-1]]
+    lines += [
+        "",
+        f"The first Delta read of a fresh JVM took {cold:.1f} s (Delta reconstructs the table's snapshot with a Spark "
+        "job of generated code); the driver's reader needs no JVM warm-up of its own.",
+        "",
+        f"Which is used when. The driver's reader is the default: at one append's rows Spark's reader took "
+        f"{min(at_small):.2f} to {max(at_small):.2f} times as long, and a session that loads delta-spark makes every "
+        "one-batch start and catch-up batch slower (\"Figures behind the code's choices\"), plus the first read's "
+        "snapshot job above. Chained pipelines make such batches: an upstream's few commits, bounded by "
+        f"`batch.max_versions` (and the driver's memory with them). At {args.versions} appends' rows Spark's reader "
+        f"took {min(at_large):.2f} to {max(at_large):.2f} times as long, at its best on the cluster, where it spreads "
+        "the files over the executors and no row passes through the driver: set `source.reader: spark` for a "
+        "pipeline whose batches are millions of rows on a cluster, or whose upstream uses column mapping. "
+        "`--master spark://...` adds a real cluster to this comparison.",
+        "",
+    ]
+    write_section(DOC, lines)
+
+
+# -- report ----------------------------------------------------------------------------------
 
 
 TARGETS = {"one 100k batch, new process": 0.4, "no new data, new process": 0.1, "steady": 0.5}
 
 
-def _target(name: str) -> float | None:
-    return next((t for key, t in TARGETS.items() if name == key or (key == "steady" and name.startswith(key))), None)
-
-
 def side_by_side_table(figures: list[Figure]) -> list[str]:
     engines = ["structured streaming", "flink"]
-    lines = ["| figure | Structured Streaming | Flink | project | project / SS | project / Flink | target (project / SS) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| figure | Structured Streaming | Flink | project | project / SS | project / Flink | target (project / SS) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for f in figures:
-        cells = [f.name]
-        for engine in [*engines, "project"]:
-            v = f.value(engine)
-            cells.append(f"{v:.2f} s" if v is not None else "-")
+        cells = [f.name, *(f"{v:.2f} s" if (v := f.value(e)) is not None else "-" for e in [*engines, "project"])]
         for engine in engines:
-            r = f.ratio(engine)
             # Three decimals: a ratio a hair above its target must not print as on it.
-            cells.append(f"**{r:.3f}**" if r is not None and engine == "structured streaming" else (f"{r:.3f}" if r is not None else "-"))
-        target = _target(f.name)
+            r = f.ratio(engine)
+            cells.append("-" if r is None else f"**{r:.3f}**" if engine == "structured streaming" else f"{r:.3f}")
+        target = TARGETS.get(f.name, TARGETS["steady"] if f.name.startswith("steady") else None)
         reached = f.ratio("structured streaming")
-        cells.append(f"<= {target} ({'met' if reached is not None and reached <= target else 'not met'})" if target else "-")
+        met = "met" if target and reached is not None and reached <= target else "not met"
+        cells.append(f"<= {target} ({met})" if target else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -461,18 +557,17 @@ def samples_line(f: Figure) -> str:
     return f"{f.name}: " + "; ".join(f"{e} " + ", ".join(f"{v:.2f}" for v in vs) for e, vs in f.samples.items()) + " s"
 
 
-def plot_side_by_side(figures: list[Figure], path: Path) -> None:
-    import matplotlib
+def seconds(values: list[float], digits: int = 2) -> str:
+    return ", ".join(f"{v:.{digits}f}" for v in values)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_side_by_side(figures: list[Figure]) -> None:
+    plt = pyplot()
     engines = [("structured streaming", "#9aa5b1"), ("flink", "#c9a26b"), ("project", "#2f6f9f")]
     fig, axes = plt.subplots(1, len(figures), figsize=(4.2 * len(figures), 3.6))
     for ax, f in zip(axes, figures):
         names = [e for e, _ in engines if f.value(e) is not None]
-        values = [f.value(e) for e in names]
-        bars = ax.bar(range(len(names)), values, color=[c for e, c in engines if e in names])
+        bars = ax.bar(range(len(names)), [f.value(e) for e in names], color=[c for e, c in engines if e in names])
         for bar, name in zip(bars, names):
             for v in f.samples[name]:
                 ax.plot(bar.get_x() + bar.get_width() / 2, v, "k.", markersize=4)
@@ -481,104 +576,40 @@ def plot_side_by_side(figures: list[Figure], path: Path) -> None:
         ax.set_ylabel("seconds")
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     fig.suptitle("One run, same files, same machine (bars: medians; dots: each run)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, "bench_side_by_side.png")
 
 
-def plot_state(curve: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.8, 4.0))
+def plot_state(curve: list[dict[str, Any]]) -> None:
+    fig, ax = pyplot().subplots(figsize=(6.8, 4.0))
     for layout, marker in (("clustered", "o"), ("spread", "s")):
         rows = [c for c in curve if c["layout"] == layout]
+        keys = [c["keys"] for c in rows]
         if not rows:
             continue
-        keys = [c["keys"] for c in rows]
         ax.plot(keys, [c["seconds"] for c in rows], marker + "-", color="black", label=f"whole batch, {layout}")
-        ax.plot(keys, [c["steps_ms"].get("read", 0) / 1000 for c in rows], marker + ":", color="#2f6f9f", label=f"read (Spark), {layout}")
-        ax.plot(keys, [c["steps_ms"].get("commit", 0) / 1000 for c in rows], marker + "--", color="#c9a26b",
-                label=f"commit (delta-rs MERGE), {layout}")
+        read, commit = ([c["steps_ms"].get(step, 0) / 1000 for c in rows] for step in ("read", "commit"))
+        ax.plot(keys, read, marker + ":", color="#2f6f9f", label=f"read (Spark), {layout}")
+        ax.plot(keys, commit, marker + "--", color="#c9a26b", label=f"commit (delta-rs MERGE), {layout}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("keys in the state")
     ax.set_ylabel("seconds")
     ax.set_title("One 100k-record batch against states of growing size", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, "bench_state_size.png")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steady-batches", type=int, default=6)
-    parser.add_argument("--state-sizes", default="100000,1000000,10000000,100000000",
-                        help="state sizes, keys, with the batch's keys clustered in one file")
-    parser.add_argument("--spread-sizes", default="1000000,10000000", help="state sizes with the batch's keys in every file")
-    parser.add_argument("--no-flink", action="store_true", help="leave the Flink anchor out")
-    parser.add_argument("--only-state", action="store_true", help="only the state-size curve (rewrites only its section)")
-    parser.add_argument("--child-steady", help=argparse.SUPPRESS)
-    parser.add_argument("--one-by-one", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--child-state", help=argparse.SUPPRESS)
-    parser.add_argument("--batches", type=int, default=6, help=argparse.SUPPRESS)
-    parser.add_argument("--sizes", help=argparse.SUPPRESS)
-    parser.add_argument("--spread", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child_steady:
-        return child_steady(args.child_steady, args.batches, read_ahead=not args.one_by_one)
-    if args.child_state:
-        return child_state(args.child_state, [int(s) for s in args.sizes.split(",")], [int(s) for s in args.spread.split(",") if s])
-
-    if args.only_state:
-        work = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
-        try:
-            curve = state_size_curve(work, [int(s) for s in args.state_sizes.split(",")],
-                                     [int(s) for s in args.spread_sizes.split(",") if s])
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        print("\n".join(write_state_doc(curve)))
-        return
-    missing = None if not args.no_flink else "left out (--no-flink)"
-    missing = missing or flink_available()
-    if missing:
-        print(f"Flink anchor: {missing}", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
-    started = time.time()
-    try:
-        waves = Waves(work / "waves")
-        print("one batch, then nothing new, each in a new process (SS, project, Flink interleaved)...", flush=True)
-        one, none, detail_one = one_batch_and_no_data(work, waves, args.repeat, flink=missing is None)
-        print("one batch in a new process, both on a warm Spark Connect server...", flush=True)
-        connect = one_batch_connect(work, waves, args.repeat)
-        print("steady batches in one process...", flush=True)
-        steady_figure, detail_steady = steady(work, waves, args.repeat, args.steady_batches, flink=missing is None)
-        print("state size (project alone)...", flush=True)
-        curve = state_size_curve(work, [int(s) for s in args.state_sizes.split(",")],
-                                 [int(s) for s in args.spread_sizes.split(",") if s])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    figures = [one, none, steady_figure, connect]
-    minutes = (time.time() - started) / 60
-    table = side_by_side_table(figures)
-    print("\n".join(table))
-    write_docs(figures, detail_one, detail_steady, curve, missing, minutes)
-
-
-def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady: dict[str, Any],
-               curve: list[dict[str, Any]], flink_missing: str | None, minutes: float) -> None:
-    plot_side_by_side(figures, ROOT / "docs" / "bench_side_by_side.png")
+def write_docs(
+    figures: list[Figure], detail_one: dict, detail_steady: dict, flink_missing: str | None, minutes: float
+) -> None:
+    plot_side_by_side(figures)
     one, _, steady_figure, connect = figures
     steps = detail_one["project_steps"]
     median_step = {k: statistics.median(s.get(k, 0) for s in steps) / 1000 for k in steps[0]}
     lines = [
         "## Side by side",
         "",
-        f"Measured by `make bench-full` (`bench/run.py`) in one run of {minutes:.0f} minutes on {machine()}.",
+        f"{measured_by('`make bench-full` (`bench/run.py`)', minutes)}.",
         "Each figure's anchor runs were interleaved with the project's, on the same files (hard links of one set of "
         "generated files). Workload: JSON click events, 2 files of 50,000 records per 100k-record batch, over 100,000 "
         "users; per user count, sum and max merged into keyed state.",
@@ -605,36 +636,48 @@ def write_docs(figures: list[Figure], detail_one: dict[str, Any], detail_steady:
         f"* The project on a warm Spark Connect server against Structured Streaming in its own JVM (the first row's anchor): "
         f"{connect.value('project') / one.value('structured streaming'):.2f}; on a warm server a new-process batch is "
         "Python's start, the plan, the server's work and the commit.",
-        f"* Structured Streaming's session start in those runs: {', '.join(f'{v:.1f}' for v in detail_one['ss_session_s'])} s.",
+        f"* Structured Streaming's session start in those runs: {seconds(detail_one['ss_session_s'], 1)} s.",
     ]
     if detail_one["flink_first_record_s"]:
-        lines.append(f"* Flink, process start to the first record read: {', '.join(f'{v:.1f}' for v in detail_one['flink_first_record_s'])} s.")
+        lines.append(
+            f"* Flink, process start to the first record read: {seconds(detail_one['flink_first_record_s'], 1)} s."
+        )
     if detail_steady["flink_records_per_s"]:
-        lines.append(f"* Flink's steady throughput: {', '.join(f'{v:,.0f}' for v in detail_steady['flink_records_per_s'])} records/s.")
+        rates = ", ".join(f"{v:,.0f}" for v in detail_steady["flink_records_per_s"])
+        lines.append(f"* Flink's steady throughput: {rates} records/s.")
     for runs in detail_steady["project"][:1]:
-        lines.append("* One steady run of the project, time from each batch's outcome to the next (the first: from the start): "
-                     + "; ".join(f"{r['seconds']:.2f} s (read ahead {r['steps_ms'].get('read_ahead', 0) / 1000:.2f}, "
-                                 f"commit {r['steps_ms'].get('commit', 0) / 1000:.2f})" for r in runs))
+        lines.append(
+            "* One steady run of the project, time from each batch's outcome to the next (the first: from the start): "
+            + "; ".join(
+                f"{r['seconds']:.2f} s (read ahead {r['steps_ms'].get('read_ahead', 0) / 1000:.2f}, "
+                f"commit {r['steps_ms'].get('commit', 0) / 1000:.2f})"
+                for r in runs
+            )
+        )
     if detail_steady["one_by_one"]:
         ss_steady = steady_figure.value("structured streaming")
         one_by_one = statistics.median(detail_steady["one_by_one"])
-        lines.append(f"* The same batches, one `run_batch` call each, nothing read ahead (as one Airflow task a batch on a warm "
-                     f"engine would run them): {', '.join(f'{v:.2f}' for v in detail_steady['one_by_one'])} s a batch, "
-                     f"median {one_by_one:.2f} s" + (f", {one_by_one / ss_steady:.2f} of Structured Streaming." if ss_steady else "."))
+        lines.append(
+            f"* The same batches, one `run_batch` call each, nothing read ahead (as one Airflow task a batch on a warm "
+            f"engine would run them): {seconds(detail_steady['one_by_one'])} s a batch, "
+            f"median {one_by_one:.2f} s"
+            + (f", {one_by_one / ss_steady:.2f} of Structured Streaming." if ss_steady else ".")
+        )
     for times in detail_steady["ss"][:1]:
-        lines.append("* One steady run of Structured Streaming, batch by batch (`triggerExecution`): " + ", ".join(f"{t:.2f}" for t in times) + " s")
+        lines.append(
+            f"* One steady run of Structured Streaming, batch by batch (`triggerExecution`): {seconds(times)} s"
+        )
     lines += ["", "![side by side](bench_side_by_side.png)", ""]
-    replace_section(DOC, "## Side by side", lines)
-    write_state_doc(curve)
+    write_section(DOC, lines)
 
 
-def write_state_doc(curve: list[dict[str, Any]]) -> list[str]:
+def write_state_doc(curve: list[dict[str, Any]]) -> None:
     """The "State size" section of docs/benchmarks.md, and its plot."""
-    plot_state(curve, ROOT / "docs" / "bench_state_size.png")
-    state = [
+    plot_state(curve)
+    lines = [
         "## State size",
         "",
-        f"Measured by `make bench-full` (`bench/run.py`) on {machine()}. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
+        f"{measured_by('`make bench-full` (`bench/run.py`)')}. A 100k-record batch (about 63,000 keys) merged into a state of N keys, "
         "in one process with Spark warm (6 batches on a small state first); each row is the median of 3 batches on its "
         "state. The state is seeded in files of a million rows, two ways: **clustered**, the batch's users' keys sort "
         "apart from the old ones, so the MERGE (unstreamed, so delta-rs prunes files by the batch's key range) rewrites one file; "
@@ -647,15 +690,64 @@ def write_state_doc(curve: list[dict[str, Any]]) -> list[str]:
     ]
     base = next((c["seconds"] for c in curve if c["keys"] == USERS), curve[0]["seconds"])
     for c in curve:
-        s = c["steps_ms"]
-        state.append(f"| {c['keys']:,} | {c['layout']} | {c['state_bytes'] / 1e6:,.0f} MB | {c['seconds']:.2f} s | "
-                     f"{s.get('read', 0) / 1000:.2f} s | {s.get('commit', 0) / 1000:.2f} s | "
-                     f"{s.get('commit', 0) / 1000 / c['seconds']:.0%} | {c['seconds'] / base:.2f} |")
-    state += ["", "Each case's three batches: " + "; ".join(
-        f"{c['keys']:,} {c['layout']} " + ", ".join(f"{v:.2f}" for v in c["all_s"]) for c in curve) + " s.",
-        "", "![state size](bench_state_size.png)", ""]
-    replace_section(DOC, "## State size", state)
-    return state
+        read, commit = c["steps_ms"].get("read", 0) / 1000, c["steps_ms"].get("commit", 0) / 1000
+        lines.append(
+            f"| {c['keys']:,} | {c['layout']} | {c['state_bytes'] / 1e6:,.0f} MB | {c['seconds']:.2f} s | {read:.2f} s | "
+            f"{commit:.2f} s | {commit / c['seconds']:.0%} | {c['seconds'] / base:.2f} |"
+        )
+    each = "; ".join(f"{c['keys']:,} {c['layout']} {seconds(c['all_s'])}" for c in curve)
+    lines += ["", f"Each case's three batches: {each} s.", "", "![state size](bench_state_size.png)", ""]
+    write_section(DOC, lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steady-batches", type=int, default=6)
+    parser.add_argument(
+        "--state-sizes", default="100000,1000000,10000000,100000000", help="the batch's keys in one file"
+    )
+    parser.add_argument(
+        "--spread-sizes", default="1000000,10000000", help="state sizes, the batch's keys in every file"
+    )
+    parser.add_argument("--delta-reads", action="store_true", help="only the two readers of a Delta source's batch")
+    parser.add_argument("--versions", type=int, default=20, help="--delta-reads: the upstreams' appends")
+    parser.add_argument("--rows", type=int, default=100_000, help="--delta-reads: rows an append")
+    parser.add_argument("--no-cluster", action="store_true", help="--delta-reads: no loopback cluster")
+    parser.add_argument("--master", help="--delta-reads: also on this cluster (spark://host:port)")
+    parser.add_argument("--child-steady", help=argparse.SUPPRESS)
+    parser.add_argument("--one-by-one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-state", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", type=int, default=6, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
+    parser.add_argument("--spread", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_steady:
+        return child_steady(args.child_steady, args.batches, read_ahead=not args.one_by_one)
+    if args.child_state:
+        return child_state(args.child_state, numbers(args.sizes), numbers(args.spread))
+    if args.delta_reads:
+        return delta_reads(args)
+    missing = (
+        None
+        if FLINK_PYTHON.exists()
+        else f"no Flink virtualenv at {FLINK_PYTHON.parents[1]} (`make bench-full` makes it)"
+    )
+    if missing:
+        print(f"Flink anchor: {missing}", flush=True)
+    started = time.time()
+    with scratch("bench") as work:
+        waves = Waves(work / "waves")
+        print("one batch, then nothing new, each in a new process (SS, project, Flink interleaved)...", flush=True)
+        one, none, detail_one = one_batch_and_no_data(work, waves, args.repeat, flink=missing is None)
+        print("one batch in a new process, both on a warm Spark Connect server...", flush=True)
+        connect = one_batch_connect(work, waves, args.repeat)
+        print("steady batches in one process...", flush=True)
+        steady_figure, detail_steady = steady(work, waves, args.repeat, args.steady_batches, flink=missing is None)
+        print("state size (project alone)...", flush=True)
+        curve = state_size_curve(work, args.state_sizes, args.spread_sizes)
+    write_docs([one, none, steady_figure, connect], detail_one, detail_steady, missing, (time.time() - started) / 60)
+    write_state_doc(curve)
 
 
 if __name__ == "__main__":

@@ -33,38 +33,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from harness import MERGE, measured_by, numbers, pyplot, save_plot, scratch, ss_anchor, write_section, write_spec
+from run import project_steady
 
-from doc_sections import replace_section  # noqa: E402
-from run import project_steady, timed  # noqa: E402
-
-DOC = ROOT / "docs" / "benchmarks.md"
-PLOT = ROOT / "docs" / "bench_state_at_scale.png"
-SECTION = "## State at scale: users coming back"
+PLOT = "bench_state_at_scale.png"
 BATCH_RECORDS = 100_000
 FILE_ROWS = 1_000_000
 FOLD_AT = 0.1
-TRANSFORM = "SELECT user_id, count(*) AS events, sum(amount) AS amount, max(ts) AS last_seen FROM batch GROUP BY user_id"
-SCHEMA = "event_id STRING, user_id STRING, amount DOUBLE, ts TIMESTAMP"
+LABELS = (("SS", "ss"), ("merged", "merged"), ("appended", "appended"))
 
 
-def users(numbers) -> Any:
+def users(keys: Any) -> Any:
+    """User ids (`u000000042`) of key numbers."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    return pc.binary_join_element_wise("u", pc.utf8_lpad(pc.cast(pa.array(numbers, pa.int64()), pa.string()), 9, "0"), "")
+    return pc.binary_join_element_wise("u", pc.utf8_lpad(pc.cast(pa.array(keys, pa.int64()), pa.string()), 9, "0"), "")
 
 
 def seed_parquet(folder: Path, size: int) -> None:
@@ -75,10 +66,11 @@ def seed_parquet(folder: Path, size: int) -> None:
 
     folder.mkdir(parents=True)
     for start in range(0, size, 5 * FILE_ROWS):
-        numbers = np.arange(start, min(size, start + 5 * FILE_ROWS))
-        n = len(numbers)
-        pq.write_table(pa.table({"event_id": users(numbers), "user_id": users(numbers), "amount": pa.array(np.ones(n)),
-                                 "ts": pa.nulls(n, pa.timestamp("us", tz="UTC"))}), folder / f"seed-{start:012d}.parquet")
+        ids = users(np.arange(start, min(size, start + 5 * FILE_ROWS)))
+        columns = [ids, ids, pa.array(np.ones(len(ids))), pa.nulls(len(ids), pa.timestamp("us", tz="UTC"))]
+        pq.write_table(
+            pa.table(columns, names=["event_id", "user_id", "amount", "ts"]), folder / f"seed-{start:012d}.parquet"
+        )
 
 
 def seed_state(path: str, size: int) -> None:
@@ -94,21 +86,23 @@ def seed_state(path: str, size: int) -> None:
     from spark_jobs.core.folding import FOLD_KEY
 
     order = np.random.default_rng(size).permutation(size)
-    schema = pa.schema([("user_id", pa.string()), ("events", pa.int64()), ("amount", pa.float64()),
-                        ("last_seen", pa.timestamp("us", tz="UTC")), ("_batch_id", pa.int64())])
+    types = [pa.string(), pa.int64(), pa.float64(), pa.timestamp("us", tz="UTC"), pa.int64()]
+    schema = pa.schema(list(zip(["user_id", *MERGE, "_batch_id"], types)))
 
     def pieces():
         for start in range(0, size, FILE_ROWS):
-            numbers = order[start:start + FILE_ROWS]
-            n = len(numbers)
-            yield pa.record_batch([users(numbers), pa.array(np.ones(n, np.int64)), pa.array(np.ones(n)),
-                                   pa.nulls(n, pa.timestamp("us", tz="UTC")), pa.array(np.zeros(n, np.int64))], schema=schema)
+            keys = order[start : start + FILE_ROWS]
+            n = len(keys)
+            ones, zeros, no_time = np.ones(n, np.int64), np.zeros(n, np.int64), pa.nulls(n, types[3])
+            yield pa.record_batch(
+                [users(keys), pa.array(ones), pa.array(np.ones(n)), no_time, pa.array(zeros)], schema=schema
+            )
 
     origin = Position(0, 0).encode()
-    props = CommitProperties(custom_metadata={METADATA_KEY: json.dumps({"txn": origin}), FOLD_KEY: json.dumps({"seed": size})},
-                             app_transactions=[Transaction(STATE_FENCE, origin)])
-    write_deltalake(path, pa.RecordBatchReader.from_batches(schema, pieces()), mode="append", commit_properties=props,
-                    target_file_size=64 * 1024 * 1024)
+    metadata = {METADATA_KEY: json.dumps({"txn": origin}), FOLD_KEY: json.dumps({"seed": size})}
+    props = CommitProperties(custom_metadata=metadata, app_transactions=[Transaction(STATE_FENCE, origin)])
+    data = pa.RecordBatchReader.from_batches(schema, pieces())
+    write_deltalake(path, data, mode="append", commit_properties=props, target_file_size=64 * 1024 * 1024)
 
 
 def click_files(folder: Path, size: int, count: int) -> list[Path]:
@@ -125,38 +119,17 @@ def click_files(folder: Path, size: int, count: int) -> list[Path]:
             f'{{"event_id":"e{f}-{i}","user_id":"u{u:09d}","amount":1.5,"ts":"2026-11-26T{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}Z"}}'
             for i, (u, s) in enumerate(zip(drawn.tolist(), seconds.tolist()))
         )
-        path = folder / f"clicks-{f:04d}.json"
-        path.write_text("\n".join(lines) + "\n")
-        out.append(path)
+        out.append(folder / f"clicks-{f:04d}.json")
+        out[-1].write_text("\n".join(lines) + "\n")
     return out
 
 
-def ss_batches(landing: Path, seed: Path, checkpoint: Path) -> dict[str, Any]:
-    _, stdout = timed([sys.executable, str(ROOT / "bench/anchors/structured_streaming.py"), "--landing", str(landing),
-                       "--seed", str(seed), "--checkpoint", str(checkpoint), "--max-files", "1"], timeout=7200)
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
-def project_spec(folder: Path, layout: str, engine: dict[str, Any] | None = None) -> Path:
-    from tests.conftest import write_spec
-
-    spec = {
-        "name": f"scale_{layout}",
-        "source": {"type": "files", "path": "landing", "format": "json", "schema": SCHEMA},
-        "transform": TRANSFORM,
-        "state": {"path": "state", "keys": ["user_id"], "merge": {"events": "sum", "amount": "sum", "last_seen": "max"},
-                  "layout": layout, "fold_at": FOLD_AT},
-        "checkpoint": "_checkpoints/scale",
-        "batch": {"max_files": 1},
-        **({"engine": engine} if engine else {}),
-    }
-    return write_spec(folder, spec)
-
-
-def seeded_project(base: Path, folder: Path, layout: str, clicks: list[Path], engine: dict[str, Any] | None = None) -> Path:
-    """A project in `folder` on its own copy of the seeded state
+def seeded_project(base: Path, layout: str, clicks: list[Path]) -> Path:
+    """The project in `base`/`layout` on its own copy of the seeded state
     (`base/seed-state`), the clicks landed (hard links); its spec's path."""
-    spec_path = project_spec(folder, layout, engine)
+    folder = base / layout
+    state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "layout": layout, "fold_at": FOLD_AT}
+    spec_path = write_spec(folder, f"scale_{layout}", state=state, batch={"max_files": 1})
     shutil.copytree(base / "seed-state", folder / "state")
     for path in clicks:
         os.link(path, folder / "landing" / path.name)
@@ -169,8 +142,7 @@ def read_s(spec_path: Path) -> float:
     from spark_jobs.core.spec import load_spec
 
     started = time.perf_counter()
-    rows = sum(batch.num_rows for batch in read_state(load_spec(spec_path)))
-    assert rows > 0
+    assert sum(batch.num_rows for batch in read_state(load_spec(spec_path))) > 0
     return time.perf_counter() - started
 
 
@@ -206,45 +178,48 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True,
     figures: dict[str, Any] = {"keys": size, "seed_state_s": time.perf_counter() - started}
     figures["state_mb"] = sum(p.stat().st_size for p in (base / "seed-state").rglob("*.parquet")) / 1e6
 
-    # Structured Streaming: seed run, then the clicks.
+    # Structured Streaming: a seed run, then the clicks.
     seed_parquet(base / "ss-seed", size)
     (base / "ss-landing").mkdir()
-    seeded = ss_batches(base / "ss-landing", base / "ss-seed", base / "ss-checkpoint")
+    anchor = ("--landing", base / "ss-landing", "--seed", base / "ss-seed", "--checkpoint", base / "ss-checkpoint")
+    _, seeded = ss_anchor(*anchor, "--max-files", 1, timeout=7200)
     figures["ss_seed_s"] = seeded["query_s"]
     assert sum(b["rows"] for b in seeded["batches"]) == size, seeded["batches"]
     for path in clicks:
         os.link(path, base / "ss-landing" / path.name)
-    run = ss_batches(base / "ss-landing", base / "ss-seed", base / "ss-checkpoint")
+    _, run = ss_anchor(*anchor, "--max-files", 1, timeout=7200)
     assert [b["rows"] for b in run["batches"]] == [BATCH_RECORDS] * batches, run["batches"]
     figures["ss_s"] = [b["duration_ms"]["triggerExecution"] / 1000 for b in run["batches"]]
     shutil.rmtree(base / "ss-checkpoint")
     shutil.rmtree(base / "ss-seed")
-    print(f"  {size:,} keys: structured streaming seeded in {figures['ss_seed_s']:.1f} s, batches {figures['ss_s']}", file=sys.stderr, flush=True)
+    print(
+        f"  {size:,} keys: structured streaming seeded in {figures['ss_seed_s']:.1f} s, batches {figures['ss_s']}",
+        file=sys.stderr,
+    )
 
     for layout in ("merged", "appended"):
-        folder = base / layout
-        spec_path = seeded_project(base, folder, layout, clicks)
+        spec_path = seeded_project(base, layout, clicks)
         runs = project_steady(spec_path, batches)
         assert [r["records"] for r in runs] == [BATCH_RECORDS] * batches, runs
         figures[f"{layout}_s"] = [r["seconds"] for r in runs]
-        figures[f"{layout}_pace_s"] = steady(figures[f"{layout}_s"])
         figures[f"{layout}_folds"] = sum(1 for r in runs if r["steps_ms"] and r["steps_ms"].get("fold", 0) > 50)
-        if fold_and_reads:
+        if fold_and_reads and reads:
+            figures[f"{layout}_read_s"] = read_s(spec_path)
+        if fold_and_reads and layout == "appended":
+            figures["fold_s"] = fold_s(spec_path)
             if reads:
-                figures[f"{layout}_read_s"] = read_s(spec_path)
-            if layout == "appended":
-                figures["fold_s"] = fold_s(spec_path)
-                if reads:
-                    figures["appended_read_folded_s"] = read_s(spec_path)
-        print(f"  {size:,} keys, {layout}: batches {[round(s, 2) for s in figures[f'{layout}_s']]}, pace "
-              f"{figures[f'{layout}_pace_s']:.2f} s", file=sys.stderr, flush=True)
-        shutil.rmtree(folder)
+                figures["appended_read_folded_s"] = read_s(spec_path)
+        print(
+            f"  {size:,} keys, {layout}: batches {figures[f'{layout}_s']}, pace {pace(figures[f'{layout}_s']):.2f} s",
+            file=sys.stderr,
+        )
+        shutil.rmtree(spec_path.parent)
     print(json.dumps(figures), flush=True)
     shutil.rmtree(base)
     return figures
 
 
-def steady(seconds: list[float]) -> float:
+def pace(seconds: list[float]) -> float:
     """The steady batch: the mean of batches 3 on (the first two of a
     process warm its JVM up, for both engines). The mean, not the median:
     reading ahead, the project's batches alternate short and long (a batch
@@ -253,47 +228,26 @@ def steady(seconds: list[float]) -> float:
     return statistics.mean(seconds[2:])
 
 
-def _seconds(value: float | None) -> str:
-    return "not measured" if value is None else f"{value:.2f} s"
-
-
 def fold_every(size: int) -> float:
     """Batches of 100,000 new rows between two folds."""
     return max(1.0, FOLD_AT * max(size, 100_000) / BATCH_RECORDS)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1000000,10000000,20000000,100000000")
-    parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--no-reads", action="store_true", help="leave out the full reads of each state (100M keys: about 23 GB in this process)")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="microbatch-state-vs-ss-"))
-    try:
-        rows = [measure(work, int(n), args.batches, reads=not args.no_reads) for n in ["100000", *args.sizes.split(",")]]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    write_doc(args, rows)
+def amortized(r: dict[str, Any]) -> float:
+    """The appended steady batch with the fold spread over the batches between two folds (a run whose batches
+    already folded has the fold in its pace)."""
+    return pace(r["appended_s"]) + (0 if r["appended_folds"] else r["fold_s"] / fold_every(r["keys"]))
 
 
 def write_doc(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    for r in rows:
-        for layout in ("merged", "appended"):
-            r[f"{layout}_pace_s"] = steady(r[f"{layout}_s"])
-    def ss(r: dict[str, Any]) -> float:
-        return steady(r["ss_s"])
+    def read(value: float | None) -> str:
+        return "not measured" if value is None else f"{value:.2f} s"
 
-    def amortized(r: dict[str, Any]) -> float:
-        folds_in_run = r["appended_folds"]
-        # A run whose batches already folded has the fold in its pace.
-        return r["appended_pace_s"] + (0 if folds_in_run else r["fold_s"] / fold_every(r["keys"]))
-
-    own = rows[0]["appended_pace_s"]
+    own = pace(rows[0]["appended_s"])
     lines = [
-        SECTION,
+        "## State at scale: users coming back",
         "",
-        f"Measured by `bench/state_vs_ss.py` on {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, {date.today().isoformat()}, one run. Per state size: the state seeded with N users "
+        f"{measured_by('`bench/state_vs_ss.py`')}, one run. Per state size: the state seeded with N users "
         f"(one row each), then {args.batches} files of {BATCH_RECORDS:,} clicks whose users are drawn uniformly from all N, "
         "one file a batch, the same files for every engine. Structured Streaming: `Trigger.AvailableNow`, RocksDB state "
         "(seeded by a first run over the N users), `noop` sink, each batch's `durationMs`. This project: `run --catch-up`, "
@@ -306,47 +260,39 @@ def write_doc(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        s, app = ss(r), r["appended_pace_s"]
+        ss, merged, app = pace(r["ss_s"]), pace(r["merged_s"]), pace(r["appended_s"])
         lines.append(
-            f"| {r['keys']:,} | {r['state_mb']:.0f} MB | {s:.2f} s | {r['merged_pace_s']:.2f} s | {r['merged_pace_s'] / s:.2f} "
-            f"| {app:.2f} s | **{app / s:.2f}** | {app / own:.2f} | {r['fold_s']:.1f} s (every {fold_every(r['keys']):.0f}) "
-            f"| {amortized(r):.2f} s | {amortized(r) / s:.2f} | {_seconds(r.get('merged_read_s'))} | {_seconds(r.get('appended_read_s'))} |"
+            f"| {r['keys']:,} | {r['state_mb']:.0f} MB | {ss:.2f} s | {merged:.2f} s | {merged / ss:.2f} "
+            f"| {app:.2f} s | **{app / ss:.2f}** | {app / own:.2f} | {r['fold_s']:.1f} s (every {fold_every(r['keys']):.0f}) "
+            f"| {amortized(r):.2f} s | {amortized(r) / ss:.2f} | {read(r.get('merged_read_s'))} | {read(r.get('appended_read_s'))} |"
         )
-    big = rows[-1]
+    big, ss = rows[-1], pace(rows[-1]["ss_s"])
+    batches = "; ".join(
+        f"{r['keys']:,}: " + ", ".join(f"{name} {[round(x, 2) for x in r[f'{key}_s']]}" for name, key in LABELS)
+        for r in rows
+    )
     lines += [
         "",
         f"The goal (issue 35), at {big['keys']:,} keys: the appended steady batch at most 0.5x Structured Streaming's "
-        f"(measured: {big['appended_pace_s'] / ss(big):.2f}) and at most 1.5x its own batch at 100,000 keys (measured: "
-        f"{big['appended_pace_s'] / own:.2f}). With the fold spread over the batches between two folds: "
-        f"{amortized(big) / ss(big):.2f}x Structured Streaming. Structured Streaming's seed runs took "
+        f"(measured: {pace(big['appended_s']) / ss:.2f}) and at most 1.5x its own batch at 100,000 keys (measured: "
+        f"{pace(big['appended_s']) / own:.2f}). With the fold spread over the batches between two folds: "
+        f"{amortized(big) / ss:.2f}x Structured Streaming. Structured Streaming's seed runs took "
         + ", ".join(f"{r['ss_seed_s']:.0f} s ({r['keys']:,})" for r in rows)
-        + "; all batches: "
-        + "; ".join(
-            f"{r['keys']:,}: SS {[round(x, 2) for x in r['ss_s']]}, merged {[round(x, 2) for x in r['merged_s']]}, "
-            f"appended {[round(x, 2) for x in r['appended_s']]}"
-            for r in rows
-        )
-        + ".",
+        + f"; all batches: {batches}.",
         "",
-        f"![steady batch against state size]({PLOT.name})",
+        f"![steady batch against state size]({PLOT})",
         "",
     ]
-    plot(rows, ss, amortized)
-    replace_section(DOC, SECTION, lines)
-    print("\n".join(lines))
+    plot(rows)
+    write_section("benchmarks.md", lines)
 
 
-def plot(rows: list[dict[str, Any]], ss, amortized) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict[str, Any]]) -> None:
     keys = [r["keys"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(keys, [ss(r) for r in rows], "o-", color="#9aa5b1", label="Structured Streaming (RocksDB)")
-    ax.plot(keys, [r["merged_pace_s"] for r in rows], "s-", color="#c9a26b", label="project, layout: merged")
-    ax.plot(keys, [r["appended_pace_s"] for r in rows], "D-", color="#2f6f9f", label="project, layout: appended")
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    ax.plot(keys, [pace(r["ss_s"]) for r in rows], "o-", color="#9aa5b1", label="Structured Streaming (RocksDB)")
+    ax.plot(keys, [pace(r["merged_s"]) for r in rows], "s-", color="#c9a26b", label="project, layout: merged")
+    ax.plot(keys, [pace(r["appended_s"]) for r in rows], "D-", color="#2f6f9f", label="project, layout: appended")
     ax.plot(keys, [amortized(r) for r in rows], "D--", color="#2f6f9f", alpha=0.5, label="appended, fold amortized")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -354,8 +300,22 @@ def plot(rows: list[dict[str, Any]], ss, amortized) -> None:
     ax.set_ylabel("steady batch (s)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    save_plot(fig, PLOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000000,10000000,20000000,100000000")
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument(
+        "--no-reads",
+        action="store_true",
+        help="leave out the full reads of each state (100M keys: about 23 GB in this process)",
+    )
+    args = parser.parse_args()
+    with scratch("state-vs-ss") as work:
+        rows = [measure(work, n, args.batches, reads=not args.no_reads) for n in [100_000, *numbers(args.sizes)]]
+    write_doc(args, rows)
 
 
 if __name__ == "__main__":

@@ -238,8 +238,8 @@ class Progress:
     def _status(self, job: dict[str, Any]) -> None:
         if not self.running and job["state"] == "RUNNING" and all(v["status"] == "RUNNING" for v in job["vertices"]):
             self.running = True
-            self.metrics.emit("job_running", t=time.time(), job_start=job["start-time"] / 1000,
-                              tasks_started=max(v["start-time"] for v in job["vertices"]) / 1000)
+            started = max(v["start-time"] for v in job["vertices"]) / 1000
+            self.metrics.emit("job_running", t=time.time(), job_start=job["start-time"] / 1000, tasks_started=started)
         # The source task's read-records counts the records its source has read.
         if self.running and not self.first_record and job["vertices"][0]["metrics"]["read-records"] > 0:
             self.first_record = True
@@ -250,10 +250,16 @@ class Progress:
             if c["status"] == "COMPLETED" and c["id"] not in self.reported:
                 self.reported.add(c["id"])
                 self.metrics.emit(
-                    "checkpoint", t=c["latest_ack_timestamp"] / 1000, id=c["id"], source="rest",
-                    savepoint=c.get("is_savepoint", False), trigger_t=c["trigger_timestamp"] / 1000,
-                    duration_ms=c["end_to_end_duration"], checkpointed_size=c["checkpointed_size"],
-                    state_size=c["state_size"], path=c.get("external_path"),
+                    "checkpoint",
+                    t=c["latest_ack_timestamp"] / 1000,
+                    id=c["id"],
+                    source="rest",
+                    savepoint=c.get("is_savepoint", False),
+                    trigger_t=c["trigger_timestamp"] / 1000,
+                    duration_ms=c["end_to_end_duration"],
+                    checkpointed_size=c["checkpointed_size"],
+                    state_size=c["state_size"],
+                    path=c.get("external_path"),
                 )
 
 
@@ -276,8 +282,9 @@ def checkpoints_from_log(log_dir: Path, job_id: str, progress: Progress) -> None
                 continue
             progress.reported.add(int(match[2]))
             t = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            progress.metrics.emit("checkpoint", t=t, id=int(match[2]), source="log", duration_ms=int(match[5]),
-                                  state_size=int(match[4]))
+            progress.metrics.emit(
+                "checkpoint", t=t, id=int(match[2]), source="log", duration_ms=int(match[5]), state_size=int(match[4])
+            )
 
 
 def java_error(error: BaseException) -> str:
@@ -332,17 +339,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="sink folder (changelog part files)")
     parser.add_argument("--checkpoints", help="checkpoint folder (kept across runs for --restore)")
     parser.add_argument("--checkpoint-interval-ms", type=int, default=1000)
-    parser.add_argument("--backend", choices=("rocksdb", "hashmap"), default="rocksdb",
-                        help="state backend; rocksdb checkpoints incrementally")
+    parser.add_argument("--backend", choices=("rocksdb", "hashmap"), default="rocksdb", help="rocksdb: incremental")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--bounded", action="store_true",
-                      help="read the files present at start, then finish (final checkpoint commits all)")
-    mode.add_argument("--monitor-interval-ms", type=int, default=1000,
-                      help="unbounded: look for new files this often (default)")
+    mode.add_argument("--bounded", action="store_true", help="read the files present at start, final checkpoint, end")
+    mode.add_argument("--monitor-interval-ms", type=int, default=1000, help="unbounded: look for new files this often")
     parser.add_argument("--restore", help="retained checkpoint/savepoint folder to resume from, or 'latest'")
     parser.add_argument("--parallelism", type=int, default=2)
-    parser.add_argument("--mini-batch-ms", type=int, default=1000,
-                        help="mini-batch aggregation latency bound in ms; 0 = record at a time")
+    parser.add_argument("--mini-batch-ms", type=int, default=1000, help="mini-batch aggregation's bound; 0: off")
     parser.add_argument("--metrics-file", help="append progress events here as JSON lines")
     parser.add_argument("--log-dir", help="Flink log folder (default: CHECKPOINTS/_logs)")
     parser.add_argument("--check-hash", action="store_true", help="only verify the SQL hash against Python, then exit")
@@ -365,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.restore == "latest":
         restore = latest_checkpoint(checkpoints)
         if restore is None:
-            sys.exit(f"--restore latest: no completed checkpoint (*/chk-*/_metadata) under {checkpoints}; "
-                     "run without --restore to start from scratch")
+            sys.exit(
+                f"--restore latest: no completed checkpoint (*/chk-*/_metadata) under {checkpoints}; "
+                "run without --restore to start from scratch"
+            )
     elif args.restore:
         restore = Path(args.restore)
         if not (restore / "_metadata").is_file():
@@ -398,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def watch(client: Any, job_id: str, rest_port: int, checkpoints: Path, log_dir: Path, metrics: Metrics,
-          stop: list[int]) -> int:
+def watch(
+    client: Any, job_id: str, rest_port: int, checkpoints: Path, log_dir: Path, metrics: Metrics, stop: list[int]
+) -> int:
     """Follow the job to its end, report progress, and turn a signal into a graceful stop."""
     progress = Progress(f"http://127.0.0.1:{rest_port}", job_id, metrics)
     result = client.get_job_execution_result()
@@ -423,9 +429,8 @@ def watch(client: Any, job_id: str, rest_port: int, checkpoints: Path, log_dir: 
     except Exception as error:  # the job failed or was cancelled: report, keep the checkpoints
         status = "CANCELED" if cancelled is not None else f"FAILED: {java_error(error)}"
     checkpoints_from_log(log_dir, job_id, progress)
-    metrics.emit("job_finished", status=status, job_id=job_id,
-                 savepoint=savepoint.result() if savepoint and not cancelled and status == "FINISHED" else None,
-                 checkpoints=len(progress.reported))
+    saved = savepoint.result() if savepoint and not cancelled and status == "FINISHED" else None
+    metrics.emit("job_finished", status=status, job_id=job_id, savepoint=saved, checkpoints=len(progress.reported))
     stop_jvm()
     return 0 if status == "FINISHED" else 1
 

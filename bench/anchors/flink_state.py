@@ -42,8 +42,7 @@ def finalized_files(out_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     files = [
-        p for p in root.rglob("*")
-        if p.is_file() and not any(part[0] in "._" for part in p.relative_to(root).parts)
+        p for p in root.rglob("*") if p.is_file() and not any(part[0] in "._" for part in p.relative_to(root).parts)
     ]
     return sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
 

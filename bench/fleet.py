@@ -69,6 +69,17 @@ ENGINE_LABEL = {
     "connect": "project, one Connect server",
     "celery": "project, one Connect server, Celery (2 workers, one SIGKILLed)",
 }
+
+
+def engines(text: str) -> list[str]:
+    """`--engines`: known names, comma-separated (a stray comma is no engine)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ENGINE_LABEL]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: use {', '.join(ENGINE_LABEL)}")
+    return names
+
+
 PARTS = ("tasks", "celery-worker-1", "celery-worker-2", "Connect server")  # the CPU table's columns, in order
 PARTS += ("scheduler", "api-server", "triggerer", "dag-processor")
 Landed = dict[tuple[str, str], float]  # (pipeline, file name): when it landed
@@ -733,6 +744,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--engines",
+        type=engines,
         default="local,connect",
         help="the project's engines: local (a JVM a task), connect (one server), celery (one server, "
         "the CeleryExecutor's two workers, one SIGKILLed halfway through the landings)",
@@ -749,8 +761,7 @@ def main() -> None:
     anchor: list[dict] = []
     for n in numbers(args.sizes):
         runs = [
-            (f"project {engine}", lambda n, a, w, e=engine: run_project(n, a, w, e), ours)
-            for engine in args.engines.split(",")
+            (f"project {engine}", lambda n, a, w, e=engine: run_project(n, a, w, e), ours) for engine in args.engines
         ]
         for kind, runner, out in runs + ([] if args.no_anchor else [("anchor", run_anchor, anchor)]):
             with scratch(f"fleet-{kind.replace(' ', '-')}-{n}") as work:

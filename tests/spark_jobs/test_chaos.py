@@ -92,8 +92,8 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
     if rng.random() < chance or (wave >= rounds - 2 and not counts["rewinds"]):
         status = json.loads(run_cli("status", str(spec), "--json").stdout)
         head, oldest = status["last_batch"], status["oldest_rewindable"] or 1
-        if head > max(oldest, 1):
-            result = run_cli("rewind", str(spec), "--to-batch", str(rng.randint(max(head - back, oldest, 1), head - 1)))
+        if head > oldest:
+            result = run_cli("rewind", str(spec), "--to-batch", str(rng.randint(max(head - back, oldest), head - 1)))
             assert result.returncode == 0, result.stderr[-2000:]
             counts["rewinds"] += 1
     if rng.random() < chance or (wave == rounds - 1 and not counts["maintains"]):

@@ -73,10 +73,11 @@ def seed_parquet(folder: Path, size: int) -> None:
         )
 
 
-def seed_state(path: str, size: int) -> None:
+def seed_state(path: str, size: int, *, change_feed: bool = False) -> None:
     """The project's state of N users as a fold leaves it, in one commit
     carrying the fence at the origin and the fold's marker (so the appended
-    layout counts its rows as folded)."""
+    layout counts its rows as folded); `change_feed`: with its change data
+    feed on, as a chain's upstream has it."""
     import numpy as np
     import pyarrow as pa
     from deltalake import CommitProperties, Transaction, write_deltalake
@@ -102,7 +103,8 @@ def seed_state(path: str, size: int) -> None:
     metadata = {METADATA_KEY: json.dumps({"txn": origin}), FOLD_KEY: json.dumps({"seed": size})}
     props = CommitProperties(custom_metadata=metadata, app_transactions=[Transaction(STATE_FENCE, origin)])
     data = pa.RecordBatchReader.from_batches(schema, pieces())
-    write_deltalake(path, data, mode="append", commit_properties=props, target_file_size=64 * 1024 * 1024)
+    configuration = {"delta.enableChangeDataFeed": "true"} if change_feed else None
+    write_deltalake(path, data, mode="append", commit_properties=props, target_file_size=64 * 1024 * 1024, configuration=configuration)
 
 
 def click_files(folder: Path, size: int, count: int) -> list[Path]:

@@ -38,7 +38,7 @@ from spark_jobs.core.compute import Compute, ComputeResult, Engine
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.fencing import Position
-from spark_jobs.core.protocol import Plan, RunOptions, complete, executors_write, prepare, sink_for
+from spark_jobs.core.protocol import Plan, RunOptions, complete, prepare, sink_for
 from spark_jobs.core.run_report import StepTimes
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, delete_files
@@ -217,7 +217,7 @@ class _Prefetching(Engine):
         """Where a read ahead writes its rows, as step 3 would for `position`
         with the state's columns as they are (None: its rows come back)."""
         spec = pipeline.spec
-        if not executors_write(spec, batch, self):
+        if not self.executors_write(spec, batch):
             return None
         columns = self.files().result_schema(spec, batch)
         table = pipeline.state.open()

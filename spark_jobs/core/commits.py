@@ -176,7 +176,10 @@ class StateCommit:
 
     @property
     def keys_updated(self) -> int:
-        """Keys the commit inserted or updated (delta-rs's MERGE metrics; an empty batch's append adds none)."""
+        """Keys the commit inserted or updated (delta-rs's MERGE metrics, or
+        delta-spark's; an empty batch's append adds none)."""
         m = self.operation_metrics
+        if "numTargetRowsInserted" in m:
+            return m["numTargetRowsInserted"] + m.get("numTargetRowsUpdated", 0)
         return m.get("num_target_rows_inserted", m.get("num_added_rows", 0)) + m.get("num_target_rows_updated", 0)
 

@@ -22,6 +22,7 @@ from spark_jobs.sources.base import BatchRange
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.staged import Sink, Staged, StagedFile, delete_files
 from spark_jobs.core.widen import sql_type
+from spark_jobs.core.write_path import executors_write
 
 __all__ = [
     "QUARANTINE_COLUMNS",
@@ -117,6 +118,13 @@ class FileWriting(Compute, Protocol):
         """An appended state's files `paths` folded into one row per key
         (`folding.state_sql`), written into `root` as new files."""
 
+    def merge_delta(self, spec: PipelineSpec, updates: Staged, fence: tuple[str, int], user_metadata: str) -> bool:
+        """`updates` MERGEd into the state table by delta-spark, by the spec's
+        rules, in one commit carrying `fence` (app id, version) as its
+        ``txn`` and `user_metadata`; skipped by delta-spark if the table's
+        fence already reads that version or later. False, with nothing
+        done, if this engine's session has no delta-spark."""
+
 
 def writes_files(compute: Compute) -> bool:
     """Whether `compute`'s executors write rows as files (`FileWriting`)."""
@@ -143,6 +151,12 @@ class Engine:
         return max(1, self.get().reads_at_once)
 
     def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        if self._compute is None:
+            # The first batch, before the engine starts: a factory may start
+            # it for what the batch needs (`SparkFactory.expect`).
+            expect = getattr(self._factory, "expect", None)
+            if expect is not None:
+                expect(spec, batch)
         self.get().check(spec, batch, alongside=self._alongside())
 
     def process(
@@ -169,6 +183,10 @@ class Engine:
     def writes_files(self) -> bool:
         """Whether the engine's executors write rows as files (`FileWriting`)."""
         return writes_files(self.get())
+
+    def executors_write(self, spec: PipelineSpec, batch: BatchRange) -> bool:
+        """Whether the executors write `batch`'s rows (`write_path.executors_write`)."""
+        return executors_write(spec, batch, self.writes_files)
 
     def files(self) -> FileWriting:
         """The engine, as one that writes files (`writes_files` must be True)."""

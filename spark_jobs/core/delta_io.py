@@ -37,6 +37,7 @@ __all__ = [
     "rows_of",
     "strings",
     "SMALL_FILE_BYTES",
+    "FenceSkipped",
     "Stats",
     "describe_os_error",
     "ensure_table",
@@ -318,9 +319,26 @@ def describe_os_error(exc: Exception) -> str:
     return ": ".join(line for line in lines if line) or type(exc).__name__
 
 
+#: How delta-spark's conflict errors read, through py4j (the Java class) or
+#: Spark Connect (the error class): another commit won the race.
+_DELTA_SPARK_CONFLICT = re.compile(
+    r"io\.delta\.exceptions\.(Concurrent\w+|MetadataChanged|ProtocolChanged)Exception"
+    r"|\[DELTA_(CONCURRENT_\w+|METADATA_CHANGED|PROTOCOL_CHANGED)\]"
+)
+
+
+class FenceSkipped(Exception):
+    """A fenced commit that delta-spark skipped: the table's fence already
+    read its version or a later one when the commit was made (another run
+    committed first). A conflict like delta-rs's, to whoever made it."""
+
+
 def is_commit_conflict(exc: BaseException) -> bool:
-    """True for the error delta-rs raises when another commit won the race."""
-    return isinstance(exc, CommitFailedError)
+    """True for the error delta-rs or delta-spark raises when another commit
+    won the race (`FenceSkipped` too)."""
+    if isinstance(exc, (CommitFailedError, FenceSkipped)):
+        return True
+    return type(exc).__module__.startswith(("py4j", "pyspark")) and bool(_DELTA_SPARK_CONFLICT.search(str(exc)))
 
 
 def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
@@ -337,7 +355,24 @@ def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
     if actions is None:
         return None
     info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
-    return {**info, "version": version}
+    return {**_user_metadata(info), **info, "version": version}
+
+
+def _user_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    """The entries a commit made by delta-spark carries in its
+    ``userMetadata`` (a JSON object: `delta_merge` puts there what delta-rs
+    puts in the commit info itself: the keys named ``microbatch...``), so
+    that its readers read both alike."""
+    raw = info.get("userMetadata")
+    if not isinstance(raw, str) or not raw.startswith("{"):
+        return {}
+    try:
+        entries = json.loads(raw)
+    except ValueError:
+        return {}  # a user's own text
+    if not isinstance(entries, dict):
+        return {}
+    return {k: v for k, v in entries.items() if str(k).startswith("microbatch")}
 
 
 def commit_infos(table_uri: str, newest: int, oldest: int = 0) -> Iterator[dict[str, Any]]:

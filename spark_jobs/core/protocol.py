@@ -122,20 +122,16 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.run_report import StepTimes, moved_past, note_fold_due, nothing_new, outcome_of
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, Staged
+from spark_jobs.core.write_path import merged_by_delta_spark
 from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
 from spark_jobs.sources import BatchRange, Caps
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
-__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "executors_write", "prepare", "reconcile", "run_batch", "sink_for"]
+__all__ = ["Plan", "Processed", "RunOptions", "StepTimes", "complete", "prepare", "reconcile", "run_batch", "sink_for"]
 
 log = logging.getLogger("microbatch")
-
-#: `engine.state_write: auto`: a batch reading more than this many bytes has
-#: its rows written by Spark's executors. A million keys of Parquet input
-#: weigh about 17 MB; their result in this process, about 170 MB.
-EXECUTORS_FROM_BYTES = 32 * 1024 * 1024
 
 #: How often step 1 reads the tables again when a run recorded a row while
 #: it looked: each try sees a newer ledger, so only runs landing again and
@@ -391,7 +387,7 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     write the batch's updates and bad records as data files, and only the
     files' names and statistics reach this process (`_read_by_executors`)."""
     spec, n = pipeline.spec, plan.position
-    if executors_write(spec, plan.batch, engine):
+    if engine.executors_write(spec, plan.batch):
         return _read_by_executors(pipeline, plan, engine)
     # Spark reads the planned files by name: one replaced meanwhile was read in
     # its place, and must not be recorded (and released) as the planned one:
@@ -415,25 +411,6 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
         log.info("quarantined %d of %d records", quarantined, result.records_in)
     _boundary("after_quarantine", spec)
     return Processed(updates, result.records_in, quarantined)
-
-
-def executors_write(spec: PipelineSpec, batch: BatchRange, engine: Engine) -> bool:
-    """Whether Spark's executors write this batch's rows (`engine.state_write`).
-
-    `auto`: when the batch reads more than `EXECUTORS_FROM_BYTES`, or when
-    a Delta source is read by Spark (`source.reader: spark`: its rows were
-    never in this process). A smaller batch's result comes back here and is
-    written by delta-rs: its rows fit, and a Spark job of Python tasks
-    would cost a cold run a third of its time (docs/benchmarks.md)."""
-    mode = spec.engine.state_write
-    if mode == "driver" or not engine.writes_files:
-        return False
-    if mode == "executors":
-        return True
-    size = batch.manifest.input_bytes()
-    if size is None:
-        return getattr(spec.source, "reader", "driver") == "spark"
-    return size > EXECUTORS_FROM_BYTES
 
 
 def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
@@ -502,8 +479,10 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
     spec, n = pipeline.spec, plan.position
     metadata = _batch_metadata(pipeline, plan, processed, options, started)
     watch_for_new_files("mid_state_merge", pipeline.state.path)
-    if isinstance(processed.updates, Staged):
-        fault_point("mid_state_merge")  # the batch's files are written, their commit not made
+    if isinstance(processed.updates, Staged) and not merged_by_delta_spark(spec):
+        # The batch's files are written, their commit not made. (delta-spark's
+        # MERGE writes files of its own: the watch above dies amid them.)
+        fault_point("mid_state_merge")
     for attempt in range(1, STATE_COMMIT_TRIES + 1):
         table = _checked_snapshot(pipeline, plan)
         if isinstance(table, Done):

@@ -22,6 +22,7 @@ merge that would overflow a column is refused.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -32,7 +33,7 @@ from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transac
 
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
-from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
+from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
@@ -43,11 +44,14 @@ from spark_jobs.core.staged import (
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
+from spark_jobs.core.write_path import merged_by_delta_spark
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
 __all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
 
 _E = TypeVar("_E", bound=MicrobatchError)
+
+log = logging.getLogger("microbatch")
 
 #: Key of the commit info entry that marks a state rewrite widening columns
 #: (`StateTable.align`): the job's own commit, which keeps every value.
@@ -250,6 +254,10 @@ class StateTable:
         files' addition, from `table`'s snapshot."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
+        if files is not None and not here and self.spec.state.change_feed:
+            done = self._merge_by_delta_spark(staged, metadata, files) if merged_by_delta_spark(self.spec) else None
+            if done is not None:
+                return done
         if files is None or self.spec.state.change_feed or here:
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
         schema = pa.schema(table.schema().to_arrow())
@@ -263,6 +271,28 @@ class StateTable:
         # files a `maintain` marked before it chose what to delete.)
         commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
         return self._version_of(metadata.position), staged.rows
+
+    def _merge_by_delta_spark(self, staged: Staged, metadata: CommitMetadata, files: FileWriting) -> tuple[int, int] | None:
+        """A batch of files MERGEd into a state with a change feed by
+        delta-spark on the executors (`spark_jobs.engine.delta_merge`): the
+        change files are written with the rows, in a commit that carries
+        the fence and `metadata` as delta-rs's would. None if the engine's
+        session has no delta-spark (the caller merges here, as before).
+
+        delta-spark MERGEs into the table's latest snapshot, not the one
+        step 4 checked: a run that committed this batch meanwhile, or a
+        rewind, left the fence at or past its version, and delta-spark
+        skips the MERGE (`FenceSkipped`, which step 4 judges as it judges
+        a lost race)."""
+        position = metadata.position
+        user_metadata = json.dumps({METADATA_KEY: metadata.to_json()})
+        if not files.merge_delta(self.spec, staged, (STATE_FENCE, position.encode()), user_metadata):
+            log.warning("pipeline %s: this Spark session has no delta-spark: %s is merged in the job's process", self.spec.name, position)
+            return None
+        landed = self.find_commit(self.open(), position)
+        if landed is None or landed.metadata.commit_token != metadata.commit_token:
+            raise FenceSkipped(f"the state's fence was at or past {position} when delta-spark merged it: another run committed first")
+        return landed.version, landed.keys_updated
 
     def _rewritten_by_executors(self, table: DeltaTable) -> bool:
         """Whether a small batch held here goes to the executors to merge:

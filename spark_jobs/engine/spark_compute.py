@@ -35,12 +35,13 @@ from weakref import WeakKeyDictionary
 import pyarrow as pa
 
 from spark_jobs.core.compute import QUARANTINE_COLUMNS, ComputeResult, check_result_columns, check_result_types, validate_updates
+from spark_jobs.core.delta_io import is_commit_conflict
 from spark_jobs.core.identity import SpecIdentity
 from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
-from spark_jobs.engine import delta_read, exact_read, native_read, spark_files, spark_state
+from spark_jobs.engine import delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
 from spark_jobs.engine.failures import never_retried
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
@@ -306,6 +307,13 @@ class SparkCompute:
         with _writing_state(spec):
             return spark_state.rewrite_files(self.spark, spec, root, schema, rewritten, updates)
 
+    def merge_delta(self, spec: PipelineSpec, updates: Staged, fence: tuple[str, int], user_metadata: str) -> bool:
+        if not delta_merge.has_delta_spark(self.spark):
+            return False
+        with _writing_state(spec):
+            delta_merge.merge(self.spark, spec, updates, fence, user_metadata)
+        return True
+
     def stage(self, root: str, rows: pa.Table, schema: pa.Schema) -> tuple[StagedFile, ...]:
         return spark_files.write_table(rows, root, schema, spark_state.client(root))
 
@@ -540,7 +548,7 @@ class SparkCompute:
         """A Delta source's batch: its rows come typed, so nothing is
         quarantined. Read by the driver, or by Spark (`source.reader`): see
         `spark_jobs.engine.delta_read`."""
-        if spec.source.reader == "spark":
+        if manifest.reader_for(spec.source.reader) == "spark":
             return self._versions_by_spark(spec, manifest, out)
         try:
             rows = delta_read.read_versions(manifest)
@@ -596,6 +604,8 @@ def _writing_state(spec: PipelineSpec) -> Iterator[None]:
     except MicrobatchError:
         raise
     except Exception as exc:
+        if is_commit_conflict(exc):
+            raise  # delta-spark's MERGE lost a race: the protocol's step 4 judges it
         raise never_retried(spec, exc) or ComputeError(
             f"pipeline {spec.name}: writing the state's files failed in Spark: {first_line(exc, 500)}", pipeline=spec.name
         ) from exc
@@ -818,7 +828,7 @@ _READERS: dict[type, _Reader] = {
         # (a batch never spans a rename: `DeltaSource.plan`), so the batch's
         # columns are those of its last version; the driver's, the table's now.
         columns_on_driver=lambda spec, manifest: delta_read.batch_schema(
-            spec.source_path, spec.source.read, manifest.last if spec.source.reader == "spark" and manifest.last >= 0 else None
+            spec.source_path, spec.source.read, manifest.last if manifest.reader_for(spec.source.reader) == "spark" and manifest.last >= 0 else None
         ),
     ),
 }

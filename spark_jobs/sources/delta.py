@@ -55,12 +55,18 @@ from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
 from spark_jobs.storage.s3 import delta_storage_options, exists
 
-__all__ = ["DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
+__all__ = ["READ_ON_EXECUTORS_FROM", "DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
 
 log = logging.getLogger("microbatch")
 
 #: How many commits back a dated `lag` reads to date the oldest waiting commit.
 _HISTORY_LOOKBACK = 1000
+#: `source.reader: auto` on `local[*]`: a batch whose versions' data files
+#: weigh more than this is read by Spark's executors (delta-spark), and its
+#: rows written by them (`write_path.executors_write`): read by the driver,
+#: 30M changed rows took 18.8 GB of this process (issue 64). Below it the
+#: driver's read is the faster (docs/benchmarks.md, "Delta source").
+READ_ON_EXECUTORS_FROM = 32 * 1024 * 1024
 
 
 
@@ -86,15 +92,26 @@ class DeltaManifest:
     last: int
     #: [first, last] ranges of versions lost upstream and skipped (`on_data_loss: skip`).
     skipped: tuple[tuple[int, int], ...] = ()
+    #: Who reads it, chosen at planning by its size (`source.reader: auto` on
+    #: `local[*]`): a replay reads it the same way. None: as the spec says.
+    reader: str | None = None
+    #: Bytes of the data files its versions name (None: not weighed).
+    size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "read": self.read, "first": self.first, "last": self.last, "skipped": [list(r) for r in self.skipped]}
+        extra = {k: v for k, v in (("reader", self.reader), ("size", self.size)) if v is not None}
+        return {"uri": self.uri, "read": self.read, "first": self.first, "last": self.last, "skipped": [list(r) for r in self.skipped], **extra}
+
+    def reader_for(self, configured: str) -> str:
+        """Who reads this batch: the reader planning chose, else the spec's
+        (`configured`; `auto` unresolved reads on the driver, as before)."""
+        return self.reader or ("driver" if configured == "auto" else configured)
 
     def inputs(self) -> list[str]:
         return [f"{self.uri}@v{self.first}" + (f"..v{self.last}" if self.last != self.first else "")]
 
     def input_bytes(self) -> int | None:
-        return None  # (the versions' files are named in their log entries, not here)
+        return self.size
 
     def describe(self) -> str:
         count = self.last - self.first + 1
@@ -125,9 +142,11 @@ class DeltaSource:
         self.read = read
         #: Who reads the batches (`source.reader`): only the driver's reader
         #: refuses column mapping. A run resolves `auto` once it knows its
-        #: master (`engine.session.with_reader`); left unresolved (a plan
-        #: without an engine) it is the reader of `local[*]`, the driver's.
-        self.reader = "driver" if reader == "auto" else reader
+        #: master (`engine.session.with_reader`); left `auto` (`local[*]`, or
+        #: a plan without an engine) each batch is read by the driver, or by
+        #: Spark's executors once its versions' files weigh more than
+        #: `READ_ON_EXECUTORS_FROM` (`plan`).
+        self.reader = reader
         self.on_data_loss = on_data_loss
         self.max_versions = max_versions
         #: Who reads: the position is recorded in the upstream as this pipeline's (`storage.consumers`).
@@ -148,7 +167,10 @@ class DeltaSource:
         return BatchRange(
             VersionOffsets(start.get("version", -1), start.get("table")),
             VersionOffsets(end.get("version", -1), end.get("table")),
-            DeltaManifest(manifest.get("uri", self.uri), manifest.get("read", self.read), first, last, skipped),
+            DeltaManifest(
+                manifest.get("uri", self.uri), manifest.get("read", self.read), first, last, skipped,
+                manifest.get("reader"), manifest.get("size"),
+            ),
         )
 
     def table(self) -> DeltaTable:
@@ -212,14 +234,12 @@ class DeltaSource:
         last = first - 1
         while last < end and not self._lost(table, last + 1):
             last += 1
-        if first < last and self.reader == "spark" and self.read == "changes":
-            last = self._before_schema_break(table, first, last)
+        reader, last = self._read_by(table, first, last)
+        size = self._size(table, first, last)
         if first <= last:
             self._check_not_appended_state(table, range(first, last + 1))
-            if self.reader == "driver":
+            if reader == "driver":
                 self._check_column_mapping(table)
-            elif self.read == "changes":
-                self._check_columns_since(table, first, last)
             if self.read == "changes":
                 self._check_change_feed(table, first, last)
             else:
@@ -229,9 +249,48 @@ class DeltaSource:
         return BatchRange(
             VersionOffsets(after, lineage.end.get("table")),
             VersionOffsets(offset_end, table_id),
-            DeltaManifest(self.uri, self.read, first, last, skipped),
+            DeltaManifest(self.uri, self.read, first, last, skipped, reader if self.reader == "auto" else None, size),
             waiting_after=latest - offset_end,
         )
+
+    def _read_by(self, table: DeltaTable, first: int, last: int) -> tuple[str, int]:
+        """Who reads versions `first`..`last`, and the last version they read:
+        Spark reads a change feed with the table's columns as they are now,
+        so its batch ends before a version that renamed or dropped a column,
+        and a column widened since is refused (`_check_columns_since`).
+        `auto` (on `local[*]`) chooses by the versions' size, and the driver
+        where Spark would refuse: it reads each version with its own columns."""
+        reader = self.reader
+        if reader == "auto":
+            big = first <= last and self._size(table, first, last) > READ_ON_EXECUTORS_FROM
+            reader = "spark" if big and not self._column_mapped(table) else "driver"
+        if reader != "spark" or self.read != "changes" or first > last:
+            return reader, last
+        end = self._before_schema_break(table, first, last) if first < last else last
+        try:
+            self._check_columns_since(table, first, end)
+        except SourceRefusedError:
+            if self.reader != "auto":
+                raise
+            return "driver", last
+        return reader, end
+
+    def _size(self, table: DeltaTable, first: int, last: int) -> int:
+        """Bytes of the data files versions `first`..`last` name in their log
+        entries (added, and change files): what reading them costs, from the
+        entries planning reads anyway."""
+        total = 0
+        for version in range(first, last + 1):
+            for action in self._actions(table, version) or []:
+                for kind in ("add", "cdc"):
+                    if kind in action:
+                        total += int(action[kind].get("size") or 0)
+        return total
+
+    def _column_mapped(self, table: DeltaTable) -> bool:
+        """(`auto` keeps a column-mapped table on the driver, whose refusal
+        names `reader: spark`: Spark's planning of it differs.)"""
+        return column_mapped(table.metadata().configuration)
 
     def replay_gaps(self, start: dict[str, Any], batches: Sequence[BatchRange]) -> str | None:
         """The versions the batches read after `start` that the upstream has

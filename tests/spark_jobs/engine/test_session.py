@@ -12,8 +12,8 @@ from tests.conftest import chain_specs
 @pytest.mark.parametrize(
     ("reader", "master", "resolved"),
     [
-        ("auto", "local[*]", "driver"),
-        ("auto", "local[2]", "driver"),
+        ("auto", "local[*]", "auto"),  # each batch by its size (tests/spark_jobs/sources/test_delta_by_size.py)
+        ("auto", "local[2]", "auto"),
         ("auto", "spark://host:7077", "spark"),
         ("auto", "sc://host:15002", "spark"),
         ("auto", None, "driver"),  # under spark-submit, whose classpath may lack delta-spark (found by a review)
@@ -23,7 +23,8 @@ from tests.conftest import chain_specs
 )
 def test_auto_reads_on_the_executors_off_local(tmp_path, reader, master, resolved):
     """`auto` keeps a Delta source's rows out of the job's process where that
-    process is not the machine the executors run on; a chosen reader stays."""
+    process is not the machine the executors run on, and leaves the choice
+    to each batch's size on `local[*]`; a chosen reader stays."""
     _, downstream = chain_specs(tmp_path, reader=reader)
     spec = load_spec(downstream)
     run = with_reader(spec, master)

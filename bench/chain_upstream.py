@@ -1,0 +1,141 @@
+"""A chain's upstream: one big batch of returning users into a merged state with a change feed (issue 64).
+
+For a state of N users (one row each, `state.change_feed: true`, as a chain's
+upstream has it), one batch of N clicks whose users are drawn from all N
+(users coming back; about 63% of the state's keys touched), in one run:
+
+* Structured Streaming: a seed run puts the N users into its RocksDB state,
+  then one `AvailableNow` batch over the same clicks (its `triggerExecution`);
+* the project, `microbatch run` in a new process with default settings: the
+  executors write the batch and delta-spark MERGEs it, change files and all
+  (`spark_jobs.engine.delta_merge`);
+* the project's path before issue 64, the same run in a session without
+  delta-spark (`MICROBATCH_SPARK_JARS=none`): the batch's rows read into the
+  job's process and MERGEd there by delta-rs.
+
+Each project run starts from its own copy of the seeded state. Reported:
+wall seconds of each, and the job's Python process's peak resident memory
+(its `VmHWM`, read while it runs: the JVM's is not in it).
+
+    .venv/bin/python bench/chain_upstream.py [--sizes 1000000,4000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import MERGE, ROOT, measured_by, scratch, ss_anchor, write_section, write_spec
+from state_vs_ss import seed_parquet, seed_state
+
+
+def clicks(path: Path, size: int) -> None:
+    """N clicks as one JSON file, users drawn uniformly from all N."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    drawn = np.random.default_rng(size + 11).integers(0, size, size)
+    with path.open("w") as out:
+        for start in range(0, size, 500_000):
+            out.write("".join(
+                f'{{"event_id":"e{start + i}","user_id":"u{u:09d}","amount":1.5,"ts":"2026-12-02T10:00:00Z"}}\n'
+                for i, u in enumerate(drawn[start : start + 500_000].tolist())
+            ))
+
+
+def run_watched(spec: Path, env: dict[str, str]) -> tuple[float, float, dict[str, Any]]:
+    """`microbatch run SPEC --json` in a new process: wall seconds, the Python
+    process's peak resident MB, and its outcome."""
+    args = [sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json"]
+    started = time.perf_counter()
+    with open(spec.parent / "run.out", "w+") as out, open(spec.parent / "run.err", "w+") as err:
+        proc = subprocess.Popen(args, stdout=out, stderr=err, env={**os.environ, **env}, cwd=ROOT)
+        peak = 0.0
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                peak = max(peak, int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM"))) / 1024)
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.2)
+        took = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"run failed ({proc.returncode}): {err.read()[-3000:]}")
+        return took, peak, json.loads(out.read().strip().splitlines()[-1])
+
+
+def measure(work: Path, size: int) -> dict[str, Any]:
+    base = work / f"n{size}"
+    clicks(base / "clicks" / "clicks-0000.json", size)
+    seed_state(str(base / "seed-state"), size, change_feed=True)
+    figures: dict[str, Any] = {"keys": size}
+
+    seed_parquet(base / "ss-seed", size)
+    (base / "ss-landing").mkdir()
+    anchor = ("--landing", base / "ss-landing", "--seed", base / "ss-seed", "--checkpoint", base / "ss-checkpoint")
+    ss_anchor(*anchor, "--max-files", 1, timeout=7200)
+    os.link(base / "clicks" / "clicks-0000.json", base / "ss-landing" / "clicks-0000.json")
+    _, run = ss_anchor(*anchor, "--max-files", 1, timeout=7200)
+    figures["ss_s"] = run["batches"][-1]["duration_ms"]["triggerExecution"] / 1000
+    shutil.rmtree(base / "ss-checkpoint")
+    shutil.rmtree(base / "ss-seed")
+
+    for label, env in (("delta_spark", {}), ("in_process", {"MICROBATCH_SPARK_JARS": "none"})):
+        folder = base / label
+        state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "change_feed": True}
+        spec = write_spec(folder, f"chain_{label}", state=state)
+        shutil.copytree(base / "seed-state", folder / "state")
+        os.link(base / "clicks" / "clicks-0000.json", folder / "landing" / "clicks-0000.json")
+        seconds, peak, outcome = run_watched(spec, env)
+        assert outcome["status"] == "committed", outcome
+        figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
+        figures[f"{label}_keys_updated"] = outcome.get("keys_updated")
+        print(f"  {size:,} keys, {label}: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
+        shutil.rmtree(folder)
+    print(json.dumps(figures), flush=True)
+    shutil.rmtree(base)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000000,4000000")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    rows = []
+    with scratch("chain-upstream") as work:
+        for size in (int(s) for s in args.sizes.split(",")):
+            rows.append(measure(work, size))
+    lines = [
+        "## Chain upstream: a big batch of returning users into a change-feed state",
+        "",
+        measured_by("`bench/chain_upstream.py`", (time.perf_counter() - started) / 60) + ".",
+        "A merged state with `change_feed: true` (a chain's upstream) of N users; one batch of N clicks of users drawn "
+        "from all N. The project's runs are new processes with default settings; \"before\" is the same run in a session "
+        "without delta-spark, which merges in the job's process with delta-rs (the only path before issue 64). "
+        "Structured Streaming: the same batch into its RocksDB state (writing no table, no change feed). "
+        "Peak memory is the job's Python process's.",
+        "",
+        "| keys | Structured Streaming | delta-spark MERGE | / SS | before (delta-rs in process) | / SS | Python peak, delta-spark | before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['keys']:,} | {r['ss_s']:.1f} s | {r['delta_spark_s']:.1f} s | **{r['delta_spark_s'] / r['ss_s']:.2f}** | "
+            f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['delta_spark_peak_mb']:.0f} MB | "
+            f"{r['in_process_peak_mb']:.0f} MB |"
+        )
+    write_section("benchmarks.md", lines)
+
+
+if __name__ == "__main__":
+    main()

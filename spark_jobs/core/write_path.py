@@ -1,0 +1,76 @@
+"""Where a batch's rows go: the engine's choice, kept out of the protocol.
+
+The protocol (`spark_jobs.core.protocol`) commits a batch the same way
+whoever wrote its rows; which path they take is decided here, from the
+spec, the planned range and what the engine can do:
+
+* **In the job's process**: the compute hands the batch's updates back as
+  an Arrow table, and delta-rs writes them (a small batch: a Spark job of
+  Python tasks would cost a cold run a third of its time).
+* **By the executors** (`executors_write`): Spark's tasks write the updates
+  and the bad records as data files (`spark_jobs.core.staged`); the job's
+  process sees their names and statistics only.
+* **Merged by delta-spark** (`merged_by_delta_spark`): a merged state with a
+  change data feed has the executors' files MERGEd by delta-spark, on the
+  executors, in one commit that carries the state fence as its ``txn`` and
+  the batch's metadata (`spark_jobs.engine.delta_merge`): the change files
+  a downstream reads are written with the rows, which delta-rs cannot
+  commit for others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spark_jobs.core.folding import is_appended
+from spark_jobs.storage.s3 import is_s3
+
+if TYPE_CHECKING:
+    from spark_jobs.core.spec import PipelineSpec
+    from spark_jobs.sources import BatchRange
+
+__all__ = ["EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "read_by_spark"]
+
+#: `engine.state_write: auto`: a batch reading more than this many bytes has
+#: its rows written by Spark's executors. A million keys of Parquet input
+#: weigh about 17 MB; their result in this process, about 170 MB.
+EXECUTORS_FROM_BYTES = 32 * 1024 * 1024
+
+
+def executors_write(spec: PipelineSpec, batch: BatchRange, writes_files: bool) -> bool:
+    """Whether Spark's executors write this batch's rows (`engine.state_write`),
+    on an engine that `writes_files`.
+
+    `auto`: when the batch reads more than `EXECUTORS_FROM_BYTES`, or when
+    a Delta source is read by Spark (`source.reader: spark`: its rows were
+    never in this process). A smaller batch's result comes back here and is
+    written by delta-rs: its rows fit, and a Spark job of Python tasks
+    would cost a cold run a third of its time (docs/benchmarks.md)."""
+    mode = spec.engine.state_write
+    if mode == "driver" or not writes_files:
+        return False
+    if mode == "executors":
+        return True
+    if read_by_spark(spec, batch):
+        return True
+    size = batch.manifest.input_bytes()
+    return size is not None and size > EXECUTORS_FROM_BYTES
+
+
+def read_by_spark(spec: PipelineSpec, batch: BatchRange) -> bool:
+    """Whether a Delta source's batch is read by delta-spark on the
+    executors: its manifest says who reads it (`DeltaManifest.reader_for`)."""
+    reader_for = getattr(batch.manifest, "reader_for", None)
+    return reader_for is not None and reader_for(getattr(spec.source, "reader", "driver")) == "spark"
+
+
+def merged_by_delta_spark(spec: PipelineSpec) -> bool:
+    """Whether the executors' files of a batch into this state are MERGEd by
+    delta-spark: a merged state with a change data feed, not on S3.
+
+    On S3 delta-rs keeps the MERGE (in the job's process, as before issue
+    64): delta-spark's S3 log store makes a commit atomic only among the
+    writers of one driver JVM, and two runs of a pipeline (a retry racing a
+    zombie, a backfill) are two drivers; delta-rs's conditional put is safe
+    across them."""
+    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver" and not is_s3(spec.state_path)

@@ -13,6 +13,11 @@ upstream has it), one batch of N clicks whose users are drawn from all N
   delta-spark (`MICROBATCH_SPARK_JARS=none`): the batch's rows read into the
   job's process and MERGEd there by delta-rs.
 
+Then the chain's downstream (`type: delta`, `read: changes`, default
+settings) takes its first batch: every change of the upstream, the seed's
+N inserts and the batch's updates (read by Spark's executors on
+`local[*]` once the versions weigh more than 32 MB).
+
 Each project run starts from its own copy of the seeded state. Reported:
 wall seconds of each, and the job's Python process's peak resident memory
 (its `VmHWM`, read while it runs: the JVM's is not in it).
@@ -34,6 +39,15 @@ from typing import Any
 
 from harness import MERGE, ROOT, measured_by, scratch, ss_anchor, write_section, write_spec
 from state_vs_ss import seed_parquet, seed_state
+
+
+#: The downstream: each bucket's events, from the upstream's change feed.
+DOWNSTREAM = """
+SELECT substr(user_id, -2, 2) AS bucket,
+       sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN events
+                WHEN _change_type IN ('delete', 'update_preimage') THEN -events ELSE 0 END) AS events
+FROM batch GROUP BY substr(user_id, -2, 2)
+"""
 
 
 def clicks(path: Path, size: int) -> None:
@@ -100,6 +114,14 @@ def measure(work: Path, size: int) -> dict[str, Any]:
         figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
         figures[f"{label}_keys_updated"] = outcome.get("keys_updated")
         print(f"  {size:,} keys, {label}: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
+        if label == "delta_spark":
+            # The chain's downstream reads the upstream's changes: the seed's N inserts and the batch's updates.
+            down = write_spec(folder, "chain_downstream", source={"type": "delta", "path": "state", "read": "changes"},
+                              transform=DOWNSTREAM, state={"path": "buckets", "keys": ["bucket"], "merge": {"events": "sum"}})
+            seconds, peak, outcome = run_watched(down, env)
+            assert outcome["status"] == "committed", outcome
+            figures["downstream_s"], figures["downstream_peak_mb"] = seconds, peak
+            print(f"  {size:,} keys, downstream: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
         shutil.rmtree(folder)
     print(json.dumps(figures), flush=True)
     shutil.rmtree(base)
@@ -125,14 +147,14 @@ def main() -> None:
         "Structured Streaming: the same batch into its RocksDB state (writing no table, no change feed). "
         "Peak memory is the job's Python process's.",
         "",
-        "| keys | Structured Streaming | delta-spark MERGE | / SS | before (delta-rs in process) | / SS | Python peak, delta-spark | before |",
-        "|---|---|---|---|---|---|---|---|",
+        "| keys | Structured Streaming | delta-spark MERGE | / SS | before (delta-rs in process) | / SS | Python peak, delta-spark | before | downstream (its first batch: every change) | its Python peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['keys']:,} | {r['ss_s']:.1f} s | {r['delta_spark_s']:.1f} s | **{r['delta_spark_s'] / r['ss_s']:.2f}** | "
             f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['delta_spark_peak_mb']:.0f} MB | "
-            f"{r['in_process_peak_mb']:.0f} MB |"
+            f"{r['in_process_peak_mb']:.0f} MB | {r['downstream_s']:.1f} s | {r['downstream_peak_mb']:.0f} MB |"
         )
     write_section("benchmarks.md", lines)
 

@@ -69,6 +69,7 @@ LONG_FILES = (
     "tests/plugins/test_airflow_celery.py",
     "tests/spark_jobs/core/test_storage_faults.py",
     "tests/spark_jobs/engine/test_spark_state.py",
+    "tests/spark_jobs/engine/test_delta_merge.py",
     "tests/spark_jobs/core/test_state_commit_guards.py",
     "tests/spark_jobs/sources/test_kafka.py",
     "tests/spark_jobs/engine/test_native_read.py",

@@ -43,6 +43,7 @@ __all__ = [
     "ensure_table",
     "in_range",
     "is_commit_conflict",
+    "with_user_metadata",
     "open_table",
     "read_all",
     "read_pruned",
@@ -355,7 +356,13 @@ def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
     if actions is None:
         return None
     info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
-    return {**_user_metadata(info), **info, "version": version}
+    return {**with_user_metadata(info), "version": version}
+
+
+def with_user_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    """A commit info with the job's entries its ``userMetadata`` carries
+    (`_user_metadata`) beside its own."""
+    return {**_user_metadata(info), **info}
 
 
 def _user_metadata(info: dict[str, Any]) -> dict[str, Any]:

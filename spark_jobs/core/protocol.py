@@ -86,8 +86,11 @@ and a fold lost or crashed changes nothing.
 Where the rows go: on an engine whose executors write files (Spark), step 3
 has them write the batch's updates and bad records as data files
 (`spark_jobs.core.staged`), and steps 3 and 4 commit those files, with the
-same fences and metadata; no row passes through this process. The commits,
-and so every crash point, are the same.
+same fences and metadata; no row passes through this process. (A state
+with a change feed has delta-spark MERGE them on the executors, the fence
+as its commit's ``txn``: `spark_jobs.engine.delta_merge`.) The commits,
+and so every crash point, are the same; which path a batch takes is
+`spark_jobs.core.write_path`'s.
 
 A process that runs batches back to back (`spark_jobs.core.catch_up`) runs
 these same steps per batch, through an engine that reads the next ranges

@@ -246,12 +246,13 @@ class StateTable:
         """A merged state's batch of files merged in, the way its size says:
         a small one (`IN_PROCESS_ROWS`) here by delta-rs's MERGE while the
         files it rewrites weigh at most `REWRITE_FROM_BYTES` (with
-        `state_write: auto`; and always for a state with a change feed,
-        whose change files only delta-rs's MERGE writes here), else by the
-        executors, file by file (`FileWriting.rewrite_files`); a bigger one
-        by the executors' join (`FileWriting.merge_files`). The executors'
-        files are committed as the rewritten files' removal and the new
-        files' addition, from `table`'s snapshot."""
+        `state_write: auto`), else by the executors, file by file
+        (`FileWriting.rewrite_files`); a bigger one by the executors' join
+        (`FileWriting.merge_files`). The executors' files are committed as
+        the rewritten files' removal and the new files' addition, from
+        `table`'s snapshot. A state with a change feed is merged by
+        delta-spark instead, change files and all (`_merge_by_delta_spark`),
+        or here where it cannot be (on S3, a session without delta-spark)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
         if files is not None and not here and self.spec.state.change_feed:

@@ -47,7 +47,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from spark_jobs.core.commits import METADATA_KEY
-from spark_jobs.core.delta_io import version_actions
+from spark_jobs.core.delta_io import version_actions, with_user_metadata
 from spark_jobs.core.folding import FOLD_KEY
 from spark_jobs.core.widen import widens
 from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SourceRefusedError, first_line
@@ -460,7 +460,7 @@ class DeltaSource:
         its appends nor its changes are the keys' values."""
         for version in versions:
             for action in self._actions(table, version) or []:
-                info = action.get("commitInfo") or {}
+                info = with_user_metadata(action.get("commitInfo") or {})
                 raw = info.get(METADATA_KEY)
                 layout = (json.loads(raw).get("spec") or {}).get("fields", {}).get("state.layout") if raw else None
                 if info.get(FOLD_KEY) or layout == "appended":

@@ -12,6 +12,7 @@ import random
 import signal
 
 import pytest
+import yaml
 
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, kill_some, oracle_spec_dict, run_cli, start_cli, write_spec
@@ -102,15 +103,21 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
         counts["maintains"] += 1
 
 
-def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver") -> dict[str, int]:
+def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto") -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
     now and then rewinds the upstream or maintains it (keeping 2 batches).
-    The drain must leave the downstream equal to the upstream's state, summed."""
+    The drain must leave the downstream equal to the upstream's state, summed.
+    `upstream_write`: the upstream's `engine.state_write` (`executors`: its
+    batches MERGEd by delta-spark)."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
     upstream, downstream = chain_specs(folder, reader)
+    if upstream_write != "auto":
+        spec = yaml.safe_load(upstream.read_text())
+        spec["engine"] = {"state_write": upstream_write}
+        upstream.write_text(yaml.safe_dump(spec, sort_keys=False))
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
@@ -142,6 +149,16 @@ def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path, on_co
     """The downstream reads with delta-spark on the executors (`source.reader:
     spark`): the same kills, rewinds and maintenance, the same exact end."""
     counts = _chain_chaos(tmp_path, rounds=3, seed=21, reader="spark")
+    print(counts)
+    assert counts["maintains"], counts
+
+
+@pytest.mark.slow
+def test_a_chain_whose_upstream_delta_spark_merges_ends_exact_through_the_same_chaos(tmp_path, on_connect):
+    """The upstream's batches written by the executors and MERGEd by the
+    Connect server's delta-spark (issue 64): kills, rewinds and `maintain`
+    racing its MERGE, the same exact end downstream."""
+    counts = _chain_chaos(tmp_path, rounds=4, seed=23, upstream_write="executors")
     print(counts)
     assert counts["maintains"], counts
 

@@ -84,7 +84,7 @@ def run_watched(spec: Path, env: dict[str, str]) -> tuple[float, float, dict[str
         err.seek(0)
         if proc.returncode != 0:
             raise RuntimeError(f"run failed ({proc.returncode}): {err.read()[-3000:]}")
-        return took, peak, json.loads(out.read().strip().splitlines()[-1])
+        return took, peak, json.loads(out.read())
 
 
 def measure(work: Path, size: int) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def seed_state(path: str, size: int, *, change_feed: bool = False) -> None:
     """The project's state of N users as a fold leaves it, in one commit
     carrying the fence at the origin and the fold's marker (so the appended
     layout counts its rows as folded); `change_feed`: with its change data
-    feed on, as a chain's upstream has it."""
+    feed on and no fold's marker, as a chain's (merged) upstream has it."""
     import numpy as np
     import pyarrow as pa
     from deltalake import CommitProperties, Transaction, write_deltalake
@@ -100,7 +100,9 @@ def seed_state(path: str, size: int, *, change_feed: bool = False) -> None:
             )
 
     origin = Position(0, 0).encode()
-    metadata = {METADATA_KEY: json.dumps({"txn": origin}), FOLD_KEY: json.dumps({"seed": size})}
+    metadata = {METADATA_KEY: json.dumps({"txn": origin})}
+    if not change_feed:  # (a chain's upstream is merged: a fold's marker would make it an appended state to its reader)
+        metadata[FOLD_KEY] = json.dumps({"seed": size})
     props = CommitProperties(custom_metadata=metadata, app_transactions=[Transaction(STATE_FENCE, origin)])
     data = pa.RecordBatchReader.from_batches(schema, pieces())
     configuration = {"delta.enableChangeDataFeed": "true"} if change_feed else None

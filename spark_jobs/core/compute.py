@@ -151,23 +151,18 @@ class Engine:
         return max(1, self.get().reads_at_once)
 
     def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
-        if self._compute is None:
-            # The first batch, before the engine starts: a factory may start
-            # it for what the batch needs (`SparkFactory.expect`).
-            expect = getattr(self._factory, "expect", None)
-            if expect is not None:
-                expect(spec, batch)
-        self.get().check(spec, batch, alongside=self._alongside())
+        self._for(spec, batch).check(spec, batch, alongside=self._alongside())
 
     def process(
         self, spec: PipelineSpec, batch: BatchRange, sink: Sink | None = None, check: Callable[[BatchRange], None] | None = None
     ) -> ComputeResult:
         """The compute's `process`, and then `check` of what it read (the
         source's `check_read`), right as the read ends."""
+        compute = self._for(spec, batch)
         if sink is None:
-            result = self.get().process(spec, batch, alongside=self._alongside())
+            result = compute.process(spec, batch, alongside=self._alongside())
         else:
-            result = self.get().process(spec, batch, alongside=self._alongside(), sink=sink)
+            result = compute.process(spec, batch, alongside=self._alongside(), sink=sink)
         if check is not None:
             try:
                 check(batch)
@@ -186,7 +181,7 @@ class Engine:
 
     def executors_write(self, spec: PipelineSpec, batch: BatchRange) -> bool:
         """Whether the executors write `batch`'s rows (`write_path.executors_write`)."""
-        return executors_write(spec, batch, self.writes_files)
+        return executors_write(spec, batch, writes_files(self._for(spec, batch)))
 
     def files(self) -> FileWriting:
         """The engine, as one that writes files (`writes_files` must be True)."""
@@ -194,6 +189,16 @@ class Engine:
 
     def _alongside(self) -> bool:
         return self._alongside_reads and self.reads_at_once > 1
+
+    def _for(self, spec: PipelineSpec, batch: BatchRange) -> Compute:
+        """The compute, started for `batch` if this is the first batch it
+        meets (a new plan's check, or a replay's read): a factory may start
+        it for what the batch needs (`SparkFactory.expect`)."""
+        if self._compute is None:
+            expect = getattr(self._factory, "expect", None)
+            if expect is not None:
+                expect(spec, batch)
+        return self.get()
 
     def get(self) -> Compute:
         if self._compute is None:

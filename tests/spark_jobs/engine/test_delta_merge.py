@@ -194,12 +194,16 @@ def test_a_commit_by_delta_spark_reads_as_the_job_s_own():
     assert _user_metadata({"userMetadata": "nightly load"}) == {}
 
 
-@pytest.mark.parametrize("point", ["mid_state_merge", pytest.param("after_state_commit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "point", ["mid_state_merge", pytest.param("after_plan", marks=pytest.mark.slow), pytest.param("after_state_commit", marks=pytest.mark.slow)]
+)
 def test_a_run_killed_amid_delta_spark_s_merge_or_after_its_commit_is_exact_after_a_rerun(tmp_path, compute, point):
     """SIGKILL of a run on its own Spark (its driver JVM, and the local
     executors writing, die with it) once delta-spark's MERGE has written its
-    first data file, or once its commit landed: the next run replays the
-    batch or records the commit, and the state is exact."""
+    first data file, or once its commit landed, or after its plan: the next
+    run (a replay, whose session also loads delta-spark) replays the batch
+    or records the commit; the batch is delta-spark's commit, and the state
+    is exact."""
     spec_path = _spec(tmp_path)
     landing = tmp_path / "landing"
     write_wave(landing, 0, files=1, records_per_file=600, users=60)
@@ -215,7 +219,10 @@ def test_a_run_killed_amid_delta_spark_s_merge_or_after_its_commit_is_exact_afte
     while _run(spec_path, compute) != "no_new_data":
         pass
     assert_exact(spec_path)
-    assert_versions_carry_batches(spec_path)
+    lineage = assert_versions_carry_batches(spec_path)
+    spec = load_spec(spec_path)
+    merged_by = commit_info(spec.state_path, lineage[1].state_version).get("engineInfo", "")
+    assert "Delta-Lake" in merged_by, f"batch 2 was merged by {merged_by or 'delta-rs'}"
 
 
 def test_over_spark_connect_the_server_s_delta_spark_merges_the_batch(tmp_path, on_connect):

@@ -113,7 +113,8 @@ def measure(work: Path, size: int) -> dict[str, Any]:
         assert outcome["status"] == "committed", outcome
         figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
         figures[f"{label}_keys_updated"] = outcome.get("keys_updated")
-        print(f"  {size:,} keys, {label}: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
+        figures[f"{label}_steps_ms"] = outcome.get("steps_ms")
+        print(f"  {size:,} keys, {label}: {seconds:.1f} s, Python peak {peak:.0f} MB, steps {outcome.get('steps_ms')}", file=sys.stderr)
         if label == "delta_spark":
             # The chain's downstream reads the upstream's changes: the seed's N inserts and the batch's updates.
             down = write_spec(folder, "chain_downstream", source={"type": "delta", "path": "state", "read": "changes"},

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
+from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.errors import StorageError
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
@@ -356,30 +357,29 @@ def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
     if actions is None:
         return None
     info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
-    return {**with_user_metadata(info), "version": version}
+    return {**with_user_metadata(info, actions), "version": version}
 
 
-def with_user_metadata(info: dict[str, Any]) -> dict[str, Any]:
-    """A commit info with the job's entries its ``userMetadata`` carries
-    (`_user_metadata`) beside its own."""
-    return {**_user_metadata(info), **info}
-
-
-def _user_metadata(info: dict[str, Any]) -> dict[str, Any]:
-    """The entries a commit made by delta-spark carries in its
-    ``userMetadata`` (a JSON object: `delta_merge` puts there what delta-rs
-    puts in the commit info itself: the keys named ``microbatch...``), so
-    that its readers read both alike."""
+def with_user_metadata(info: dict[str, Any], actions: list[dict[str, Any]]) -> dict[str, Any]:
+    """A commit info with the batch metadata a commit by delta-spark carries
+    in its ``userMetadata`` (`engine.delta_merge` puts there, under
+    ``microbatch``, what delta-rs puts in the commit info itself), so that
+    its readers read both alike. Only a commit of the job's: the metadata's
+    position is the one the commit's own ``txn`` action moves the state
+    fence to (`actions`: the version's). A user's write whose text merely
+    names ``microbatch`` stays an outside change."""
     raw = info.get("userMetadata")
     if not isinstance(raw, str) or not raw.startswith("{"):
-        return {}
+        return info
     try:
-        entries = json.loads(raw)
-    except ValueError:
-        return {}  # a user's own text
-    if not isinstance(entries, dict):
-        return {}
-    return {k: v for k, v in entries.items() if str(k).startswith("microbatch")}
+        carried = json.loads(raw).get("microbatch")
+        position = json.loads(carried).get("txn") if isinstance(carried, str) else None
+    except (ValueError, AttributeError):
+        return info  # a user's own text
+    fenced = {a["txn"].get("version") for a in actions if "txn" in a and a["txn"].get("appId") == STATE_FENCE}
+    if position is None or position not in fenced:
+        return info
+    return {"microbatch": carried, **info}
 
 
 def commit_infos(table_uri: str, newest: int, oldest: int = 0) -> Iterator[dict[str, Any]]:

@@ -296,13 +296,15 @@ def with_reader(spec: PipelineSpec, master: str | None) -> PipelineSpec:
     job's process may be a small Airflow task. On `local[*]` it stays
     `auto`: both share one machine, delta-rs reads the small batches chained
     pipelines make faster, and a big batch (`DeltaSource.plan` weighs it)
-    is read by Spark's executors, its rows never in this process. Under spark-submit (`master`
+    is read by Spark's executors, its rows never in this process; the
+    driver's, where delta-spark's JARs are not there (not fetched, or
+    `MICROBATCH_SPARK_JARS=none`). Under spark-submit (`master`
     None) the driver's too: its session's classpath is spark-submit's, which
     may not hold delta-spark's JARs (`reader: spark` says they are there)."""
     if spec.source.type != "delta" or spec.source.reader != "auto":
         return spec
     remote = master is not None and master.startswith(("spark://", "sc://"))
-    if not remote and master is not None:
+    if not remote and master is not None and extra_jars():
         return spec  # `local[*]`: each batch by its size (`DeltaSource.plan`)
     source = spec.source.model_copy(update={"reader": "spark" if remote else "driver"})
     return spec.model_copy(update={"source": source})

@@ -103,9 +103,13 @@ class DeltaManifest:
         return {"uri": self.uri, "read": self.read, "first": self.first, "last": self.last, "skipped": [list(r) for r in self.skipped], **extra}
 
     def reader_for(self, configured: str) -> str:
-        """Who reads this batch: the reader planning chose, else the spec's
-        (`configured`; `auto` unresolved reads on the driver, as before)."""
-        return self.reader or ("driver" if configured == "auto" else configured)
+        """Who reads this batch: the spec's reader (`configured`) if it names
+        one (both read the same rows: a user who changed it after a failed
+        read of a planned batch means it), else the one planning chose,
+        else the driver's."""
+        if configured != "auto":
+            return configured
+        return self.reader or "driver"
 
     def inputs(self) -> list[str]:
         return [f"{self.uri}@v{self.first}" + (f"..v{self.last}" if self.last != self.first else "")]
@@ -459,8 +463,9 @@ class DeltaSource:
         its batches append partial rows and its folds rewrite them, so neither
         its appends nor its changes are the keys' values."""
         for version in versions:
-            for action in self._actions(table, version) or []:
-                info = with_user_metadata(action.get("commitInfo") or {})
+            actions = self._actions(table, version) or []
+            for action in actions:
+                info = with_user_metadata(action.get("commitInfo") or {}, actions)
                 raw = info.get(METADATA_KEY)
                 layout = (json.loads(raw).get("spec") or {}).get("fields", {}).get("state.layout") if raw else None
                 if info.get(FOLD_KEY) or layout == "appended":

@@ -184,14 +184,23 @@ def test_the_session_of_a_one_batch_run_loads_delta_spark_only_for_a_batch_it_me
     assert not wants("driver", True, 64 * 2**20)
 
 
-def test_a_commit_by_delta_spark_reads_as_the_job_s_own():
-    """`commit_info` reads the keys delta-spark's `userMetadata` carries as
-    delta-rs's commit info would hold them; a user's text is left alone."""
-    from spark_jobs.core.delta_io import _user_metadata
+def test_a_commit_by_delta_spark_reads_as_the_job_s_own_and_a_user_s_as_theirs():
+    """`with_user_metadata` reads the batch metadata delta-spark's
+    `userMetadata` carries as delta-rs's commit info holds it, only when the
+    commit's own `txn` moves the state fence to that metadata's position: a
+    user's write whose text names `microbatch` stays an outside change
+    (found by the review: a user's UPDATE with `{"microbatch": "hotfix"}`
+    was taken for the job's and merged over)."""
+    from spark_jobs.core.delta_io import with_user_metadata
 
-    assert _user_metadata({"userMetadata": json.dumps({METADATA_KEY: "{}", "other": 1})}) == {METADATA_KEY: "{}"}
-    assert _user_metadata({"userMetadata": "{not json"}) == {}
-    assert _user_metadata({"userMetadata": "nightly load"}) == {}
+    ours = json.dumps({"txn": 5, "pipeline": "p"})
+    fenced = [{"txn": {"appId": STATE_FENCE, "version": 5}}]
+    info = {"operation": "MERGE", "userMetadata": json.dumps({METADATA_KEY: ours})}
+    assert with_user_metadata(info, fenced)[METADATA_KEY] == ours
+    assert METADATA_KEY not in with_user_metadata(info, []), "no txn: a user's"
+    assert METADATA_KEY not in with_user_metadata(info, [{"txn": {"appId": STATE_FENCE, "version": 6}}])
+    for text in ('{"microbatch": "hotfix by ops"}', "{not json", "nightly load", '{"microbatch": "{}"}', "[1]"):
+        assert METADATA_KEY not in with_user_metadata({"userMetadata": text}, fenced), text
 
 
 @pytest.mark.parametrize(

@@ -97,3 +97,15 @@ def test_a_split_size_in_spark_defaults_is_kept_by_the_jobs_session(tmp_path):
     env = {**os.environ, "SPARK_CONF_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert "SPLIT 256m" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_auto_on_local_stays_with_the_driver_without_delta_spark_s_jars(tmp_path, monkeypatch):
+    """Without delta-spark's JARs (`MICROBATCH_SPARK_JARS=none`, or never
+    fetched) a big batch cannot be read by Spark: `auto` on `local[*]` is
+    the driver's, as before issue 64 (found by its review: such a run
+    failed, and every rerun of the planned batch with it)."""
+    from spark_jobs.engine.session import SPARK_JARS_ENV
+
+    monkeypatch.setenv(SPARK_JARS_ENV, "none")
+    _, downstream = chain_specs(tmp_path, reader="auto")
+    assert with_reader(load_spec(downstream), "local[*]").source.reader == "driver"

@@ -73,3 +73,13 @@ def test_planning_weighs_the_versions_and_a_column_mapped_table_stays_with_the_d
               "'delta.minReaderVersion' = '2', 'delta.minWriterVersion' = '5')")
     with pytest.raises(SourceRefusedError, match="reader: spark"):
         make_source(load_spec(downstream)).plan(BatchesLineage())
+
+
+def test_a_reader_the_spec_names_reads_a_batch_planned_for_the_other():
+    """A planned batch records `auto`'s choice; a spec that names a reader
+    afterwards is followed (both read the same rows: a user who set
+    `reader: driver` after the planned read failed means it)."""
+    planned = DeltaManifest("lake/state", "changes", 0, 3, (), "spark", 40 * 2**20)
+    assert planned.reader_for("auto") == "spark"
+    assert planned.reader_for("driver") == "driver"
+    assert DeltaManifest("lake/state", "changes", 0, 3).reader_for("auto") == "driver"

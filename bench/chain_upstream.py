@@ -16,7 +16,7 @@ upstream has it), one batch of N clicks whose users are drawn from all N
 Then the chain's downstream (`type: delta`, `read: changes`, default
 settings) takes its first batch: every change of the upstream, the seed's
 N inserts and the batch's updates (read by Spark's executors on
-`local[*]` once the versions weigh more than 32 MB).
+`local[*]` once the versions weigh more than 4 MB).
 
 Each project run starts from its own copy of the seeded state. Reported:
 wall seconds of each, and the job's Python process's peak resident memory

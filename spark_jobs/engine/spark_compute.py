@@ -641,7 +641,7 @@ def _delta_spark_missing(spec: PipelineSpec) -> SourceRefusedError:
                "start the server with them and Delta's SQL extension (docker/README.md)")
     return SourceRefusedError(
         f"pipeline {spec.name}: the Delta source {spec.source_path} is read through delta-spark, which this Spark session does not "
-        f"have (`source.reader: spark`, or `auto` off `local[*]` or for a batch of more than 32 MB on it; or Delta's catalog set without its JARs). To read it, "
+        f"have (`source.reader: spark`, or `auto` off `local[*]` or for a batch of more than 4 MB on it; or Delta's catalog set without its JARs). To read it, "
         f"{fix}; or read it on the driver (`source.reader: driver`, without Delta's `--conf`s). Nothing was committed.",
         pipeline=spec.name,
         path=spec.source_path,

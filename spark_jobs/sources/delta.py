@@ -63,10 +63,12 @@ log = logging.getLogger("microbatch")
 _HISTORY_LOOKBACK = 1000
 #: `source.reader: auto` on `local[*]`: a batch whose versions' data files
 #: weigh more than this is read by Spark's executors (delta-spark), and its
-#: rows written by them (`write_path.executors_write`): read by the driver,
-#: 30M changed rows took 18.8 GB of this process (issue 64). Below it the
-#: driver's read is the faster (docs/benchmarks.md, "Delta source").
-READ_ON_EXECUTORS_FROM = 32 * 1024 * 1024
+#: rows written by them (`write_path.executors_write`). Read by the driver,
+#: 30M changed rows took 18.8 GB of this process (issue 64), and 17 MB of
+#: files (2.3M change rows of short strings) 1.27 GB (docs/benchmarks.md,
+#: "Chain upstream"): about 75 times their size. Below it the driver's read
+#: is the faster (a chain's usual batch weighs kilobytes).
+READ_ON_EXECUTORS_FROM = 4 * 1024 * 1024
 
 
 

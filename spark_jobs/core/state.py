@@ -255,8 +255,8 @@ class StateTable:
         or here where it cannot be (on S3, a session without delta-spark)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
-        if files is not None and not here and self.spec.state.change_feed:
-            done = self._merge_by_delta_spark(staged, metadata, files) if merged_by_delta_spark(self.spec) else None
+        if files is not None and not here and merged_by_delta_spark(self.spec):
+            done = self._merge_by_delta_spark(staged, metadata, files)
             if done is not None:
                 return done
         if files is None or self.spec.state.change_feed or here:

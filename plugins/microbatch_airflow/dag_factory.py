@@ -7,8 +7,9 @@ A broken spec must show up as an import error naming the spec file and
 field without taking the other pipelines' DAGs down. Airflow records import
 errors per Python file, and the dag-processor marks every DAG of a file with
 an import error stale: they vanish from the UI and cannot be triggered. So
-the DAGs come from one file (`dags/microbatch_pipelines.py`, which skips
-broken specs) and the errors from another (`dags/microbatch_spec_errors.py`,
+the DAGs come from one file (`dags/microbatch_pipelines.py`, which builds
+a broken spec's DAG from its last valid version, or skips a spec never
+valid) and the errors from another (`dags/microbatch_spec_errors.py`,
 which raises `BrokenPipelineSpecs` when there are any).
 """
 
@@ -20,6 +21,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from spark_jobs.core.spec import PipelineSpec
 
 __all__ = [
     "BrokenPipelineSpecs",
+    "SpecScan",
     "build_dag",
     "build_maintenance_dag",
     "dags_from_folder",
@@ -123,13 +126,21 @@ def _task_defaults(settings: AirflowSpec, default_args: dict[str, Any] | None, r
     return merged
 
 
-def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None, default_args: dict[str, Any] | None = None) -> DAG:
+def build_dag(
+    spec: PipelineSpec,
+    upstream: PipelineSpec | None = None,
+    default_args: dict[str, Any] | None = None,
+    *,
+    broken: str | None = None,
+) -> DAG:
     """The pipeline's DAG. `upstream`: the pipeline whose state table this
     one's Delta source reads; without a schedule of its own, the DAG then
     runs whenever the upstream commits a batch (its state asset).
     `default_args`: as for any DAG; the spec's `airflow:` block wins.
     With `airflow.run_on_data`, the DAG schedules on its source's watcher
-    asset instead: no run exists until data waits."""
+    asset instead: no run exists until data waits. `broken`: the error of
+    the spec's file now, when `spec` is its last valid version (the DAG's
+    docs lead with it; each run loads the file and fails with it)."""
     settings = airflow_spec(spec)
     schedule: CronDataIntervalTimetable | list[Asset] | None = None
     if settings.schedule:
@@ -141,8 +152,10 @@ def build_dag(spec: PipelineSpec, upstream: PipelineSpec | None = None, default_
         schedule = [state_asset(upstream)]
     with DAG(
         dag_id=spec.name,
-        description=(spec.description.splitlines() or [""])[0][:200] or None,
-        doc_md=spec_doc(spec),
+        description=(f"SPEC BROKEN: runs fail until {Path(spec.spec_path).name} is fixed" if broken else None)
+        or (spec.description.splitlines() or [""])[0][:200] or None,
+        doc_md=(f"**The spec is broken: each run fails with this error until it is fixed.** This DAG is built from "
+                f"the spec's last valid version.\n\n```\n{broken}\n```\n\n" if broken else "") + spec_doc(spec),
         schedule=schedule,
         start_date=settings.start_date,
         catchup=settings.catchup,
@@ -181,8 +194,9 @@ class BrokenPipelineSpecs(Exception):
 
     def __init__(self, errors: list[str]) -> None:
         super().__init__(
-            f"{len(errors)} pipeline spec(s) could not be loaded; their DAGs are missing until "
-            "the spec is fixed:\n" + "\n".join(errors)
+            f"{len(errors)} pipeline spec(s) could not be loaded. A pipeline whose spec was valid before keeps "
+            "its DAG, built from that version, and each of its runs fails with this error until the spec is "
+            "fixed; a spec that never loaded has no DAG yet:\n" + "\n".join(errors)
         )
 
 
@@ -220,11 +234,30 @@ def build_maintenance_dag(spec: PipelineSpec, default_args: dict[str, Any] | Non
     return dag
 
 
-def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
-    """The valid specs (`*.yaml`, `*.yml`) in `folder` by pipeline name, and
-    by file an error for each spec that is not (naming its line and field).
+@dataclass(frozen=True)
+class SpecScan:
+    """What a folder of specs holds: `specs`, the pipelines by name (each
+    file's spec, or for a file whose spec broke after a parse kept it valid,
+    that last valid spec); `errors`, by file, why each broken file does not
+    load (naming its line and field); `broken`, by pipeline name, the error
+    of each pipeline served from its last valid spec."""
 
-    `names`: only the specs named one of these, and no errors. A file is
+    specs: dict[str, PipelineSpec]
+    errors: dict[Path, str]
+    broken: dict[str, str]
+
+
+def scan_specs(folder: Path, names: set[str] | None = None) -> SpecScan:
+    """The specs (`*.yaml`, `*.yml`) in `folder` (`SpecScan`).
+
+    A spec that breaks after a parse loaded it valid keeps its pipeline:
+    the DAG is built from its last valid version, kept with the parses'
+    specs (`SpecCache.last_valid`), so its schedule goes on and each run
+    fails with the spec's error (not retried), which Airflow's alerting
+    sees; a pipeline that vanished would stop without one failed task. A
+    spec never valid here has no DAG, only its error.
+
+    `names`: only the specs named one of these. A file is
     loaded only if its text holds one of the names (a read and a search,
     not a load: a spec's name is written in it), so a task's parse of a
     folder of specs loads its own and those that mention its name. (A name
@@ -234,17 +267,21 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, P
     again (`spec_cache.SpecCache`)."""
     errors: dict[Path, str] = {}
     specs: dict[str, PipelineSpec] = {}
+    broken: dict[str, str] = {}
     kept = SpecCache(folder)
     paths = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
     for path in paths:
-        if names is not None and not _mentions(path, names):
+        if names is not None and not _mentions(path, names, kept.last_valid(path.resolve())):
             continue
         try:
-            spec = kept.load(path.resolve())
-            airflow_spec(spec)
+            spec = kept.load(path.resolve(), check=airflow_spec)
         except SpecError as exc:
             errors[path] = str(exc)
-            continue
+            last = kept.last_valid(path.resolve())
+            if last is None or last.name in specs or (names is not None and last.name not in names):
+                continue
+            spec = last
+            broken[spec.name] = str(exc)
         if names is not None and spec.name not in names:
             continue
         if spec.name in specs:
@@ -258,12 +295,13 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> tuple[dict[str, P
         owner = specs.get(name.removesuffix(MAINTENANCE_SUFFIX)) if name.endswith(MAINTENANCE_SUFFIX) else None
         if owner is not None and airflow_spec(owner).maintenance_schedule:
             del specs[name]
+            broken.pop(name, None)
             errors[Path(spec.spec_path)] = (
                 f"{spec.spec_path}: pipeline name {name!r} is the DAG id of pipeline {owner.name!r}'s maintenance "
                 f"DAG ({owner.spec_path} sets airflow.maintenance_schedule); rename this pipeline (a new name "
                 "is a new pipeline: give it its own checkpoint too), or rename the other"
             )
-    return specs, errors
+    return SpecScan(specs, errors, broken)
 
 
 def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None, *, only: str | None = None) -> dict[str, DAG]:
@@ -283,10 +321,11 @@ def dags_from_folder(folder: Path, default_args: dict[str, Any] | None = None, *
 
 
 def _dags(folder: Path, default_args: dict[str, Any] | None, only: str | None) -> dict[str, DAG]:
-    specs, _ = scan_specs(folder, names=_defining(only) if only else None)
-    if only and (not specs or any(spec.source.type == "delta" for spec in specs.values())):
+    scan = scan_specs(folder, names=_defining(only) if only else None)
+    if only and (not scan.specs or any(spec.source.type == "delta" for spec in scan.specs.values())):
         # (None found: the full parse decides, naming a spec's errors as well.)
-        specs, _ = scan_specs(folder)
+        scan = scan_specs(folder)
+    specs = scan.specs
     dags: dict[str, DAG] = {}
     # A Delta source that is another pipeline's state chains the two.
     by_state = {spec.state_path.rstrip("/"): spec for spec in specs.values()}
@@ -297,7 +336,7 @@ def _dags(folder: Path, default_args: dict[str, Any] | None, only: str | None) -
         for spec in specs.values():
             if wanted(spec.name):
                 upstream = by_state.get(spec.source_path.rstrip("/")) if spec.source.type == "delta" else None
-                dags[spec.name] = build_dag(spec, upstream, default_args)
+                dags[spec.name] = build_dag(spec, upstream, default_args, broken=scan.broken.get(spec.name))
             maintenance = f"{spec.name}{MAINTENANCE_SUFFIX}"
             if airflow_spec(spec).maintenance_schedule and wanted(maintenance):
                 dags[maintenance] = build_maintenance_dag(spec, default_args)
@@ -391,14 +430,17 @@ def raise_spec_errors(folder: Path) -> None:
     at import of a DAG file that holds no pipeline, so the import error it
     becomes stales no pipeline's DAG."""
     with _older_objects_frozen():
-        _, errors = scan_specs(folder)
-    if errors:
-        raise BrokenPipelineSpecs(list(errors.values()))
+        scan = scan_specs(folder)
+    if scan.errors:
+        raise BrokenPipelineSpecs(list(scan.errors.values()))
 
 
-def _mentions(path: Path, names: set[str]) -> bool:
-    """Whether the file's text holds one of `names` (an unreadable file is
-    loaded, to report it the way the full parse does)."""
+def _mentions(path: Path, names: set[str], last_valid: PipelineSpec | None) -> bool:
+    """Whether the file's text holds one of `names`, or its last valid spec
+    was named one (an unreadable file is loaded, to report it the way the
+    full parse does)."""
+    if last_valid is not None and last_valid.name in names:
+        return True
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):

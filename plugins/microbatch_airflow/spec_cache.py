@@ -22,7 +22,9 @@ check that reads the disk is whether two of a spec's locations overlap
 through a symlink; a run loads its spec afresh and refuses such a spec
 before any write, as it always did.) The cache is a pickle, which runs code as it loads:
 it is read and written only in a folder no other user may write. A broken spec is not kept: its error is found again at each parse,
-as before. The file is local to the machine and rewritten whole (a new file
+and the file's last valid spec stays kept beside it (`last_valid`), so that a
+pipeline whose live spec breaks keeps its DAG and schedule, and its runs
+fail with the spec's error where Airflow alerts on them. The file is local to the machine and rewritten whole (a new file
 renamed over the old), so two parses at once lose at most what one of them
 loaded; a cache that cannot be read or written is only slower. A folder's
 file that no parse rewrote for a week is deleted (the folder is gone, or
@@ -37,6 +39,7 @@ import os
 import pickle
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +71,10 @@ class SpecCache:
         self._kept: dict[str, tuple[tuple[int, ...], bytes]] = self._read()
         self._changed = False
 
-    def load(self, path: Path) -> PipelineSpec:
-        """`load_spec(path)`, or the spec kept for the file as it is now."""
+    def load(self, path: Path, check: Callable[[PipelineSpec], object] | None = None) -> PipelineSpec:
+        """`load_spec(path)`, or the spec kept for the file as it is now.
+        `check`: what else a spec must pass (the `airflow:` block) to be
+        kept, so that `last_valid` is a spec a DAG can be built from."""
         try:
             signature = _signature(path)
         except OSError:
@@ -86,9 +91,18 @@ class SpecCache:
                     check_locations(spec, path.read_text(encoding="utf-8"))
                 return spec
         spec = load_spec(path)
+        if check is not None:
+            check(spec)
         self._kept[key] = (signature, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
         self._changed = True
         return spec
+
+    def last_valid(self, path: Path) -> PipelineSpec | None:
+        """The spec the file held when a parse last loaded it valid, whatever
+        it holds now (None if none was kept: a spec never valid here, or a
+        cache written by other code or lost)."""
+        kept = self._kept.get(str(path))
+        return _unpickled(kept[1]) if kept is not None else None
 
     def save(self, present: list[Path] | None = None) -> None:
         """Write what was loaded; `present`: every spec file of the folder

@@ -725,6 +725,28 @@ _ABSENT = object()
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where a YAML error starts, and where the parser gave up if that is
+    another line. An unclosed quote, bracket or brace is named where it
+    opens: one left open on line 6 is found only where the file ends, and
+    "line 13: unexpected end of stream" alone sends the user to the wrong
+    line. Any other error is named where the parser stopped, with the block
+    it was in."""
+    opened, stop = getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None) or ""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    if opened is None or stop is None or (opened.line, opened.column) == (stop.line, stop.column):
+        mark = stop or opened
+        return f"{at(mark) + ': ' if mark else ''}not valid YAML ({context + ': ' if context else ''}{problem})"
+    if any(word in context for word in ("quoted scalar", "flow sequence", "flow mapping")):
+        return f"{at(opened)}: not valid YAML ({context} that opens here: {problem} at {at(stop)})"
+    return f"{at(stop)}: not valid YAML ({problem}; {context} that starts at {at(opened)})"
+
+
 def parse_spec(
     text: str, *, base_dir: Path, spec_path: str, storage_roots: list[str] | None = None
 ) -> PipelineSpec:
@@ -736,9 +758,7 @@ def parse_spec(
     try:
         data = yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise SpecError(spec_path, [f"{where}not valid YAML ({getattr(exc, 'problem', exc)})"]) from None
+        raise SpecError(spec_path, [yaml_problem(exc)]) from None
     if not isinstance(data, dict):
         raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
     moved = _moved_fields(data, text)

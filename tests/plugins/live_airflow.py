@@ -286,7 +286,7 @@ class LiveAirflow:
             return all(
                 p.get("probed_at") and datetime.fromisoformat(p["probed_at"]).timestamp() >= asked
                 for p in found.values()
-                if p["status"] != "broken"
+                if p["status"] != "broken" or p.get("dag_id")
             )
 
         self.wait(answered, timeout, "every console probe to answer")

@@ -63,6 +63,12 @@ def live(tmp_path_factory, shared_connect):
     stopped["checkpoint"] = "lake/_checkpoints/stopped"
     stopped["engine"] = {"master": shared_connect}
     write_spec(pipelines, stopped, "stopped_clicks.yaml")
+    typo = oracle_spec_dict(name="typo_clicks")
+    typo["source"]["path"] = "landing_typo"
+    typo["state"]["path"] = "lake/typo"
+    typo["checkpoint"] = "lake/_checkpoints/typo"
+    typo["engine"] = {"master": shared_connect}
+    write_spec(pipelines, typo, "typo_clicks.yaml")
     # Never run: a file waits, over its lag alert's threshold (the console shows it red).
     alerting = oracle_spec_dict(name="alerting_clicks", airflow={"lag_alert": {"count": 1}})
     alerting["source"]["path"] = "landing_alerting"
@@ -82,7 +88,7 @@ def live(tmp_path_factory, shared_connect):
     try:
         for dag_id in (
             "clicks_per_user", "clicks_per_user_downstream", "yearly_clicks", "waiting_clicks", "watched_clicks",
-            "console_clicks", "stopped_clicks",
+            "console_clicks", "stopped_clicks", "typo_clicks",
         ):
             airflow.wait_for_dag(dag_id)
         yield airflow
@@ -352,6 +358,51 @@ def test_a_broken_spec_does_not_hide_the_other_pipelines(live):
         assert {"clicks_per_user", "yearly_clicks", "console_clicks"} <= listed
     finally:
         bad.unlink()
+
+
+def test_a_typo_in_a_live_spec_keeps_its_dag_fails_its_runs_at_once_and_the_console_keeps_its_batches(live):
+    """Issue 65: `amount: summ` in a running spec made its DAG vanish within
+    90 s, and the console showed no position. In the real dag-processor the
+    DAG stays (from the spec's last valid version), a run fails on its first
+    try with the spec's error (no retry helps), and the console shows the
+    pipeline broken with its position."""
+    spec_file = live.root / "pipelines" / "typo_clicks.yaml"
+    write_wave(spec_file.parent / "landing_typo", 0, files=1, records_per_file=20)
+    live.unpause("typo_clicks")
+    live.trigger("typo_clicks", {})
+    assert [r["state"] for r in live.wait_for_runs("typo_clicks", 1)] == ["success"], live.logs("typo_clicks")
+    good = spec_file.read_text()
+    assert "amount: sum" in good
+    written = datetime.now(timezone.utc)
+    spec_file.write_text(good.replace("amount: sum", "amount: summ"))
+    try:
+        def reported() -> bool:
+            errors = live.api("GET", "/api/v2/importErrors")["import_errors"]
+            return any("typo_clicks.yaml" in e["stack_trace"] for e in errors)
+
+        live.wait(reported, 120, "the typo's import error")
+
+        def reparsed() -> bool:
+            dag = live.api("GET", "/api/v2/dags/typo_clicks")
+            return datetime.fromisoformat(dag["last_parsed_time"]) > written and dag["description"].startswith("SPEC BROKEN")
+
+        live.wait(reparsed, 120, "the pipelines' file to be parsed again, with the broken spec")
+        dag = live.api("GET", "/api/v2/dags/typo_clicks")
+        assert dag["is_stale"] is False and dag["is_paused"] is False
+        run_id = live.trigger("typo_clicks", {})
+        runs = live.wait_for_runs("typo_clicks", 2)
+        assert runs[-1]["dag_run_id"] == run_id and runs[-1]["state"] == "failed"
+        (task,) = live.task_instances("typo_clicks", run_id)
+        assert task["state"] == "failed" and task["try_number"] == 1, "a spec's error is not retried"
+        logged = " ".join(str(r) for r in live.task_log("typo_clicks", run_id))  # (the exception is in error_detail)
+        assert "summ" in logged and "state.merge" in logged
+        shown = live.pipelines()["typo_clicks"]
+        assert shown["status"] == "broken" and shown["dag_id"] == "typo_clicks"
+        assert (shown["epoch"], shown["batch_id"]) == (0, 1)
+        assert "runs fail until the spec is fixed" in shown["problems"][0] and "summ" in shown["problems"][0]
+    finally:
+        spec_file.write_text(good)
+    assert assert_exact(spec_file)[-1].batch_id == 1, "the failed run wrote nothing"
 
 
 # -- the console -------------------------------------------------------------------

@@ -61,7 +61,7 @@ from airflow.configuration import conf
 from microbatch_airflow.airflow_spec import airflow_spec
 from microbatch_airflow.console import airflow_root
 from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes
-from microbatch_airflow.dag_factory import pipelines_dir, scan_specs
+from microbatch_airflow.dag_factory import SpecScan, pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
 from spark_jobs.core.rewind import check_rewind
@@ -87,9 +87,9 @@ class _SpecFolder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: tuple[Any, ...] | None = None
-        self._found: tuple[dict[str, PipelineSpec], dict[Path, str]] = ({}, {})
+        self._found = SpecScan({}, {}, {})
 
-    def scan(self) -> tuple[dict[str, PipelineSpec], dict[Path, str]]:
+    def scan(self) -> SpecScan:
         folder = _specs_dir()
         files = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
         try:
@@ -179,8 +179,7 @@ async def _spec(name: str, user: BaseUser, method: str = "GET", entity: DagAcces
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may not read DAG {name!r}")
     if (method, entity) != ("GET", None) and not _allowed(user, method, name, entity):
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"you may view pipeline {name!r} but not trigger its DAG")
-    specs, _ = await anyio.to_thread.run_sync(_SPECS.scan)
-    spec = specs.get(name)
+    spec = (await anyio.to_thread.run_sync(_SPECS.scan)).specs.get(name)
     if spec is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no pipeline named {name!r} in {_specs_dir()}")
     return spec
@@ -288,16 +287,26 @@ async def page(request: Request) -> HTMLResponse:
 @router.get("/api/pipelines")
 async def pipelines(request: Request, user: User) -> list[dict[str, Any]]:
     probes: Probes = request.app.state.probes
-    specs, errors = await anyio.to_thread.run_sync(_SPECS.scan)
+    scan = await anyio.to_thread.run_sync(_SPECS.scan)
+    specs = scan.specs
     probes.forget_all_but(specs.values())
     visible = [spec for spec in specs.values() if _allowed(user, "GET", spec.name)]
     results = await probes.summaries(visible)
     _waiting_for_upstreams(results, specs)
     await _mark_paused(request, results)
-    if errors and _allowed(user, "GET", None):
-        # A spec that does not load has no DAG: shown to those who may read every DAG.
-        for path, message in errors.items():
-            results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
+    for result in results:
+        # A spec broken since its last valid version keeps its DAG: its
+        # position and batches (read with that version) show, and the error.
+        problem = scan.broken.get(result["name"])
+        if problem is not None:
+            result["status"] = "broken"
+            result["problems"] = [f"runs fail until the spec is fixed: {problem}", *(result.get("problems") or [])]
+    kept = {Path(specs[name].spec_path) for name in scan.broken}
+    if _allowed(user, "GET", None):
+        # A spec that never loaded has no DAG: shown to those who may read every DAG.
+        for path, message in scan.errors.items():
+            if path.resolve() not in kept:
+                results.append({"name": path.stem, "dag_id": None, "status": "broken", "spec_path": str(path), "problems": [message]})
     return results
 
 def _waiting_for_upstreams(results: list[dict[str, Any]], specs: dict[str, PipelineSpec]) -> None:

@@ -113,6 +113,39 @@ def test_broken_spec_is_an_import_error_and_other_dags_still_load(tmp_path, monk
     assert str(tmp_path / "worse.yaml") in message and "not valid YAML" in message
 
 
+def test_a_spec_broken_after_a_valid_parse_keeps_its_dag_and_schedule_and_its_runs_fail_at_once(tmp_path, monkeypatch):
+    """Issue 65: a typo in a live spec made its DAG vanish, and a scheduled
+    pipeline stopped without one failed task. Its DAG is now built from the
+    spec's last valid version, in the full parse and in a task's parse, and
+    the run loads the file afresh and fails without a retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from microbatch_airflow.dag_factory import dags_from_folder
+
+    airflow = {"schedule": "0 * * * *", "start_date": "2026-01-01T00:00:00Z"}
+    path = write_spec(tmp_path, oracle_spec_dict(name="hourly", airflow=airflow), "hourly.yaml")
+    assert "hourly" in _dagbag(monkeypatch, tmp_path).dag_ids  # a parse keeps it valid
+    good = path.read_text()
+    path.write_text(good.replace("events: sum", "events: summ"))
+    bag = _dagbag(monkeypatch, tmp_path)
+    dag = bag.dags["hourly"]
+    assert type(dag.timetable).__name__ == "CronDataIntervalTimetable" and dag.timetable.expression == "0 * * * *"
+    assert dag.description.startswith("SPEC BROKEN") and "'summ'" in dag.doc_md
+    (error,) = bag.import_errors.values()
+    assert "field `state.merge`" in error and "keeps its DAG" in error
+    # A task's parse (Airflow names the DAG) finds it too.
+    assert list(dags_from_folder(tmp_path, only="hourly")) == ["hourly"]
+    task = dag.get_task("run_batch")
+    with pytest.raises(AirflowFailException, match="summ"):  # fails at once: no retry helps
+        task._spec()
+    # Fixed, it is the file's spec again; a spec that never loaded has no DAG.
+    path.write_text(good)
+    (tmp_path / "never.yaml").write_text(yaml.safe_dump(oracle_spec_dict(name="never", checkpoint="lake/_c/never")).replace("events: sum", "events: summ"))
+    bag = _dagbag(monkeypatch, tmp_path)
+    assert not bag.dags["hourly"].description.startswith("SPEC BROKEN")
+    assert "never" not in bag.dag_ids
+
+
 def test_duplicate_pipeline_names_are_reported(tmp_path, monkeypatch):
     write_spec(tmp_path, oracle_spec_dict(name="same"), "a.yaml")
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(oracle_spec_dict(name="same")))

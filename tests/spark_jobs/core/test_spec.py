@@ -79,7 +79,26 @@ def test_error_names_the_yaml_line(tmp_path):
 
 def test_yaml_syntax_error_names_line_and_column(tmp_path):
     message = _error_for(tmp_path, "name: x\nsource: [unclosed\n")
-    assert "not valid YAML" in message and "line 3" in message
+    assert "line 2, column 9: not valid YAML" in message and "at line 3, column 1" in message
+
+
+def test_an_unclosed_quote_is_named_where_it_opens_not_where_the_file_ends(tmp_path):
+    """Issue 65: a quote left open was reported at the last line, where PyYAML gave up."""
+    lines = ISSUE_SPEC.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("schema:"))
+    assert lines[at].endswith('"') and '"' not in "".join(lines[at + 1:]).replace('"@hourly"', "")
+    lines[at] = lines[at][:-1]
+    lines = [line.replace('"@hourly"', "'@hourly'") for line in lines]
+    message = _error_for(tmp_path, "\n".join(lines) + "\n")
+    column = lines[at].index('"') + 1
+    assert f"line {at + 1}, column {column}: not valid YAML (while scanning a quoted scalar that opens here" in message
+    assert f"found unexpected end of stream at line {len(lines) + 1}, column 1" in message
+
+
+def test_a_yaml_error_inside_a_block_names_where_the_parser_stopped_and_the_block(tmp_path):
+    message = _error_for(tmp_path, 'name: x\nsource:\n  type: files\n  format: "json\n  schema: "a STRING"\n')
+    assert "line 5, column 12: not valid YAML (did not find expected key;" in message
+    assert "while parsing a block mapping that starts at line 3, column 3" in message
 
 
 def test_all_problems_reported_at_once(tmp_path):

@@ -147,7 +147,9 @@ function renderPipelines() {
 }
 
 function position(p) {
-  if (p.status === "probing" || p.status === "unreadable" || p.status === "broken") return "";
+  if (p.status === "probing" || p.status === "unreadable") return "";
+  // A broken spec with a DAG (its last valid version) still has its position.
+  if (p.status === "broken" && !p.dag_id) return "";
   if (!p.batch_id && !p.epoch) return "no batch yet";
   return `epoch ${p.epoch}, batch ${p.batch_id}`;
 }

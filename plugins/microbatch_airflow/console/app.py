@@ -60,7 +60,7 @@ from airflow.configuration import conf
 
 from microbatch_airflow.airflow_spec import airflow_spec
 from microbatch_airflow.console import airflow_root
-from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes
+from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes, ledger_mark
 from microbatch_airflow.dag_factory import SpecScan, pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections
 from spark_jobs.core import inspect
@@ -263,7 +263,7 @@ async def _link_downstream(client: httpx.AsyncClient, spec: PipelineSpec, views:
 def create_app() -> FastAPI:
     app = FastAPI(title="Micro-batch console", docs_url=None, redoc_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    app.state.probes = Probes(_summary)
+    app.state.probes = Probes(_summary, mark=ledger_mark)
     app.include_router(router)
     return app
 

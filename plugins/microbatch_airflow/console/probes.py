@@ -15,11 +15,22 @@ runs (stale while revalidating). Only a pipeline with no value yet is
 waited for, `wait_s` at most from its probe's start, and then shown as
 "probing". A probe that hangs holds one worker, not the page, and its
 answer is kept when it comes.
+
+A commit is never shown stale, though: the row sits beside the batch
+table, which reads the ledger afresh, and a row that says "batch 1" under
+a table that shows batch 2 is wrong, not old. So each request also reads
+each pipeline's ledger mark (`mark`: the newest entry of its Delta log, a
+listing of one folder, `ledger_mark`). A value probed before the ledger
+moved is not reused: a new probe starts, even beside an older one that
+still runs (a slow source must not hold a commit back), and the request
+waits for it as for a first probe; only a probe started after the move
+can answer for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +41,7 @@ from typing import Any
 
 from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["SUMMARY_FIELDS", "Probes"]
+__all__ = ["SUMMARY_FIELDS", "Probes", "ledger_mark"]
 
 #: The fields of a pipeline's summary (`GET /api/pipelines`): every answer has
 #: them all, None where not known (yet).
@@ -47,6 +58,27 @@ class _Entry:
     at_wall: datetime | None = None
     running: Future[dict[str, Any]] | None = None
     started: float = 0.0
+    #: The ledger mark the value was probed at and when its probe started;
+    #: the running probe's mark.
+    value_mark: object = None
+    value_started: float = -1.0
+    running_mark: object = None
+
+
+def ledger_mark(spec: PipelineSpec) -> object:
+    """The newest entry of the pipeline's ledger log, which every commit and
+    rewind adds to: a listing of one local folder (a fraction of a
+    millisecond). None for a ledger elsewhere (S3: there the values'
+    freshness alone applies) or with no log yet."""
+    from spark_jobs.storage.s3 import is_s3
+
+    if is_s3(spec.ledger_path):
+        return None
+    try:
+        with os.scandir(os.path.join(spec.ledger_path, "_delta_log")) as entries:
+            return max((e.name for e in entries if e.name.endswith(".json")), default=None)
+    except OSError:
+        return None
 
 
 @dataclass
@@ -54,6 +86,8 @@ class Probes:
     """Status probes of many pipelines, cached by pipeline name and spec file."""
 
     probe: Callable[[PipelineSpec], dict[str, Any]]
+    #: What moves when the pipeline commits (`ledger_mark`); None never moves.
+    mark: Callable[[PipelineSpec], object] = lambda spec: None
     workers: int = 8
     fresh_s: float = 5.0
     wait_s: float = 1.5
@@ -65,20 +99,23 @@ class Probes:
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _pool: ThreadPoolExecutor | None = None
 
-    def _start(self, key: tuple[str, str], spec: PipelineSpec) -> Future[dict[str, Any]]:
+    def _start(self, key: tuple[str, str], spec: PipelineSpec, mark: object) -> Future[dict[str, Any]]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="microbatch-probe")
         entry = self._entries.setdefault(key, _Entry())
         future = self._pool.submit(self.probe, spec)
-        entry.running, entry.started = future, time.monotonic()
+        entry.running, entry.started, entry.running_mark = future, time.monotonic(), mark
+        started = entry.started
 
         def keep(done: Future[dict[str, Any]]) -> None:
             with self._lock:
                 if entry.running is done:
                     entry.running = None
-                if not done.cancelled() and done.exception() is None:
+                # (A probe that ends after a later-started one answered is not kept.)
+                if not done.cancelled() and done.exception() is None and started >= entry.value_started:
                     entry.value, entry.at, entry.at_wall = done.result(), time.monotonic(), datetime.now(timezone.utc)
-                    took = entry.at - entry.started
+                    entry.value_mark, entry.value_started = mark, started
+                    took = entry.at - started
                     self.mean_probe_s = took if not self.mean_probe_s else 0.8 * self.mean_probe_s + 0.2 * took
 
         future.add_done_callback(keep)
@@ -88,21 +125,25 @@ class Probes:
         """Each spec's summary, in order. Waits only for pipelines with no
         value yet, and for each no longer than `wait_s` from its probe's start."""
         specs = list(specs)
+        marks = await asyncio.to_thread(lambda: [self.mark(spec) for spec in specs])
         entries: list[_Entry] = []
         waiting: list[tuple[Future[dict[str, Any]], float]] = []
         now = time.monotonic()
         with self._lock:
             # A probe's duration is measured with the pool's others running beside it.
             fresh = max(self.fresh_s, 2 * self.mean_probe_s * len(self._entries or specs) / self.workers)
-            for spec in specs:
+            for spec, mark in zip(specs, marks):
                 key = (spec.name, str(spec.spec_path))
                 entry = self._entries.get(key)
+                moved = entry is not None and entry.value is not None and entry.value_mark != mark
                 stale = entry is None or entry.value is None or now - entry.at >= fresh
-                if stale and (entry is None or entry.running is None):
-                    self._start(key, spec)
+                if (moved and (entry.running is None or entry.running_mark != mark)) or (
+                    stale and (entry is None or entry.running is None)
+                ):
+                    self._start(key, spec, mark)
                 entry = self._entries[key]
                 entries.append(entry)  # kept: another request may forget the key meanwhile
-                if entry.value is None and entry.running is not None:
+                if (entry.value is None or moved) and entry.running is not None:
                     remaining = self.wait_s - (now - entry.started)
                     if remaining > 0:
                         waiting.append((entry.running, remaining))

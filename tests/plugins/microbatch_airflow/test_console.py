@@ -115,3 +115,48 @@ def test_a_downstream_whose_upstream_has_no_table_yet_is_waiting_not_broken(tmp_
         "waiting for up's first batch: its state table, this pipeline's source, does not exist yet"]}
     assert results[2]["status"] == "problem", "no pipeline writes that table: a real problem"
     assert results[0]["status"] == "new"
+
+
+def test_a_commit_is_shown_on_the_next_request_even_beside_a_probe_that_hangs(tmp_path):
+    """Issue 65: the row said "batch 1 (checked 5 min ago)" 44 s after batch 2
+    committed, beside a batch table showing batch 2. A value probed before
+    the ledger moved is never reused: the next request probes again (even
+    while an older probe hangs) and waits for that answer."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from microbatch_airflow.console.probes import Probes, ledger_mark
+
+    log = tmp_path / "offsets" / "_delta_log"
+    spec = SimpleNamespace(name="p", spec_path="/specs/p.yaml", ledger_path=str(tmp_path / "offsets"))
+    assert ledger_mark(spec) is None  # no ledger yet
+    release = threading.Event()
+    calls: list[object] = []
+
+    def probe(spec):
+        mark = ledger_mark(spec)
+        calls.append(mark)
+        if len(calls) == 2:
+            release.wait(30)  # the second probe hangs (a slow source)
+        return {"name": spec.name, "status": "up to date", "batch": mark}
+
+    probes = Probes(probe, mark=ledger_mark, workers=4, fresh_s=3600, wait_s=1)
+    try:
+        assert asyncio.run(probes.summaries([spec]))[0]["batch"] is None
+        log.mkdir(parents=True)
+        (log / "00000000000000000000.json").write_text("{}")
+        assert asyncio.run(probes.summaries([spec]))[0]["batch"] is None, "the probe of the new mark hangs: the old value shows"
+        (log / "00000000000000000001.json").write_text("{}")
+        shown = asyncio.run(probes.summaries([spec]))[0]
+        assert shown["batch"] == "00000000000000000001.json", "a probe beside the hung one answered for the newest commit"
+        release.set()
+        for _ in range(100):
+            if len(calls) == 3 and not asyncio.run(probes.summaries([spec]))[0]["probing"]:
+                break
+            threading.Event().wait(0.05)
+        assert asyncio.run(probes.summaries([spec]))[0]["batch"] == "00000000000000000001.json", "the hung probe's late answer is older: not kept"
+        assert len(calls) == 3, "a value at the current mark is fresh: no more probes"
+    finally:
+        release.set()
+        probes.close()

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
+log = logging.getLogger("microbatch")
+
 
 def _parse_time(text: str) -> datetime:
     try:
@@ -237,12 +239,27 @@ def _run(spec: PipelineSpec, args: argparse.Namespace) -> int:
             def shown(outcome: BatchOutcome) -> None:
                 _print_outcome(outcome, args.json, lines=True)
                 sys.stdout.flush()  # each batch as it commits, also into a pipe or a log
+                _quarantine_checked(spec, outcome)  # (a catch-up stops after a batch over the limit)
 
             catch_up(factory.spec, options, factory, max_batches=args.max_batches, on_outcome=shown)
             return EXIT_OK
         outcome = run_batch(factory.spec, options, factory)
     _print_outcome(outcome, args.json)
+    _quarantine_checked(spec, outcome)
     return EXIT_OK
+
+
+def _quarantine_checked(spec: PipelineSpec, outcome: BatchOutcome) -> None:
+    """After a committed batch: raise (`on_exceed: fail`, exit 2) or warn when
+    it quarantined more than the spec's `quarantine` limits."""
+    from spark_jobs.core.quarantine import over_limit
+
+    crossed = over_limit(spec, outcome)
+    if crossed is None:
+        return
+    if spec.quarantine.on_exceed == "fail":
+        raise crossed
+    log.warning("warning (quarantine.on_exceed: warn): %s", crossed)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

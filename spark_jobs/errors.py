@@ -35,6 +35,7 @@ __all__ = [
     "MicrobatchError",
     "NewerFormatError",
     "ResultTooLargeError",
+    "QuarantineLimitError",
     "RewindError",
     "SourceChangedError",
     "SourceError",
@@ -247,3 +248,21 @@ class InternalError(Terminal, MicrobatchError):
 
 class RewindError(Terminal, MicrobatchError):
     """A rewind request cannot be carried out."""
+
+
+class QuarantineLimitError(Terminal, MicrobatchError):
+    """A committed batch quarantined more than the spec's `quarantine` limits
+    allow (`on_exceed: fail`). The batch stays committed (its bad records
+    are in the quarantine table, and the next run starts after it); the run
+    fails so that someone looks, and retrying would not un-quarantine them."""
+
+    def __init__(self, pipeline: str, position: Position, quarantined: int, records: int, limit: str, path: str) -> None:
+        self.quarantined, self.records = quarantined, records
+        super().__init__(
+            f"pipeline {pipeline}: {position} committed, but it quarantined {quarantined:,} of its {records:,} "
+            f"records, over {limit}. They are in the quarantine table {path} with file, line and reason (the "
+            "console's batch view lists them); fix the source or the spec: the next run goes on after this batch",
+            pipeline=pipeline,
+            path=path,
+            position=position,
+        )

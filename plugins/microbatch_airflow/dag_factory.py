@@ -30,7 +30,7 @@ from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, Param
 
 from microbatch_airflow.airflow_spec import DEFAULT_RETRIES, AirflowSpec, airflow_spec
 from microbatch_airflow.assets import batches_alias, source_asset, state_asset
-from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator
+from microbatch_airflow.operators import MaintenanceOperator, MicroBatchOperator, QuarantineCheckOperator
 from microbatch_airflow.sensors import NewDataSensor
 from microbatch_airflow.spec_cache import SpecCache
 from spark_jobs.errors import SpecError
@@ -174,6 +174,9 @@ def build_dag(
             kafka_conn_id=settings.kafka_conn_id,
             **({"aws_conn_id": settings.aws_conn_id} if settings.aws_conn_id else {}),
         )
+        limits = spec.quarantine
+        if limits.on_exceed == "fail" and (limits.max_records is not None or limits.max_fraction is not None):
+            batch >> QuarantineCheckOperator(task_id="check_quarantine")
         if settings.wait_for_data:
             wait = settings.wait_for_data
             NewDataSensor(

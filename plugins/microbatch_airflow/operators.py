@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.outcome import BatchOutcome
     from spark_jobs.core.protocol import RunOptions
 
-__all__ = ["MaintenanceOperator", "MicroBatchOperator", "headline"]
+__all__ = ["MaintenanceOperator", "MicroBatchOperator", "QuarantineCheckOperator", "headline"]
 
 #: Run types whose data interval bounds the batch. A manual trigger takes
 #: whatever is available now (up to the caps).
@@ -176,6 +176,7 @@ class MicroBatchOperator(BaseOperator):
         """The run's asset events, its one log line and its XCom summary; a
         run that changed nothing is skipped (its summary still pushed)."""
         from spark_jobs.core.outcome import Outcome
+        from spark_jobs.core.quarantine import over_limit
 
         summary = outcome.to_dict()
         if rewound is not None:
@@ -183,6 +184,9 @@ class MicroBatchOperator(BaseOperator):
             self._emit(context, spec, rewound, rewind=True)
             summary["rewound_to_batch"] = int((context.get("params") or {})["rewind_to_batch"])
             summary["rewind"] = rewound.message
+        crossed = over_limit(spec, outcome) if outcome.status is Outcome.COMMITTED else None
+        if crossed is not None:
+            summary["quarantine_over_limit"] = str(crossed)
         if outcome.status is Outcome.COMMITTED:
             self._emit(context, spec, outcome)
         if options.attempt > 1:
@@ -194,6 +198,11 @@ class MicroBatchOperator(BaseOperator):
         said = headline(spec, outcome)
         self.log.info("%s", said)
         self.log.info("Console: %s", console_url(self.dag_id, options.run_id))
+        if crossed is not None:
+            # The task itself succeeds: Airflow sends a task's asset events
+            # only with its success, and downstreams must see what committed.
+            # With `on_exceed: fail` the DAG's `check_quarantine` task fails.
+            self.log.warning("over the quarantine limit (quarantine.on_exceed: %s): %s", spec.quarantine.on_exceed, crossed)
         idle = outcome.status in (Outcome.NO_NEW_DATA, Outcome.ALREADY_COMMITTED, Outcome.DRY_RUN)
         if idle and rewound is None and not summary.get("committed_by_earlier_attempts"):
             # Skipped, not green: nothing changed, and the grid should say so
@@ -216,11 +225,18 @@ class MicroBatchOperator(BaseOperator):
     def _emit(context: Context, spec: PipelineSpec, batch: Any, *, rewind: bool = False) -> None:
         """One asset event for a committed batch (a `BatchOutcome` or a ledger
         row), or for a rewind (`rewind`: the state table changed too)."""
+        from spark_jobs.core.quarantine import over_limit
+
         extra: dict[str, Any] = {"pipeline": spec.name, "epoch": batch.epoch}
         if rewind:
             extra["rewound_to_batch"] = batch.batch_id
         else:
             extra.update(batch_id=batch.batch_id, start_offsets=batch.start_offsets)
+            if getattr(batch, "records_in", None) is not None:  # (the counts a batch's outcome or ledger row has)
+                extra.update(records_in=batch.records_in, records_quarantined=batch.records_quarantined or 0)
+                crossed = over_limit(spec, batch)
+                if crossed is not None:
+                    extra["quarantine_over_limit"] = str(crossed)
         extra.update(end_offsets=batch.end_offsets, state_version=batch.state_version)
         context["outlet_events"][batches_alias(spec)].add(state_asset(spec), extra=extra)
 
@@ -353,6 +369,34 @@ def _run_options(context: Context, params: dict[str, Any]) -> RunOptions:
         max_records=params.get("max_records"),
         dry_run=bool(params.get("dry_run", False)),
     )
+
+
+class QuarantineCheckOperator(BaseOperator):
+    """Fails when the batch its DAG run committed quarantined more than the
+    spec's `quarantine` limits (`on_exceed: fail`), from `run_batch`'s summary.
+
+    A task of its own, after `run_batch`: that task succeeds, so its asset
+    event goes out (Airflow sends a task's events only with its success) and
+    downstreams run on the commit; this one turns the run red, without a
+    retry (a retry cannot un-quarantine records), so failure alerts fire.
+    """
+
+    ui_color = "#fbe9e7"
+
+    def __init__(self, *, batch_task_id: str = "run_batch", **kwargs: Any) -> None:
+        kwargs.setdefault("retries", 0)
+        super().__init__(**kwargs)
+        self.batch_task_id = batch_task_id
+
+    def execute(self, context: Context) -> None:
+        summary = context["ti"].xcom_pull(task_ids=self.batch_task_id) or {}
+        crossed = summary.get("quarantine_over_limit")
+        if crossed:
+            raise AirflowFailException(crossed)
+        self.log.info(
+            "batch %s quarantined %s of %s records: within the spec's quarantine limits",
+            summary.get("batch_id"), summary.get("records_quarantined") or 0, summary.get("records_in") or 0,
+        )
 
 
 class MaintenanceOperator(BaseOperator):

@@ -218,6 +218,9 @@ SPEC_RULES: dict[str, FieldRule] = {
     "engine.state_write": FieldRule(Rule.FREE, "where a batch's rows are written; the result is the same"),
     "maintenance.keep_batches": FieldRule(Rule.FREE, "how many batches stay rewindable after `maintain`"),
     "maintenance.untracked_files_hours": FieldRule(Rule.FREE, "when `maintain` removes files no commit references"),
+    "quarantine.max_records": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
+    "quarantine.max_fraction": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
+    "quarantine.on_exceed": FieldRule(Rule.FREE, "whether such a run fails or warns"),
 }
 
 

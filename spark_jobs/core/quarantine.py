@@ -9,6 +9,8 @@ abandoned batches stay for audit, and the live ones are those whose
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
 from deltalake import write_deltalake
 
@@ -16,9 +18,14 @@ from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
 from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.ledger import POSITION_COLUMNS, scoped, utcnow
 from spark_jobs.core.staged import Staged, commit_files, require_written
-from spark_jobs.errors import ConcurrentRunError
+from spark_jobs.errors import ConcurrentRunError, QuarantineLimitError
 
-__all__ = ["SCHEMA", "Quarantine"]
+if TYPE_CHECKING:
+    from spark_jobs.core.commits import BatchRecord
+    from spark_jobs.core.outcome import BatchOutcome
+    from spark_jobs.core.spec import PipelineSpec
+
+__all__ = ["SCHEMA", "Quarantine", "over_limit"]
 
 SCHEMA = pa.schema(
     [
@@ -98,3 +105,24 @@ class Quarantine:
             path=self.path,
             position=position,
         )
+
+
+def over_limit(spec: PipelineSpec, outcome: BatchOutcome | BatchRecord) -> QuarantineLimitError | None:
+    """What a committed batch's quarantine crossed of the spec's `quarantine`
+    limits (the error a run with `on_exceed: fail` raises after its commit,
+    or whose text a `warn` logs), or None within them. `outcome`: a run's
+    outcome, or a ledger row (an earlier attempt's batch)."""
+    limits = spec.quarantine
+    quarantined, records = outcome.records_quarantined or 0, outcome.records_in or 0
+    if outcome.epoch is None or outcome.batch_id is None or not quarantined:
+        return None
+    crossed = None
+    if limits.max_records is not None and quarantined > limits.max_records:
+        crossed = f"quarantine.max_records ({limits.max_records:,})"
+    elif limits.max_fraction is not None and records and quarantined / records > limits.max_fraction:
+        crossed = f"quarantine.max_fraction ({limits.max_fraction:g}: {quarantined / records:.1%} of the batch)"
+    if crossed is None:
+        return None
+    return QuarantineLimitError(
+        spec.name, Position(outcome.epoch, outcome.batch_id), quarantined, records, crossed, spec.quarantine_path
+    )

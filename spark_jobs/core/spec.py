@@ -456,6 +456,21 @@ class MaintenanceSpec(_Model):
     untracked_files_hours: float = Field(default=24.0, gt=0)
 
 
+class QuarantineLimits(_Model):
+    """How much a batch may quarantine before someone should look. Past a
+    limit the batch still commits (its bad records are in the quarantine
+    table, nothing is lost, and the next batch starts after it); then the
+    run fails (`on_exceed: fail`: exit 2, an Airflow task failed and not
+    retried, so its alerts fire) or warns (`warn`: a WARNING line, and the
+    asset event's and the summary's `quarantine_over_limit`)."""
+
+    #: More quarantined records than this in one batch.
+    max_records: int | None = Field(default=None, ge=0)
+    #: More than this fraction of the batch's records quarantined.
+    max_fraction: float | None = Field(default=None, ge=0, lt=1)
+    on_exceed: Literal["fail", "warn"] = "fail"
+
+
 class BatchLimits(_Model):
     max_files: int | None = Field(default=None, ge=1)
     max_records: int | None = Field(default=None, ge=1)
@@ -528,6 +543,8 @@ class PipelineSpec(_Model):
     batch: BatchLimits = BatchLimits()
     engine: EngineSpec = EngineSpec()
     maintenance: MaintenanceSpec = MaintenanceSpec()
+    #: When a batch quarantines too much (`QuarantineLimits`); no limit by default.
+    quarantine: QuarantineLimits = QuarantineLimits()
     #: Settings for an orchestrator, owned and validated by its plugin (for
     #: Airflow, `microbatch_airflow.airflow_spec`: schedule, connections,
     #: retries, ...). The job never reads them: it does not know Airflow.

@@ -325,3 +325,28 @@ def test_end_to_end_through_the_protocol(tmp_path, compute):
     [committed] = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == RowStatus.COMMITTED]
     assert (committed.records_in, committed.records_quarantined) == (9, 6)
     assert sorted(f["name"] for f in committed.manifest["files"]) == sorted(files), "empty files are consumed too"
+
+
+def test_a_batch_over_the_quarantine_limit_commits_then_the_cli_exits_2_and_a_catch_up_stops(tmp_path, on_connect):
+    """Issue 65: past `quarantine.max_records` the batch commits (nothing is
+    lost) and `microbatch run` exits 2 naming the limit and the table; a
+    catch-up stops after that batch; `on_exceed: warn` warns and exits 0."""
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.demo.clickstream import write_wave
+    from tests.conftest import assert_exact, oracle_spec_dict, run_cli, write_spec
+
+    path = write_spec(tmp_path, oracle_spec_dict(quarantine={"max_records": 3}, batch={"max_files": 1}))
+    for wave in (0, 1):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=50, bad_every=10)  # 5 quarantined each
+    done = run_cli("run", str(path), "--catch-up")
+    assert done.returncode == 2, done.stderr
+    assert "batch 1 (epoch 0) committed, but it quarantined 5 of its" in done.stderr
+    assert "over quarantine.max_records (3)" in done.stderr and "/quarantine" in done.stderr
+    spec = load_spec(path)
+    committed = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == RowStatus.COMMITTED]
+    assert [(r.batch_id, r.records_quarantined) for r in committed] == [(1, 5)], "the catch-up stopped after batch 1"
+    write_spec(tmp_path, oracle_spec_dict(quarantine={"max_records": 3, "on_exceed": "warn"}, batch={"max_files": 1}))
+    done = run_cli("run", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "warning (quarantine.on_exceed: warn): pipeline clicks: batch 2 (epoch 0) committed" in done.stderr
+    assert_exact(path)

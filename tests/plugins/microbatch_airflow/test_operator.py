@@ -7,7 +7,7 @@ import pytest
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.spec import load_spec
-from tests.conftest import ROOT, assert_exact
+from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
 
 
 @pytest.fixture
@@ -39,6 +39,44 @@ def test_dag_test_runs_a_batch_and_the_ledger_advances(spec_path, spark, airflow
     # Nothing new: still a success, and the ledger does not move.
     assert dag_for(spec_path).test().state == "success"
     assert len(OffsetLedger(spec.ledger_path, spec.name).load().rows) == len(rows)
+
+
+def test_a_batch_over_its_quarantine_limit_commits_announces_and_fails_without_retry(tmp_path, spark, airflow_db, dag_for):
+    """Issue 65: a batch that quarantined records ended green with an INFO
+    line. Past the spec's limit it still commits and `run_batch` sends its
+    asset event (with the counts: Airflow sends events only with a task's
+    success), then the run's `check_quarantine` task fails on its first
+    try; with `warn` the run succeeds and its summary says so."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+
+    path = write_spec(tmp_path, oracle_spec_dict(quarantine={"max_fraction": 0.05}))
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=100, bad_every=10)
+    dag = dag_for(path)
+    assert [t.task_id for t in dag.get_task("run_batch").downstream_list] == ["check_quarantine"]
+    run = dag.test()
+    assert run.state == "failed"
+    assert _ti(run).state == "success"
+    check = _ti(run, "check_quarantine")
+    assert check.state == "failed" and check.try_number == 1
+    spec = load_spec(path)
+    (row,) = [r for r in OffsetLedger(spec.ledger_path, spec.name).load().rows if r.status == RowStatus.COMMITTED]
+    assert row.batch_id == 1 and row.records_quarantined == 10, "the batch committed, its bad records kept"
+    assert_exact(path)
+    with create_session() as session:
+        extras = [e.extra for e in session.query(AssetEvent).filter(AssetEvent.source_run_id == run.run_id).all()]
+    (extra,) = extras
+    assert extra["batch_id"] == 1 and extra["records_quarantined"] == 10 and extra["records_in"] >= 100
+    assert "over quarantine.max_fraction (0.05: " in extra["quarantine_over_limit"]
+    assert "over quarantine.max_fraction" in _ti(run).xcom_pull(task_ids="run_batch")["quarantine_over_limit"]
+    # With `warn` (a free change: no refusal), the next such batch succeeds and its summary says so.
+    write_spec(tmp_path, oracle_spec_dict(quarantine={"max_fraction": 0.05, "on_exceed": "warn"}))
+    write_wave(tmp_path / "landing", 1, files=1, records_per_file=100, bad_every=10)
+    dag = dag_for(path)
+    assert [t.task_id for t in dag.tasks] == ["run_batch"]
+    run = dag.test()
+    assert run.state == "success"
+    assert "over quarantine.max_fraction" in _ti(run).xcom_pull(task_ids="run_batch")["quarantine_over_limit"]
 
 
 def test_dry_run_commits_nothing(spec_path, spark, airflow_db, dag_for):

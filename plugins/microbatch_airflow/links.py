@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseOperatorLink
 
-from microbatch_airflow.console import RUN_VIEW, airflow_root
+from microbatch_airflow.urls import RUN_VIEW, airflow_root
 
 if TYPE_CHECKING:
     from airflow.models.taskinstancekey import TaskInstanceKey

@@ -5,11 +5,11 @@ table (batch id, offsets, state version as extra); so does a rewind. Nothing
 new, an interval the pipeline already passed, a batch a concurrent run
 committed first, or a dry run end *skipped* (the grid tells them from work
 done at a glance), with a one-line reason in the log and the summary still
-the task's XCom; they emit no asset event, except for
-a batch an earlier attempt of the same run committed before it died (its
-event was never sent, so the retry sends it; a task cleared after it
-succeeded sends its run's events again, as a static outlet would: consumers
-can tell repeats by `(epoch, batch_id)` in the extra).
+the task's XCom; they emit no asset event. A run whose batch an earlier
+attempt of it committed succeeds (the batch is its work): a retry after an
+attempt that died before its event sends that event (Airflow sends events
+only with a success), and a run cleared after it succeeded does not send
+it again (downstream DAGs would run twice for one batch).
 
 Failures follow `spark_jobs.errors`' one policy, as the CLI's exit codes do:
 an error retrying cannot help (a bad spec or parameter, tables that do not
@@ -52,17 +52,16 @@ RUN_PARAMS = ("max_files", "max_records", "rewind_to_batch", "rewind_only", "dry
 
 def headline(spec: PipelineSpec, outcome: BatchOutcome) -> str:
     """The one line a person reads without opening XCom, e.g. "clicks batch 3
-    (epoch 0) committed: 3 input(s), 3,000 records read (60 of them
+    (epoch 0) committed: 3 inputs, 3,000 records read (60 of them
     quarantined), 412 keys updated; state version 7; 4.1 s"."""
     from spark_jobs.core.outcome import Outcome
 
     if outcome.status is Outcome.COMMITTED:
-        inputs = len(outcome.inputs or [])
         return (
-            f"{spec.name} batch {outcome.batch_id} (epoch {outcome.epoch}) committed: {inputs:,} input(s), "
-            f"{outcome.records_in or 0:,} records read ({outcome.records_quarantined or 0:,} of them quarantined), "
-            f"{outcome.keys_updated or 0:,} keys updated; state version {outcome.state_version}; "
-            f"{(outcome.duration_ms or 0) / 1000:.1f} s"
+            f"{spec.name} batch {outcome.batch_id} (epoch {outcome.epoch}) committed: "
+            f"{_counted(len(outcome.inputs or []), 'input')}, {_counted(outcome.records_in, 'record')} read "
+            f"({outcome.records_quarantined or 0:,} of them quarantined), {_counted(outcome.keys_updated, 'key')} "
+            f"updated; state version {outcome.state_version}; {(outcome.duration_ms or 0) / 1000:.1f} s"
         )
     labels = {
         Outcome.NO_NEW_DATA: "nothing to do",
@@ -190,7 +189,9 @@ class MicroBatchOperator(BaseOperator):
         if outcome.status is Outcome.COMMITTED:
             self._emit(context, spec, outcome)
         if options.attempt > 1:
-            summary["committed_by_earlier_attempts"] = self._emit_earlier_attempts(context, spec, options.run_id, outcome)
+            summary["committed_by_earlier_attempts"], summary["events_sent_now"] = self._emit_earlier_attempts(
+                context, spec, options.run_id, outcome
+            )
         # Said once, with where to see it on a line of its own (the log view
         # makes the URL a link, and a long line cuts it off), and said here
         # even for a run that is skipped: Airflow logs a skip's reason in
@@ -206,7 +207,9 @@ class MicroBatchOperator(BaseOperator):
         idle = outcome.status in (Outcome.NO_NEW_DATA, Outcome.ALREADY_COMMITTED, Outcome.DRY_RUN)
         if idle and rewound is None and not summary.get("committed_by_earlier_attempts"):
             # Skipped, not green: nothing changed, and the grid should say so
-            # at a glance. The summary is still the task's XCom.
+            # at a glance. The summary is still the task's XCom. (A run
+            # cleared after it committed its batch stays green: the batch is
+            # its work, though this attempt found it done.)
             context["ti"].xcom_push(key="return_value", value=summary)
             self._summary = summary  # for lineage: a skipped run still says what it found
             raise AirflowSkipException(said)
@@ -240,9 +243,12 @@ class MicroBatchOperator(BaseOperator):
         extra.update(end_offsets=batch.end_offsets, state_version=batch.state_version)
         context["outlet_events"][batches_alias(spec)].add(state_asset(spec), extra=extra)
 
-    def _emit_earlier_attempts(self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome) -> list[int]:
-        """Asset events for batches an earlier attempt of this run committed
-        and no event announced yet.
+    def _emit_earlier_attempts(
+        self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome
+    ) -> tuple[list[int], list[int]]:
+        """The batches an earlier attempt of this run committed, and of those
+        the ones announced now: an asset event for each that no event
+        announced yet.
 
         An attempt killed after its state commit (or failing after it, e.g. on
         the ledger row) never emitted its event: Airflow records a task's
@@ -285,7 +291,7 @@ class MicroBatchOperator(BaseOperator):
             )
             self._emit(context, spec, row)
             unannounced.append(row.batch_id)
-        return unannounced
+        return [row.batch_id for row in earlier], unannounced
 
     @staticmethod
     def _announced(spec: PipelineSpec, rows: list[Any]) -> set[tuple[int, int]]:
@@ -335,6 +341,12 @@ class MicroBatchOperator(BaseOperator):
         outcome = rewind(spec, to_batch, run_id=run_id)
         self.log.info("rewound: %s", outcome.message)
         return outcome
+
+
+def _counted(n: int | None, noun: str) -> str:
+    """ "1 key", "2 keys", "1,000 records"."""
+    n = n or 0
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _run_options(context: Context, params: dict[str, Any]) -> RunOptions:

@@ -59,7 +59,7 @@ from airflow.api_fastapi.core_api.security import bearer_scheme, get_user
 from airflow.configuration import conf
 
 from microbatch_airflow.airflow_spec import airflow_spec
-from microbatch_airflow.console import airflow_root
+from microbatch_airflow.urls import airflow_root
 from microbatch_airflow.console.probes import SUMMARY_FIELDS, Probes, ledger_mark
 from microbatch_airflow.dag_factory import SpecScan, pipelines_dir, scan_specs
 from microbatch_airflow.hooks import connections

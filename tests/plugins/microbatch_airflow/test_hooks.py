@@ -129,7 +129,7 @@ def test_s3_credentials_and_endpoint_come_from_the_aws_connection(tmp_path, buck
     done = _dags_test(spec_path, {**bare, "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(connection)})
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    assert "clicks_s3_conn batch 1 (epoch 0) committed: 2 input(s), 400 records read (8 of them quarantined)" in output
+    assert "clicks_s3_conn batch 1 (epoch 0) committed: 2 inputs, 400 records read (8 of them quarantined)" in output
     assert TEST_AWS_SECRET not in output and TEST_AWS_KEY_ID not in output
 
     assert_exact(spec_path, mirror=mirror)

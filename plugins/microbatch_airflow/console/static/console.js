@@ -310,6 +310,11 @@ function renderCharts(pipeline) {
   renderRates(state.batches.filter((r) => r.phase === "committed" && r.live));
 }
 
+function rate(n) {
+  // Whole numbers from 100 up; below, two significant digits ("0.15", not "0").
+  return n >= 100 ? fmt(Math.round(n)) : String(Number(n.toPrecision(2)));
+}
+
 function renderRates(live) {
   // Throughput: records per second of batch time, and per hour of wall-clock
   // time across the batches shown; time from a batch's oldest input's arrival to its commit.
@@ -319,8 +324,8 @@ function renderRates(live) {
   const span = times.length > 1 ? (Math.max(...times) - Math.min(...times)) / 1000 : 0;
   const waits = live.map((r) => r.arrival_to_commit_s).filter((v) => v !== null && v !== undefined).sort((a, b) => a - b);
   const parts = [];
-  if (busy > 0) parts.push(`${fmt(Math.round(records / busy))} records/s while running`);
-  if (span > 0) parts.push(`${fmt(Math.round((records * 3600) / span))} records/h over the last ${live.length} batches`);
+  if (busy > 0) parts.push(`${rate(records / busy)} records/s while running`);
+  if (span > 0) parts.push(`${rate((records * 3600) / span)} records/h over the last ${live.length} batches`);
   if (waits.length) parts.push(`arrival to commit: median ${age(waits[Math.floor(waits.length / 2)])}, worst ${age(waits[waits.length - 1])}`);
   $("#rates").textContent = parts.join(" · ");
 }

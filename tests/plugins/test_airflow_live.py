@@ -619,6 +619,13 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
                     break
                 time.sleep(0.1)
             assert box is not None and box["x"] + box["width"] <= 390, box
+            # Issue 65: a batch's card read "3 22.5 s 3 days 6 3 min ago": every value has its label.
+            shown = page.locator('#batches tr[data-batch="0.1"] td').evaluate_all(
+                "cells => cells.filter(c => getComputedStyle(c).display !== 'none' && c.textContent.trim())"
+                ".map(c => [getComputedStyle(c, '::before').content, c.textContent.trim()])"
+            )
+            unlabelled = [text for label, text in shown[2:] if label in ("none", "normal", "") and text != "Rewind here"]
+            assert not unlabelled and len(shown) >= 8, shown  # (past the batch's name and status)
             page.screenshot(path=str(shots / "console-narrow.png"), full_page=True)
 
             # Airflow's dark mode.
@@ -629,15 +636,30 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
 
             # A rewind from the page (issue 49: the dialog closed, nothing else): the
             # run it triggered, linked, followed until it ends, then what it did.
-            context = browser.new_context(viewport={"width": 1400, "height": 900})
+            # Issue 65: low on the page, with the DAG paused: the feedback shows
+            # where the user is, and says the run waits for the switch, with a
+            # button that unpauses.
+            live.api("PATCH", "/api/v2/dags/console_clicks", {"is_paused": True})
+            context = browser.new_context(viewport={"width": 1400, "height": 600})
             context.add_cookies([{"name": "_token", "value": live.token("admin"), "url": base}])
             page = context.new_page()
             page.goto(f"{base}/microbatch/?dag_id=console_clicks")
-            page.locator('#batches tr[data-batch="0.1"] button.rewind').click()
+            page.wait_for_selector("#pipelines tr[data-name=console_clicks] a.paused")
+            button = page.locator('#batches tr[data-batch="0.1"] button.rewind')
+            button.scroll_into_view_if_needed()
+            assert page.evaluate("window.scrollY") > 300, "the button is low on the page"
+            button.click()
+            assert page.locator("#rewind-paused").is_visible()
             page.locator("#rewind-confirm").click()
             status = page.locator("#rewind-status")
             status.locator("a").wait_for()
             assert status.locator("a").get_attribute("href").startswith(f"{base}/dags/console_clicks/runs/")
+            page.locator("#rewind-status .paused-note").wait_for(timeout=60_000)
+            box = status.bounding_box()
+            assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 600, box
+            assert "its DAG is paused: this run waits until it is unpaused" in status.inner_text()
+            page.screenshot(path=str(shots / "console-rewind-paused.png"))
+            status.locator("button.unpause").click()
             page.wait_for_function("document.querySelector('#rewind-status').textContent.includes('done:')", timeout=180_000)
             assert "batch 2 of epoch 1 left the state; now epoch 2, at batch 1" in status.inner_text(), status.inner_text()
             assert status.locator(".badge").inner_text() == "success"

@@ -15,6 +15,8 @@ Routes (under the API server's ``/microbatch`` prefix):
 * ``GET /api/pipelines/{name}/quarantine?batch_id=K&reason=R&lineage=live|all&limit=N``:
   quarantined records of the live lineage (``all``: rewound batches' too),
   with counts by reason; ``&format=csv`` downloads every matching record.
+* ``POST /api/pipelines/{name}/unpause``: unpauses the pipeline's DAG, as
+  the caller (a rewind's run waits while its DAG is paused).
 * ``POST /api/pipelines/{name}/rewind``: triggers a run of the pipeline's DAG
   with ``rewind_to_batch`` through Airflow's own REST API, as the caller, so
   the rewind is a DAG run like any other: audited, visible in the grid;
@@ -373,10 +375,31 @@ async def run_state(name: str, run_id: str, request: Request, user: User) -> dic
     token = _token(request, await bearer_scheme(request))
     async with httpx.AsyncClient(base_url=airflow_root(), timeout=10, headers={"Authorization": f"Bearer {token}"}) as client:
         answer = await client.get(f"/api/v2/dags/{spec.name}/dagRuns/{quote(run_id, safe='')}")
+        dag = await client.get(f"/api/v2/dags/{spec.name}")
     if answer.status_code != 200:
         raise HTTPException(answer.status_code, f"Airflow answered {answer.status_code} for run {run_id} of {spec.name}")
     run = answer.json()
-    return {"dag_id": spec.name, "run_id": run_id, "state": run.get("state"), "note": run.get("note")}
+    # A queued run of a paused DAG waits until someone unpauses it: the page says so.
+    paused = dag.json().get("is_paused") if dag.status_code == 200 else None
+    return {"dag_id": spec.name, "run_id": run_id, "state": run.get("state"), "note": run.get("note"), "dag_paused": paused}
+
+
+@router.post("/api/pipelines/{name}/unpause")
+async def unpause(name: str, request: Request, user: User) -> JSONResponse:
+    """Unpause the pipeline's DAG (Airflow's own switch, through its REST
+    API as the caller): a rewind's run waits while its DAG is paused."""
+    spec = await _spec(name, user, "PUT")
+    async with httpx.AsyncClient(timeout=30) as client:
+        answer = await client.patch(
+            f"{airflow_root()}/api/v2/dags/{spec.name}",
+            json={"is_paused": False},
+            headers={"Authorization": f"Bearer {_token(request, await bearer_scheme(request))}"},
+        )
+    try:
+        content = answer.json()
+    except ValueError:
+        content = {"detail": answer.text[:500]}
+    return JSONResponse(content, status_code=answer.status_code)
 
 @router.get("/api/pipelines/{name}/quarantine", response_model=None)
 async def quarantine(

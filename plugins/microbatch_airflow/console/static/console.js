@@ -235,11 +235,12 @@ function renderBatches(pipeline) {
       el("td", {}, phaseBadge(r)),
       el("td", { class: "num", "data-label": "read" }, fmt(r.records_in)),
       el("td", { class: "num", "data-label": "quarantined" }, quarantined),
-      el("td", { class: "num optional" }, fmt(r.keys_updated)),
-      el("td", { class: "num narrow-hidden" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
-      el("td", { class: "num optional" }, r.arrival_to_commit_s === null || r.arrival_to_commit_s === undefined ? "" : age(r.arrival_to_commit_s)),
-      el("td", { class: "num optional" }, fmt(r.state_version)),
-      el("td", { class: "narrow-hidden", title: when(r.committed_at || r.planned_at) }, ago(r.committed_at || r.planned_at)),
+      // (A phone shows each batch as a card: every value with its label.)
+      el("td", { class: "num optional", "data-label": "keys updated" }, fmt(r.keys_updated)),
+      el("td", { class: "num narrow-hidden", "data-label": "took" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
+      el("td", { class: "num optional", "data-label": "arrival to commit" }, r.arrival_to_commit_s === null || r.arrival_to_commit_s === undefined ? "" : age(r.arrival_to_commit_s)),
+      el("td", { class: "num optional", "data-label": "state version" }, fmt(r.state_version)),
+      el("td", { class: "narrow-hidden", "data-label": r.committed_at ? "committed" : "planned", title: when(r.committed_at || r.planned_at) }, ago(r.committed_at || r.planned_at)),
       el("td", {}, rewindable ? el("button", { class: "rewind", onclick: (e) => { e.stopPropagation(); askRewind(pipeline, r.batch_id); } }, "Rewind here") : ""),
     ));
     if (state.open.has(key)) body.append(details(pipeline, r));
@@ -407,6 +408,8 @@ function askRewind(pipeline, batchId) {
   const dialog = $("#rewind-dialog");
   $("#rewind-name").textContent = pipeline.name;
   $("#rewind-batch").textContent = batchId;
+  // Said before the click: a paused DAG's run waits until someone unpauses it.
+  $("#rewind-paused").hidden = !pipeline.paused;
   dialog.onclose = async () => {
     if (dialog.returnValue !== "confirm") return;
     try {
@@ -427,20 +430,28 @@ function askRewind(pipeline, batchId) {
 // The run a rewind triggered: linked, its state until it ends, then what it did.
 async function followRewind(pipeline, batchId, runId) {
   const before = { epoch: pipeline.epoch, batch: pipeline.batch_id };
+  // A panel fixed to the bottom of the view: the feedback shows where the
+  // user is, however far down the batch table (or the DAG's tab) they clicked.
   const box = $("#rewind-status");
   const badge = el("span", { class: "badge planned" }, "queued");
   const result = el("span", {});
+  const paused = el("span", { class: "paused-note", hidden: "" },
+    "its DAG is paused: this run waits until it is unpaused ",
+    el("button", { class: "unpause", onclick: () => unpause(pipeline).catch(showError) }, "Unpause the DAG"));
+  const close = el("button", { class: "close", title: "close", hidden: "", onclick: () => { box.hidden = true; } }, "×");
   box.hidden = false;
-  box.replaceChildren(`Rewind of ${pipeline.name} to batch ${batchId}: run `,
-    el("a", { href: runUrl(pipeline.dag_id, runId), target: "_top" }, runId), " ", badge, " ", result);
+  box.replaceChildren(close, `Rewind of ${pipeline.name} to batch ${batchId}: run `,
+    el("a", { href: runUrl(pipeline.dag_id, runId), target: "_top" }, runId), " ", badge, " ", paused, result);
   await refresh();
   for (;;) {
     const run = await api(`pipelines/${encodeURIComponent(pipeline.name)}/runs/${encodeURIComponent(runId)}`);
     badge.textContent = run.state || "queued";
     badge.className = `badge ${run.state === "success" ? "committed" : run.state === "failed" ? "problem" : "planned"}`;
+    paused.hidden = !(run.dag_paused && (run.state === "queued" || !run.state));
     if (run.state === "success" || run.state === "failed") break;
     await new Promise((done) => setTimeout(done, 2000));
   }
+  close.hidden = false;
   await refresh();
   // The ledger's rewind row this run wrote (the pipelines' summary may still be the last probe's).
   const now = (state.selected === pipeline.name && state.batches.find((r) => r.phase === "rewind" && r.run_id === runId)) || null;
@@ -453,6 +464,11 @@ async function followRewind(pipeline, batchId, runId) {
   } else {
     result.textContent = "done: nothing to rewind (the pipeline was at that batch already)";
   }
+}
+
+async function unpause(pipeline) {
+  await api(`pipelines/${encodeURIComponent(pipeline.name)}/unpause`, { method: "POST" });
+  await refresh();
 }
 
 // -- start ---------------------------------------------------------------------

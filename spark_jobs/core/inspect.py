@@ -21,7 +21,7 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.sql_text import pipeline_literal
-from spark_jobs.errors import MicrobatchError, StateLedgerMismatchError
+from spark_jobs.errors import MicrobatchError, SourceError, StateLedgerMismatchError
 from spark_jobs.sources import Lag
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ class PipelineStatus:
     oldest_rewindable: int | None = None
     #: Records the live lineage's batches quarantined (rewound batches' are not counted).
     quarantined: int = 0
+    #: What the source said when it could not be read (a folder missing, a
+    #: broker that does not answer): also in `note`. Before a first batch
+    #: that is something to wait for, after one a problem.
+    source_unavailable: str | None = None
 
     @property
     def position(self) -> Position:
@@ -119,9 +123,13 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         except MicrobatchError as exc:
             problems.append(f"{pending.position} is planned but cannot be replayed: {exc}")
     lag: Lag | None
+    unavailable = None
     try:
         lag = pipeline.source.lag(pipeline.lineage(view), dated=True)
         problems += lag.warnings
+    except SourceError as exc:
+        lag, unavailable = None, str(exc)
+        problems.append(unavailable)
     except MicrobatchError as exc:
         lag = None
         problems.append(str(exc))
@@ -134,6 +142,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         note=note,
         oldest_rewindable=oldest_rewindable(pipeline, view, table),
         quarantined=_quarantine_count(spec, view.live()),
+        source_unavailable=unavailable,
     )
 
 

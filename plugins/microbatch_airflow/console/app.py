@@ -135,7 +135,13 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
     d = st.to_dict()
     problems = st.note.splitlines() if st.note else []
     alert = _lag_alert(spec, d["lag"])
-    if problems:
+    if st.head is None and st.source_unavailable and problems == [st.source_unavailable]:
+        # A pipeline that never ran, whose source is not there yet (a landing
+        # folder nothing wrote to, a broker not started): a new user's first
+        # look says what it waits for, not a red problem. After a batch, a
+        # source gone is a problem.
+        state, problems = "waiting", [f"waiting for its source (no batch yet): {st.source_unavailable}"]
+    elif problems:
         state = "problem"
     elif alert:
         state, problems = "lagging", [alert]

@@ -160,3 +160,29 @@ def test_a_commit_is_shown_on_the_next_request_even_beside_a_probe_that_hangs(tm
     finally:
         release.set()
         probes.close()
+
+
+def test_a_source_not_there_yet_is_a_wait_before_the_first_batch_and_a_problem_after(tmp_path, compute):
+    """Issue 65: on a fresh `make airflow` the example whose landing folder
+    nothing had written showed red. Before its first batch a missing source
+    is something it waits for; once it has committed, a problem."""
+    import shutil
+
+    from microbatch_airflow.console.app import _summary
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.demo.clickstream import write_wave
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    spec = load_spec(write_spec(tmp_path, oracle_spec_dict()))
+    shutil.rmtree(tmp_path / "landing")
+    first = _summary(spec)
+    assert first["status"] == "waiting" and first["batch_id"] == 0, first
+    assert first["problems"] == [f"waiting for its source (no batch yet): source folder {spec.source_path} does not exist "
+                                 "or is not a folder; create it or fix source.path in the spec"]
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=10)
+    run_batch(spec, RunOptions(run_id="r1"), compute)
+    assert _summary(spec)["status"] == "up to date"
+    shutil.rmtree(tmp_path / "landing")
+    gone = _summary(spec)
+    assert gone["status"] == "problem" and "does not exist" in gone["problems"][0]

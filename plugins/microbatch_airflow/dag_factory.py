@@ -142,21 +142,12 @@ def build_dag(
     the spec's file now, when `spec` is its last valid version (the DAG's
     docs lead with it; each run loads the file and fails with it)."""
     settings = airflow_spec(spec)
-    schedule: CronDataIntervalTimetable | list[Asset] | None = None
-    if settings.schedule:
-        schedule = CronDataIntervalTimetable(settings.schedule, timezone="UTC")
-    elif settings.run_on_data is not None:
-        on_data = settings.run_on_data
-        schedule = [source_asset(spec, on_data.poll_seconds, on_data.refire_seconds, settings.kafka_conn_id)]
-    elif upstream is not None:
-        schedule = [state_asset(upstream)]
     with DAG(
         dag_id=spec.name,
-        description=(f"SPEC BROKEN: runs fail until {Path(spec.spec_path).name} is fixed" if broken else None)
-        or (spec.description.splitlines() or [""])[0][:200] or None,
+        description=_description(spec, broken),
         doc_md=(f"**The spec is broken: each run fails with this error until it is fixed.** This DAG is built from "
                 f"the spec's last valid version.\n\n```\n{broken}\n```\n\n" if broken else "") + spec_doc(spec),
-        schedule=schedule,
+        schedule=_schedule(spec, settings, upstream),
         start_date=settings.start_date,
         catchup=settings.catchup,
         # One batch at a time per pipeline; the commit protocol, not this,
@@ -174,8 +165,7 @@ def build_dag(
             kafka_conn_id=settings.kafka_conn_id,
             **({"aws_conn_id": settings.aws_conn_id} if settings.aws_conn_id else {}),
         )
-        limits = spec.quarantine
-        if limits.on_exceed == "fail" and (limits.max_records is not None or limits.max_fraction is not None):
+        if _fails_over_quarantine_limits(spec):
             batch >> QuarantineCheckOperator(task_id="check_quarantine")
         if settings.wait_for_data:
             wait = settings.wait_for_data
@@ -190,6 +180,33 @@ def build_dag(
                 **({"deferrable": wait.deferrable} if wait.deferrable is not None else {}),
             ) >> batch
     return dag
+
+
+def _schedule(spec: PipelineSpec, settings: AirflowSpec, upstream: PipelineSpec | None) -> CronDataIntervalTimetable | list[Asset] | None:
+    """A clock (`airflow.schedule`), the source's watcher (`run_on_data`), the
+    upstream's state asset (a chained pipeline), or none (manual runs)."""
+    if settings.schedule:
+        return CronDataIntervalTimetable(settings.schedule, timezone="UTC")
+    if settings.run_on_data is not None:
+        on_data = settings.run_on_data
+        return [source_asset(spec, on_data.poll_seconds, on_data.refire_seconds, settings.kafka_conn_id)]
+    if upstream is not None:
+        return [state_asset(upstream)]
+    return None
+
+
+def _description(spec: PipelineSpec, broken: str | None) -> str | None:
+    """The DAG's one line: its spec's first line, or that the spec is broken."""
+    if broken:
+        return f"SPEC BROKEN: runs fail until {Path(spec.spec_path).name} is fixed"
+    return (spec.description.splitlines() or [""])[0][:200] or None
+
+
+def _fails_over_quarantine_limits(spec: PipelineSpec) -> bool:
+    """Whether a batch over the spec's `quarantine` limits fails its DAG run
+    (then the DAG has a `check_quarantine` task)."""
+    limits = spec.quarantine
+    return limits.on_exceed == "fail" and (limits.max_records is not None or limits.max_fraction is not None)
 
 
 class BrokenPipelineSpecs(Exception):

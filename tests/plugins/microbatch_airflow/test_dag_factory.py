@@ -146,6 +146,17 @@ def test_a_spec_broken_after_a_valid_parse_keeps_its_dag_and_schedule_and_its_ru
     assert "never" not in bag.dag_ids
 
 
+def test_the_example_downstream_stays_while_its_upstreams_spec_is_broken(tmp_path, monkeypatch):
+    """Found by the review of issue 65: a typo in clicks_per_user's spec made
+    the example downstream DAG's file an import error (it loaded the spec)."""
+    path = write_spec(tmp_path, oracle_spec_dict(name="clicks_per_user"), "clicks_per_user.yaml")
+    assert "clicks_per_user_downstream" in _dagbag(monkeypatch, tmp_path).dag_ids
+    path.write_text(path.read_text().replace("events: sum", "events: summ"))
+    bag = _dagbag(monkeypatch, tmp_path)
+    assert {"clicks_per_user", "clicks_per_user_downstream"} <= set(bag.dag_ids)
+    assert [f for f in bag.import_errors if not f.endswith("microbatch_spec_errors.py")] == []
+
+
 def test_duplicate_pipeline_names_are_reported(tmp_path, monkeypatch):
     write_spec(tmp_path, oracle_spec_dict(name="same"), "a.yaml")
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(oracle_spec_dict(name="same")))

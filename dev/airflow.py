@@ -77,7 +77,7 @@ def _banner(env: dict[str, str], database: PostgresServer, grace: float) -> str:
     url = _api_url(env)
     lines = [
         f"Airflow is ready: {url}/",
-        f"  the pipelines' console: \"Micro-batches\" in Airflow's navigation, or {url}/microbatch/",
+        f"  the pipelines' console: \"Batches\" in Airflow's navigation, or {url}/microbatch/",
         "  login: none; every visitor is an admin (SimpleAuthManager, all_admins): keep it on this machine",
         f"  stop: Ctrl-C once (a running batch stops at its next protocol boundary; whatever runs after {grace:.0f} s is killed)",
         f"  metadata: PostgreSQL in {database.folder}: kept across stops; deleting .airflow/ starts afresh",

@@ -291,13 +291,13 @@ def scan_specs(folder: Path, names: set[str] | None = None) -> SpecScan:
     kept = SpecCache(folder)
     paths = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
     for path in paths:
-        if names is not None and not _mentions(path, names, kept.last_valid(path.resolve())):
+        if names is not None and not _mentions(path, names, kept.last_valid_text(path.resolve())):
             continue
         try:
             spec = kept.load(path.resolve(), check=airflow_spec)
         except SpecError as exc:
             errors[path] = str(exc)
-            last = kept.last_valid(path.resolve())
+            last = kept.last_valid(path.resolve(), check=airflow_spec)
             if last is None or last.name in specs or (names is not None and last.name not in names):
                 continue
             spec = last
@@ -455,11 +455,11 @@ def raise_spec_errors(folder: Path) -> None:
         raise BrokenPipelineSpecs(list(scan.errors.values()))
 
 
-def _mentions(path: Path, names: set[str], last_valid: PipelineSpec | None) -> bool:
-    """Whether the file's text holds one of `names`, or its last valid spec
-    was named one (an unreadable file is loaded, to report it the way the
-    full parse does)."""
-    if last_valid is not None and last_valid.name in names:
+def _mentions(path: Path, names: set[str], last_valid: str | None) -> bool:
+    """Whether the file's text holds one of `names`, or its last valid text
+    did (an unreadable file is loaded, to report it the way the full parse
+    does)."""
+    if last_valid is not None and any(name in last_valid for name in names):
         return True
     try:
         text = path.read_text(encoding="utf-8")

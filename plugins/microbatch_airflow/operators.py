@@ -38,6 +38,7 @@ from spark_jobs.errors import MicrobatchError, SpecError, is_retryable
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
 
+    from spark_jobs.core.ledger import LedgerRow
     from spark_jobs.core.outcome import BatchOutcome
     from spark_jobs.core.protocol import RunOptions
 
@@ -183,15 +184,18 @@ class MicroBatchOperator(BaseOperator):
             self._emit(context, spec, rewound, rewind=True)
             summary["rewound_to_batch"] = int((context.get("params") or {})["rewind_to_batch"])
             summary["rewind"] = rewound.message
-        crossed = over_limit(spec, outcome) if outcome.status is Outcome.COMMITTED else None
-        if crossed is not None:
-            summary["quarantine_over_limit"] = str(crossed)
+        made: list[Any] = [outcome] if outcome.status is Outcome.COMMITTED else []
         if outcome.status is Outcome.COMMITTED:
             self._emit(context, spec, outcome)
         if options.attempt > 1:
-            summary["committed_by_earlier_attempts"], summary["events_sent_now"] = self._emit_earlier_attempts(
-                context, spec, options.run_id, outcome
-            )
+            earlier, summary["events_sent_now"] = self._emit_earlier_attempts(context, spec, options.run_id, outcome)
+            summary["committed_by_earlier_attempts"] = [row.batch_id for row in earlier]
+            made = earlier + made
+        # Every batch this run made, an earlier attempt's too: a run cleared
+        # after `check_quarantine` failed must fail it again.
+        crossed = next((c for c in (over_limit(spec, batch) for batch in made) if c is not None), None)
+        if crossed is not None:
+            summary["quarantine_over_limit"] = str(crossed)
         # Said once, with where to see it on a line of its own (the log view
         # makes the URL a link, and a long line cuts it off), and said here
         # even for a run that is skipped: Airflow logs a skip's reason in
@@ -245,10 +249,10 @@ class MicroBatchOperator(BaseOperator):
 
     def _emit_earlier_attempts(
         self, context: Context, spec: PipelineSpec, run_id: str, outcome: BatchOutcome
-    ) -> tuple[list[int], list[int]]:
-        """The batches an earlier attempt of this run committed, and of those
-        the ones announced now: an asset event for each that no event
-        announced yet.
+    ) -> tuple[list[LedgerRow], list[int]]:
+        """The ledger rows of the batches an earlier attempt of this run
+        committed, and of those the ids announced now: an asset event for
+        each that no event announced yet.
 
         An attempt killed after its state commit (or failing after it, e.g. on
         the ledger row) never emitted its event: Airflow records a task's
@@ -291,7 +295,7 @@ class MicroBatchOperator(BaseOperator):
             )
             self._emit(context, spec, row)
             unannounced.append(row.batch_id)
-        return [row.batch_id for row in earlier], unannounced
+        return earlier, unannounced
 
     @staticmethod
     def _announced(spec: PipelineSpec, rows: list[Any]) -> set[tuple[int, int]]:
@@ -315,10 +319,14 @@ class MicroBatchOperator(BaseOperator):
         return found
 
     def _spec(self) -> PipelineSpec:
+        """The spec file as it is now, its `airflow:` block checked too: a
+        broken one fails the task at once (a retry reads the same file)."""
         try:
-            return load_spec(self.spec_path)
+            spec = load_spec(self.spec_path)
+            airflow_spec(spec)
         except SpecError as exc:
             raise AirflowFailException(str(exc)) from exc
+        return spec
 
     def _rewind_once(self, spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome | None:
         """Rewind, unless this Airflow run already did (a retry must not rewind
@@ -405,10 +413,13 @@ class QuarantineCheckOperator(BaseOperator):
         crossed = summary.get("quarantine_over_limit")
         if crossed:
             raise AirflowFailException(crossed)
-        self.log.info(
-            "batch %s quarantined %s of %s records: within the spec's quarantine limits",
-            summary.get("batch_id"), summary.get("records_quarantined") or 0, summary.get("records_in") or 0,
-        )
+        if summary.get("status") == "committed":
+            self.log.info(
+                "batch %s quarantined %s of %s records: within the spec's quarantine limits",
+                summary.get("batch_id"), summary.get("records_quarantined") or 0, summary.get("records_in") or 0,
+            )
+        else:
+            self.log.info("this run's batches are within the spec's quarantine limits (%s)", summary.get("message") or summary.get("status"))
 
 
 class MaintenanceOperator(BaseOperator):

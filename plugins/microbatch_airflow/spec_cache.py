@@ -24,7 +24,10 @@ before any write, as it always did.) The cache is a pickle, which runs code as i
 it is read and written only in a folder no other user may write. A broken spec is not kept: its error is found again at each parse,
 and the file's last valid spec stays kept beside it (`last_valid`), so that a
 pipeline whose live spec breaks keeps its DAG and schedule, and its runs
-fail with the spec's error where Airflow alerts on them. The file is local to the machine and rewritten whole (a new file
+fail with the spec's error where Airflow alerts on them. Its text is kept
+too, apart from the code's key, so an upgrade while a spec is broken parses
+it again rather than forget it; deleting the cache while a spec is broken
+does forget it (that pipeline's DAG goes until the spec is fixed). The file is local to the machine and rewritten whole (a new file
 renamed over the old), so two parses at once lose at most what one of them
 loaded; a cache that cannot be read or written is only slower. A folder's
 file that no parse rewrote for a week is deleted (the folder is gone, or
@@ -44,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import spark_jobs
-from spark_jobs.core.spec import PipelineSpec, check_locations, load_spec
+from spark_jobs.core.spec import PipelineSpec, check_locations, load_spec, parse_spec
+from spark_jobs.errors import SpecError
 from spark_jobs.storage.roots import roots_from_env
 from spark_jobs.engine.jvm_cache import CACHE_ENV
 
@@ -55,7 +59,7 @@ __all__ = ["SpecCache"]
 log = logging.getLogger(__name__)
 
 #: The layout of the cache file; a file of another layout is ignored.
-_FORMAT = 2
+_FORMAT = 3
 #: A folder's file not rewritten for this long is deleted by another's write.
 _FORGET_AFTER_S = 7 * 24 * 3600
 
@@ -68,7 +72,11 @@ class SpecCache:
         digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
         self._file = root / f"{folder.name[:40]}-{digest}.pickle"
         self._code = _code_version()
-        self._kept: dict[str, tuple[tuple[int, ...], bytes]] = self._read()
+        self._kept: dict[str, tuple[tuple[int, ...], bytes]]
+        #: Each file's text when a parse last loaded it valid: kept across
+        #: upgrades of the code (which drop `_kept`), for `last_valid`.
+        self._texts: dict[str, str]
+        self._kept, self._texts = self._read()
         self._changed = False
 
     def load(self, path: Path, check: Callable[[PipelineSpec], object] | None = None) -> PipelineSpec:
@@ -94,23 +102,43 @@ class SpecCache:
         if check is not None:
             check(spec)
         self._kept[key] = (signature, pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            self._texts[key] = path.read_text(encoding="utf-8")
+        except OSError:
+            pass  # (changed again since: the next parse keeps that one)
         self._changed = True
         return spec
 
-    def last_valid(self, path: Path) -> PipelineSpec | None:
+    def last_valid_text(self, path: Path) -> str | None:
+        """The file's text when a parse last loaded it valid (None if none kept)."""
+        return self._texts.get(str(path))
+
+    def last_valid(self, path: Path, check: Callable[[PipelineSpec], object] | None = None) -> PipelineSpec | None:
         """The spec the file held when a parse last loaded it valid, whatever
-        it holds now (None if none was kept: a spec never valid here, or a
-        cache written by other code or lost)."""
+        it holds now: kept as loaded, or (after an upgrade of the code, which
+        drops those) its text parsed again by the code now, if that code
+        takes it (`check` too). None if none was kept: a spec never valid
+        here, or a cache deleted."""
         kept = self._kept.get(str(path))
-        return _unpickled(kept[1]) if kept is not None else None
+        spec = _unpickled(kept[1]) if kept is not None else None
+        text = self._texts.get(str(path))
+        if spec is None and text is not None:
+            try:
+                spec = parse_spec(text, base_dir=path.parent, spec_path=str(path))
+                if check is not None:
+                    check(spec)
+            except SpecError:
+                return None
+        return spec
 
     def save(self, present: list[Path] | None = None) -> None:
         """Write what was loaded; `present`: every spec file of the folder
         (a full scan), whose absence drops a file's entry."""
         if present is not None:
             names = {str(p) for p in present}
-            for gone in [k for k in self._kept if k not in names]:
-                del self._kept[gone]
+            for gone in [k for k in {*self._kept, *self._texts} if k not in names]:
+                self._kept.pop(gone, None)
+                self._texts.pop(gone, None)
                 self._changed = True
         if not self._changed:
             return
@@ -119,7 +147,8 @@ class SpecCache:
             if not _trusted(self._file.parent):
                 return
             with tempfile.NamedTemporaryFile(dir=self._file.parent, prefix=".tmp-", delete=False) as out:
-                pickle.dump({"format": _FORMAT, "code": self._code, "specs": self._kept}, out, protocol=pickle.HIGHEST_PROTOCOL)
+                kept = {"format": _FORMAT, "code": self._code, "specs": self._kept, "texts": self._texts}
+                pickle.dump(kept, out, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(out.name, self._file)
             _forget_old(self._file.parent)
         except OSError as exc:
@@ -130,21 +159,23 @@ class SpecCache:
                 pass
         self._changed = False
 
-    def _read(self) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    def _read(self) -> tuple[dict[str, tuple[tuple[int, ...], bytes]], dict[str, str]]:
+        """The kept specs (none if other code wrote them) and the last valid texts."""
         try:
             if not _trusted(self._file):
                 log.warning("not reading the kept specs in %s: it or its folder is not this user's alone", self._file)
-                return {}
+                return {}, {}
             with self._file.open("rb") as kept:
                 data: Any = pickle.load(kept)  # noqa: S301 - a file only this user can write (`_trusted`)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except Exception as exc:  # noqa: BLE001 - a damaged cache is only a slower parse
             log.debug("ignoring the kept specs in %s (%s)", self._file, exc)
-            return {}
-        if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("code") != self._code:
-            return {}
-        return dict(data["specs"])
+            return {}, {}
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            return {}, {}
+        texts = {k: v for k, v in (data.get("texts") or {}).items() if isinstance(v, str)}
+        return (dict(data["specs"]) if data.get("code") == self._code else {}), texts
 
 
 def _unpickled(data: bytes) -> PipelineSpec | None:

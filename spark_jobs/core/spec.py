@@ -742,7 +742,7 @@ _ABSENT = object()
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def yaml_problem(exc: yaml.YAMLError) -> str:
+def yaml_problem(exc: yaml.YAMLError, text: str = "") -> str:
     """Where a YAML error starts, and where the parser gave up if that is
     another line. An unclosed quote, bracket or brace is named where it
     opens: one left open on line 6 is found only where the file ends, and
@@ -756,12 +756,39 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     def at(mark: Any) -> str:
         return f"line {mark.line + 1}, column {mark.column + 1}"
 
+    quote = _quote_run_on(text, stop)
+    if quote is not None:
+        # A quote left open and closed by the next quote further down (the
+        # usual case: a spec has more quoted values) fails there, lines on.
+        return (
+            f"{at(quote.start_mark)}: not valid YAML (a quoted value opens here and runs on to line "
+            f"{quote.end_mark.line + 1}: is its closing quote missing? The parser stopped at {at(stop)}: "
+            f"{context + ': ' if context else ''}{problem})"
+        )
     if opened is None or stop is None or (opened.line, opened.column) == (stop.line, stop.column):
         mark = stop or opened
         return f"{at(mark) + ': ' if mark else ''}not valid YAML ({context + ': ' if context else ''}{problem})"
     if any(word in context for word in ("quoted scalar", "flow sequence", "flow mapping")):
         return f"{at(opened)}: not valid YAML ({context} that opens here: {problem} at {at(stop)})"
     return f"{at(stop)}: not valid YAML ({problem}; {context} that starts at {at(opened)})"
+
+
+def _quote_run_on(text: str, stop: Any) -> Any:
+    """The last quoted value before the error that spans lines (a spec's
+    values are one line each), when the parser gave up on a later line: the
+    likely place of a missing closing quote. None otherwise."""
+    if stop is None or not text:
+        return None
+    found = None
+    try:
+        for token in yaml.scan(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            if token.start_mark.line > stop.line or (token.start_mark.line == stop.line and token.start_mark.column >= stop.column):
+                break
+            if isinstance(token, yaml.ScalarToken) and token.style in ('"', "'") and token.end_mark.line > token.start_mark.line:
+                found = token
+    except yaml.YAMLError:
+        pass
+    return found if found is not None and found.start_mark.line < stop.line else None
 
 
 def parse_spec(
@@ -775,7 +802,7 @@ def parse_spec(
     try:
         data = yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
-        raise SpecError(spec_path, [yaml_problem(exc)]) from None
+        raise SpecError(spec_path, [yaml_problem(exc, text)]) from None
     if not isinstance(data, dict):
         raise SpecError(spec_path, ["the spec must be a YAML mapping with name, source, transform, state, checkpoint"])
     moved = _moved_fields(data, text)

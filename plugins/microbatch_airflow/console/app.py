@@ -323,7 +323,7 @@ def _waiting_for_upstreams(results: list[dict[str, Any]], specs: dict[str, Pipel
     by_state = {spec.state_path.rstrip("/"): spec.name for spec in specs.values()}
     for result in results:
         spec = specs.get(result["name"])
-        if spec is None or spec.source.type != "delta" or result.get("status") != "problem":
+        if spec is None or spec.source.type != "delta" or result.get("status") not in ("problem", "waiting"):
             continue
         upstream = by_state.get(spec.source_path.rstrip("/"))
         if upstream is not None and any("not a Delta table" in p for p in result.get("problems") or []):

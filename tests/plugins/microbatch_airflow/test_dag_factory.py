@@ -138,6 +138,17 @@ def test_a_spec_broken_after_a_valid_parse_keeps_its_dag_and_schedule_and_its_ru
     task = dag.get_task("run_batch")
     with pytest.raises(AirflowFailException, match="summ"):  # fails at once: no retry helps
         task._spec()
+    # An upgrade of the code (the kept specs' key) while the spec is broken: its last valid text is parsed again.
+    from microbatch_airflow import spec_cache
+
+    monkeypatch.setattr(spec_cache, "_code_version", lambda: "upgraded")
+    assert _dagbag(monkeypatch, tmp_path).dags["hourly"].description.startswith("SPEC BROKEN")
+    # A typo in the `airflow:` block alone fails the run at once too (found by the review: it was retried).
+    path.write_text(good.replace("0 * * * *", "every hour"))
+    bag = _dagbag(monkeypatch, tmp_path)
+    assert bag.dags["hourly"].description.startswith("SPEC BROKEN")
+    with pytest.raises(AirflowFailException, match="airflow.schedule"):
+        bag.dags["hourly"].get_task("run_batch")._spec()
     # Fixed, it is the file's spec again; a spec that never loaded has no DAG.
     path.write_text(good)
     (tmp_path / "never.yaml").write_text(yaml.safe_dump(oracle_spec_dict(name="never", checkpoint="lake/_c/never")).replace("events: sum", "events: summ"))

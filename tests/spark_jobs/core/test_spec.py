@@ -95,10 +95,24 @@ def test_an_unclosed_quote_is_named_where_it_opens_not_where_the_file_ends(tmp_p
     assert f"found unexpected end of stream at line {len(lines) + 1}, column 1" in message
 
 
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_an_unclosed_quote_closed_by_a_later_one_is_named_where_it_opens(tmp_path, quote):
+    """Found by the review of issue 65: a quote left open on the schema line
+    ran on to the next quote (line 21's "@hourly", or an apostrophe in a
+    comment) and the error named that line."""
+    lines = ISSUE_SPEC.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("schema:"))
+    lines[at] = lines[at].replace('"', quote, 1)[:-1]
+    message = _error_for(tmp_path, "\n".join(lines) + "\n")
+    column = lines[at].index(quote) + 1
+    assert f"line {at + 1}, column {column}: not valid YAML (a quoted value opens here and runs on to line" in message
+    assert "is its closing quote missing? The parser stopped at line" in message
+
+
 def test_a_yaml_error_inside_a_block_names_where_the_parser_stopped_and_the_block(tmp_path):
-    message = _error_for(tmp_path, 'name: x\nsource:\n  type: files\n  format: "json\n  schema: "a STRING"\n')
-    assert "line 5, column 12: not valid YAML (did not find expected key;" in message
-    assert "while parsing a block mapping that starts at line 3, column 3" in message
+    message = _error_for(tmp_path, "name: x\nsource:\n  type: files\n  format: json\n schema: a\n")
+    assert "line 5, column 2: not valid YAML (did not find expected key;" in message
+    assert "while parsing a block mapping that starts at line 1, column 1" in message
 
 
 def test_all_problems_reported_at_once(tmp_path):

@@ -141,7 +141,8 @@ function renderPipelines() {
     ));
     if ((p.problems || []).length) {
       // A row of its own, under the pipeline: readable at any width.
-      body.append(el("tr", { class: "problems", "data-name": p.name || "" }, el("td", { colspan: "8", class: "error" }, p.problems.join("\n"))));
+      // What a pipeline waits for is not an error: said in the waiting badge's colour.
+      body.append(el("tr", { class: "problems", "data-name": p.name || "" }, el("td", { colspan: "8", class: p.status === "waiting" ? "warning" : "error" }, p.problems.join("\n"))));
     }
   }
 }
@@ -438,7 +439,9 @@ async function followRewind(pipeline, batchId, runId) {
   const paused = el("span", { class: "paused-note", hidden: "" },
     "its DAG is paused: this run waits until it is unpaused ",
     el("button", { class: "unpause", onclick: () => unpause(pipeline).catch(showError) }, "Unpause the DAG"));
-  const close = el("button", { class: "close", title: "close", hidden: "", onclick: () => { box.hidden = true; } }, "×");
+  // Closable at any time: on a phone the panel covers the page's end (the run goes on; its row says how it ends).
+  const close = el("button", { class: "close", title: "close", onclick: () => { box.hidden = true; document.body.classList.remove("with-panel"); } }, "×");
+  document.body.classList.add("with-panel");
   box.hidden = false;
   box.replaceChildren(close, `Rewind of ${pipeline.name} to batch ${batchId}: run `,
     el("a", { href: runUrl(pipeline.dag_id, runId), target: "_top" }, runId), " ", badge, " ", paused, result);
@@ -451,7 +454,6 @@ async function followRewind(pipeline, batchId, runId) {
     if (run.state === "success" || run.state === "failed") break;
     await new Promise((done) => setTimeout(done, 2000));
   }
-  close.hidden = false;
   await refresh();
   // The ledger's rewind row this run wrote (the pipelines' summary may still be the last probe's).
   const now = (state.selected === pipeline.name && state.batches.find((r) => r.phase === "rewind" && r.run_id === runId)) || null;

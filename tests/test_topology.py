@@ -18,7 +18,12 @@ import pytest
 from spark_jobs.demo.clickstream import write_wave
 from tests.topology import BUCKET, Topology
 
-pytestmark = pytest.mark.timeout(1500)
+# In `make soak`: a cluster, a Connect server, a Kafka broker and an
+# Airflow stack at once (4 CPU-minutes), each of which `make test` runs on
+# its own (engine/test_engines.py, sources/test_kafka_broker.py,
+# plugins/test_airflow_live.py); docker/ itself is checked statically there
+# (tests/docker/test_docker.py).
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
 TOPIC = "clicks"
 DAGS = ("clicks_per_user_s3", "clicks_per_domain", "kafka_clicks_s3")

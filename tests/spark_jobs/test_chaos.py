@@ -321,6 +321,11 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int, state_writ
     return counts
 
 
+# In `make soak` with its long variants: `make test` guards the appended
+# layout's chaos with test_an_appended_state_ends_exact_* above and each
+# writer against a concurrent `maintain` and outside commits with
+# core/test_state_commit_guards.py.
+@pytest.mark.slow
 def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark, on_connect):
     """With `engine.state_write: executors`, every fold `maintain` makes is
     Spark's executors' (issue 47), racing the batches and the rewinds."""
@@ -377,6 +382,10 @@ def _merged_maintain_chaos(folder, rounds: int, seed: int, state_write: str) -> 
     return counts
 
 
+# In `make soak` (as the one above): the executors' merge is guarded in
+# `make test` by test_the_executors_merging_* and by
+# core/test_state_commit_guards.py against an OPTIMIZE and `maintain`.
+@pytest.mark.slow
 def test_a_merged_state_written_by_the_executors_stays_exact_through_maintain_and_outside_compactions(tmp_path, on_connect):
     """The executors' file-by-file merge, the path whose commits an OPTIMIZE
     once doubled (issue 62); the other paths in `make soak`."""

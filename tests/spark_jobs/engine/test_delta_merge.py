@@ -203,9 +203,12 @@ def test_a_commit_by_delta_spark_reads_as_the_job_s_own_and_a_user_s_as_theirs()
         assert METADATA_KEY not in with_user_metadata({"userMetadata": text}, fenced), text
 
 
-@pytest.mark.parametrize(
-    "point", ["mid_state_merge", pytest.param("after_plan", marks=pytest.mark.slow), pytest.param("after_state_commit", marks=pytest.mark.slow)]
-)
+# Two runs that each start Spark with delta-spark's JARs (2.5 minutes): in
+# `make soak`. `make test` guards the crash point with
+# test_crash_and_race.py's `mid_state_merge` and the MERGE's fence with the
+# races above (a fenced commit landing mid-MERGE, a run that lost before it).
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["mid_state_merge", "after_plan", "after_state_commit"])
 def test_a_run_killed_amid_delta_spark_s_merge_or_after_its_commit_is_exact_after_a_rerun(tmp_path, compute, point):
     """SIGKILL of a run on its own Spark (its driver JVM, and the local
     executors writing, die with it) once delta-spark's MERGE has written its

@@ -35,7 +35,10 @@ def _task_events(events, state: str) -> list[dict]:
     return [e for e in lines if e["eventType"] == state and e["job"]["name"].endswith(".run_batch")]
 
 
-def test_a_committed_batch_is_reported_with_source_state_and_its_offsets(spec_path, airflow_db, tmp_path):
+def test_a_committed_batch_is_reported_with_source_state_and_its_offsets(spec_path, airflow_db, tmp_path, on_connect):
+    """The task's batch runs on the test process's shared Connect server
+    (`on_connect`, inherited by `airflow dags test`): the events are the
+    task's, whatever engine ran its batch."""
     events = tmp_path / "lineage.jsonl"
     write_wave(spec_path.parent / "landing", 0, files=2, records_per_file=100, bad_every=50)
     done = _dags_test(spec_path, events)

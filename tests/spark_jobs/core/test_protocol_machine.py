@@ -401,9 +401,9 @@ def _explore(max_examples: int, steps: int) -> dict[str, int]:
 
 
 def test_protocol_machine():
-    report = _explore(max_examples=14, steps=32)
+    report = _explore(max_examples=8, steps=32)
     # The machine must have explored, not just passed: every kind of step ran.
-    assert report["steps"] >= 300, report
+    assert report["steps"] >= 200, report
     for kind in ("batches_committed", "crashes", "interleavings", "rewinds", "late_files", "maintenance", "outside_restores"):
         assert report.get(kind, 0) > 0, f"no {kind} explored: {report}"
 

@@ -91,7 +91,10 @@ def end_offsets(admin: AdminClient) -> int:
     """The sum of TOPIC's partition end offsets (admin requests never auto-create a topic).
 
     Partition leadership reaches the broker just after the topic does: until
-    then it answers "not leader", which is retried.
+    then it answers "not leader", or, for a topic just re-created under the
+    same name, "leader epoch is newer than broker epoch" (the new
+    incarnation's epoch is ahead of the broker's metadata; seen on CI,
+    2026-12-03). Both are retried, as Kafka's own clients retry them.
     """
     request = {TopicPartition(TOPIC, p): OffsetSpec.latest() for p in range(PARTITIONS)}
 
@@ -99,7 +102,7 @@ def end_offsets(admin: AdminClient) -> int:
         try:
             return sum(f.result(10).offset for f in admin.list_offsets(request).values())
         except KafkaException as error:
-            if _code(error) in (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE):
+            if _code(error) in (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_LEADER_EPOCH):
                 return None
             raise
 

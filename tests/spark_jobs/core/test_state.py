@@ -147,3 +147,28 @@ def test_find_commit_on_a_handle_older_than_the_table_gives_the_commits_own_vers
     found = state.find_commit(stale, Position(0, 2))
     assert found is not None and found.version == version == stale.version()
     assert state.outside_changes(stale, version - 1) == []
+
+
+def test_a_decimal_key_past_a_float_s_digits_is_merged_once(tmp_path):
+    """Issue 62's DECIMAL(38,0) key, on the driver's MERGE: the files'
+    statistics of such a key pass through a float and are rounded, and a
+    MERGE that pruned files by them skipped the file holding a returning key
+    and stored it twice (`state._bounded_by_statistics`). The type matrix
+    (engine/test_state_write_types.py, every way of writing) runs it in
+    `make soak`; this is its guard in `make test`."""
+    from decimal import Decimal
+
+    from spark_jobs.core.state import StateTable
+
+    spec = _spec(tmp_path, ["k"], {"n": "sum"})
+    state = StateTable(spec)
+    key = pa.decimal128(38, 0)
+    nines, eights, long = Decimal("9" * 38), Decimal("9" * 37 + "8"), Decimal("12345678901234567890123456789012345678")
+    batches = [[nines, long], [nines, eights, Decimal(1)], [Decimal(1), eights, nines, long]]
+    for batch, keys in enumerate(batches, start=1):
+        updates = pa.table({"k": pa.array(keys, key), "n": [1] * len(keys)})
+        table = state.create(updates) if batch == 1 else state.open()
+        commit_updates(state, table, updates, Position(0, batch))
+    rows = read_all(open_table(spec.state_path)).to_pylist()
+    assert sorted(r["k"] for r in rows) == sorted({nines, eights, long, Decimal(1)}), "a key is in the state more than once"
+    assert {r["k"]: r["n"] for r in rows} == {nines: 3, eights: 2, long: 2, Decimal(1): 2}

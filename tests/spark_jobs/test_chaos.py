@@ -321,10 +321,12 @@ def _appended_concurrent_chaos(folder, spark, rounds: int, seed: int, state_writ
     return counts
 
 
-# In `make soak` with its long variants: `make test` guards the appended
-# layout's chaos with test_an_appended_state_ends_exact_* above and each
-# writer against a concurrent `maintain` and outside commits with
-# core/test_state_commit_guards.py.
+# In `make soak` with its long variants. `make test` guards the appended
+# layout's chaos with test_an_appended_state_ends_exact_* above, `maintain`
+# racing batches and outside commits with the merged chaos below, and a
+# fold racing a batch or a compaction in the job's process with
+# core/test_folding.py, core/test_state_commit_guards.py and
+# engine/test_spark_state.py (a fold by the executors, rewound through).
 @pytest.mark.slow
 def test_an_appended_state_stays_exact_through_concurrent_maintain_rewinds_kills_and_outside_commits(tmp_path, spark, on_connect):
     """With `engine.state_write: executors`, every fold `maintain` makes is
@@ -382,10 +384,6 @@ def _merged_maintain_chaos(folder, rounds: int, seed: int, state_write: str) -> 
     return counts
 
 
-# In `make soak` (as the one above): the executors' merge is guarded in
-# `make test` by test_the_executors_merging_* and by
-# core/test_state_commit_guards.py against an OPTIMIZE and `maintain`.
-@pytest.mark.slow
 def test_a_merged_state_written_by_the_executors_stays_exact_through_maintain_and_outside_compactions(tmp_path, on_connect):
     """The executors' file-by-file merge, the path whose commits an OPTIMIZE
     once doubled (issue 62); the other paths in `make soak`."""

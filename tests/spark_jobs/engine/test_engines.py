@@ -253,7 +253,8 @@ def test_a_chain_is_exact_on_the_cluster_and_over_connect(request, engine, reade
         write_wave(tmp_path / "landing", wave, files=1, records_per_file=200, users=30, seed=wave)
         # The upstream's batches on the shared Connect server: what this checks is the downstream's read.
         upstream_run = run_cli("run", str(upstream), "--json", env=_on(request.getfixturevalue("connect")))
-        assert json.loads(upstream_run.stdout)["status"] == "committed", upstream_run.stderr[-3000:]
+        assert upstream_run.returncode == 0, upstream_run.stderr[-3000:]
+        assert json.loads(upstream_run.stdout)["status"] == "committed"
     for _ in range(5):  # the upstream's versions, at most two a batch (`max_versions`), then nothing new
         result = run_cli("run", str(downstream), "--master", master, "--json")
         assert result.returncode == 0, result.stderr[-3000:]

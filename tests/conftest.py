@@ -51,38 +51,36 @@ def pytest_configure(config):
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 
-#: The test files that take minutes (their tests' wall time summed, 2026-12-03,
-#: `make test-costs`, less what moved to `make soak` that day), longest first.
-#: pytest-xdist hands whole files to its processes in collection order
-#: (`make test`: `--dist loadfile`), so these start first and the short files
-#: fill in at the end, instead of one process running a long file alone at
-#: the end while the other idles. A file `make test` no longer runs (the
-#: topology) stays listed for `make soak`.
+#: The test files that take minutes in `make test` (their tests' wall time
+#: summed, 2026-12-03, `make test-costs`, less what moved to `make soak` that
+#: day), longest first. pytest-xdist hands whole files to its processes in
+#: collection order (`make test`: `--dist loadfile`), so these start first
+#: and the short files fill in at the end, instead of one process running a
+#: long file alone at the end while the other idles.
 LONG_FILES = (
     "tests/spark_jobs/engine/test_engines.py",
-    "tests/plugins/test_airflow_live.py",
-    "tests/spark_jobs/engine/test_delta_spark.py",
-    "tests/spark_jobs/test_crash_and_race.py",
-    "tests/spark_jobs/test_chaos.py",
     "tests/spark_jobs/engine/test_delta_merge.py",
+    "tests/plugins/test_airflow_live.py",
+    "tests/spark_jobs/test_chaos.py",
+    "tests/spark_jobs/test_crash_and_race.py",
+    "tests/spark_jobs/engine/test_delta_spark.py",
     "tests/spark_jobs/engine/test_spark_state.py",
     "tests/plugins/test_airflow_celery.py",
     "tests/spark_jobs/sources/test_kafka.py",
-    "tests/spark_jobs/engine/test_state_write_types.py",
     "tests/spark_jobs/sources/test_kafka_broker.py",
     "tests/spark_jobs/engine/test_native_read.py",
     "tests/spark_jobs/storage/test_s3.py",
-    "tests/spark_jobs/engine/test_idle_hint.py",
     "tests/spark_jobs/core/test_folding.py",
     "tests/spark_jobs/test_bad_input.py",
+    "tests/spark_jobs/engine/test_idle_hint.py",
+    "tests/spark_jobs/engine/test_state_write_types.py",
     "tests/spark_jobs/core/test_protocol.py",
     "tests/spark_jobs/core/test_catch_up.py",
-    "tests/plugins/microbatch_airflow/test_hooks.py",
     "tests/spark_jobs/engine/test_delta_read.py",
     "tests/spark_jobs/core/test_state_commit_guards.py",
+    "tests/plugins/microbatch_airflow/test_hooks.py",
     "tests/test_make_airflow.py",
     "tests/spark_jobs/core/test_storage_faults.py",
-    "tests/test_topology.py",
 )
 
 

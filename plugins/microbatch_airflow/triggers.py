@@ -129,7 +129,8 @@ class NewDataEventTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        checked: _Fingerprint | None = None  # at the last full check
+        checked: _Fingerprint | None = None  # taken before the last full check
+        seen: str | None = None  # the source's digest taken after it: what it may have counted
         count, position = 0, None  # what that check found waiting, and after which commit
         fired_at = -float("inf")
         error: tuple[str, float] | None = None  # the last error event's message and time
@@ -139,8 +140,16 @@ class NewDataEventTrigger(BaseEventTrigger):
                 if now is None or now != checked:
                     before = (count, position)
                     count, position = await asyncio.to_thread(_check, self.spec_path, self.kafka_conn_id)
-                    landed = now is not None and (checked is None or now[2] != checked[2])
-                    checked = now
+                    # A file that lands between the fingerprint and the check
+                    # is counted now, and moves the next fingerprint: the
+                    # next poll checks again (`checked` is the earlier one,
+                    # so nothing landing meanwhile goes unchecked), but that
+                    # landing is news only against the digest taken after
+                    # this check (once, on CI, the same file made two events
+                    # and a run that found nothing).
+                    landed = now is not None and now[2] != seen
+                    after = await asyncio.to_thread(_fingerprint, self.spec_path)
+                    checked, seen = now, (after[2] if after is not None else None)
                     if count and ((count, position) != before or landed):
                         fired_at = -float("inf")  # news: emit now
                 if count and time.monotonic() - fired_at >= self.refire_seconds:

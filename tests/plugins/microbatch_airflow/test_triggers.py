@@ -232,3 +232,32 @@ def test_without_a_fingerprint_a_commit_that_moved_the_ledger_is_news_even_at_th
             found.append(event.payload["waiting"])
 
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [1, 1, 2]
+
+
+def test_a_file_landing_between_the_fingerprint_and_the_check_is_one_event(spec_path, monkeypatch):
+    """A file that lands after a poll's fingerprint but before its full
+    check is counted by that check; the next poll's fingerprint has moved,
+    and that move is no second landing (on CI, 2026-12-03, such a file made
+    two events and so a run that found nothing)."""
+    import time
+
+    from microbatch_airflow import triggers
+    from microbatch_airflow.triggers import NewDataEventTrigger
+
+    landing = spec_path.parent / "landing"
+    staged = write_wave(spec_path.parent / "staged", 0, files=1, records_per_file=5)[0]
+    real_check = triggers._check
+
+    def landing_meanwhile(*args):
+        if staged.exists():  # the first full check: the file lands just before it lists
+            staged.rename(landing / staged.name)
+        return real_check(*args)
+
+    monkeypatch.setattr(triggers, "_check", landing_meanwhile)
+    watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1))
+    try:
+        assert watcher.wait_for(1) == [{"status": "ready", "waiting": 1, "spec_path": str(spec_path)}]
+        time.sleep(1.5)
+        assert len(watcher.events) == 1, f"one file, one event: {watcher.events}"
+    finally:
+        watcher.stop()

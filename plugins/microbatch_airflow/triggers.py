@@ -129,8 +129,8 @@ class NewDataEventTrigger(BaseEventTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        checked: _Fingerprint | None = None  # taken before the last full check
-        seen: str | None = None  # the source's digest taken after it: what it may have counted
+        checked: _Fingerprint | None = None  # at the last full check
+        seen: str | None = None  # the source's digest that check's news covers
         count, position = 0, None  # what that check found waiting, and after which commit
         fired_at = -float("inf")
         error: tuple[str, float] | None = None  # the last error event's message and time
@@ -140,23 +140,16 @@ class NewDataEventTrigger(BaseEventTrigger):
                 if now is None or now != checked:
                     before = (count, position)
                     count, position = await asyncio.to_thread(_check, self.spec_path, self.kafka_conn_id)
-                    # A file that lands between the fingerprint and the check
-                    # is counted now, and moves the next fingerprint: the
-                    # next poll checks again (`checked` is the earlier one,
-                    # so nothing landing meanwhile goes unchecked), but that
-                    # landing is news only against the digest taken after
-                    # this check (once, on CI, the same file made two events
-                    # and a run that found nothing).
                     landed = now is not None and now[2] != seen
-                    after = await asyncio.to_thread(_fingerprint, self.spec_path)
-                    checked, seen = now, (after[2] if after is not None else None)
+                    checked, seen = now, (now[2] if now is not None else None)
                     if count and ((count, position) != before or landed):
                         fired_at = -float("inf")  # news: emit now
+                        seen = await asyncio.to_thread(_digest_after, self.spec_path, seen)
                 if count and time.monotonic() - fired_at >= self.refire_seconds:
                     yield TriggerEvent({"status": "ready", "waiting": count, "spec_path": self.spec_path})
                     fired_at = time.monotonic()
             except Exception as exc:  # keep watching: the source may come back
-                checked = None
+                checked = seen = None
                 message = str(exc)
                 self.log.warning("%s: %s", self.spec_path, message)
                 if error is None or error[0] != message or time.monotonic() - error[1] >= self.refire_seconds:
@@ -194,3 +187,22 @@ def _fingerprint(spec_path: str) -> _Fingerprint | None:
         cached = _SPECS[spec_path] = (mtime, watched(load_spec(spec_path)))
     parts = fingerprint_at(*cached[1])
     return (mtime, *parts) if parts is not None else None
+
+
+def _digest_after(spec_path: str, digest: str | None) -> str | None:
+    """The source's digest once a full check found news, or `digest` (the
+    one taken before it) when it cannot be taken.
+
+    The event about to go out makes a run that reads the source as it is
+    then, so what changed while the check ran is that event's too: a file
+    that landed between the poll's fingerprint and the check, counted by
+    it, is not news again at the next poll (once, on CI, the same file made
+    two events and a run that found nothing). Without news the digest
+    before the check is kept, so a change the check did not count (a file
+    replaced by another, the count the same) is news at the next poll.
+    """
+    try:
+        after = _fingerprint(spec_path)
+    except Exception:  # a spec caught mid-save: the news stands, the next poll checks again
+        return digest
+    return after[2] if after is not None else digest

@@ -261,3 +261,40 @@ def test_a_file_landing_between_the_fingerprint_and_the_check_is_one_event(spec_
         assert len(watcher.events) == 1, f"one file, one event: {watcher.events}"
     finally:
         watcher.stop()
+
+
+def test_a_file_replaced_by_another_during_a_check_is_news_at_the_next_poll(spec_path, monkeypatch):
+    """The other side of the test above: a waiting file replaced by another
+    while a check that found no news runs (the count the same, the ledger
+    the same) is not taken in by it; the next poll sees the folder moved
+    and emits, so the new file never waits without an event."""
+    import time
+
+    from microbatch_airflow import triggers
+    from microbatch_airflow.triggers import NewDataEventTrigger
+    from tests.conftest import land_at_once
+
+    landing = spec_path.parent / "landing"
+    (old,) = land_at_once(landing, 0, files=1, records_per_file=5)
+    (new,) = write_wave(spec_path.parent / "staged", 1, files=1, records_per_file=5)
+    real_check = triggers._check
+    replace = {"now": False}
+
+    def replacing_meanwhile(*args):
+        if replace["now"]:
+            replace["now"] = False
+            old.unlink()
+            new.rename(landing / new.name)
+        return real_check(*args)
+
+    monkeypatch.setattr(triggers, "_check", replacing_meanwhile)
+    watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1))
+    try:
+        assert [e["waiting"] for e in watcher.wait_for(1)] == [1]
+        replace["now"] = True
+        spec_path.touch()  # the next poll checks in full, and the file is replaced as it does
+        assert [e["waiting"] for e in watcher.wait_for(2, timeout=5)] == [1, 1], "the replacement is news"
+        time.sleep(1)
+        assert len(watcher.events) == 2, watcher.events
+    finally:
+        watcher.stop()

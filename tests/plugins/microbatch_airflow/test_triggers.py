@@ -234,6 +234,27 @@ def test_without_a_fingerprint_a_commit_that_moved_the_ledger_is_news_even_at_th
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [1, 1, 2]
 
 
+def _before_a_check(monkeypatch, action):
+    """`action` runs once, just before the watcher's next full check lists
+    the source, once the returned event is set: a change landing between a
+    poll's fingerprint and its check."""
+    import threading
+
+    from microbatch_airflow import triggers
+
+    real_check = triggers._check
+    armed = threading.Event()
+
+    def check(*args):
+        if armed.is_set():
+            armed.clear()
+            action()
+        return real_check(*args)
+
+    monkeypatch.setattr(triggers, "_check", check)
+    return armed
+
+
 def test_a_file_landing_between_the_fingerprint_and_the_check_is_one_event(spec_path, monkeypatch):
     """A file that lands after a poll's fingerprint but before its full
     check is counted by that check; the next poll's fingerprint has moved,
@@ -241,19 +262,11 @@ def test_a_file_landing_between_the_fingerprint_and_the_check_is_one_event(spec_
     two events and so a run that found nothing)."""
     import time
 
-    from microbatch_airflow import triggers
     from microbatch_airflow.triggers import NewDataEventTrigger
 
     landing = spec_path.parent / "landing"
     staged = write_wave(spec_path.parent / "staged", 0, files=1, records_per_file=5)[0]
-    real_check = triggers._check
-
-    def landing_meanwhile(*args):
-        if staged.exists():  # the first full check: the file lands just before it lists
-            staged.rename(landing / staged.name)
-        return real_check(*args)
-
-    monkeypatch.setattr(triggers, "_check", landing_meanwhile)
+    _before_a_check(monkeypatch, lambda: staged.rename(landing / staged.name)).set()  # the first check
     watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1))
     try:
         assert watcher.wait_for(1) == [{"status": "ready", "waiting": 1, "spec_path": str(spec_path)}]
@@ -270,28 +283,17 @@ def test_a_file_replaced_by_another_during_a_check_is_news_at_the_next_poll(spec
     and emits, so the new file never waits without an event."""
     import time
 
-    from microbatch_airflow import triggers
     from microbatch_airflow.triggers import NewDataEventTrigger
     from tests.conftest import land_at_once
 
     landing = spec_path.parent / "landing"
     (old,) = land_at_once(landing, 0, files=1, records_per_file=5)
     (new,) = write_wave(spec_path.parent / "staged", 1, files=1, records_per_file=5)
-    real_check = triggers._check
-    replace = {"now": False}
-
-    def replacing_meanwhile(*args):
-        if replace["now"]:
-            replace["now"] = False
-            old.unlink()
-            new.rename(landing / new.name)
-        return real_check(*args)
-
-    monkeypatch.setattr(triggers, "_check", replacing_meanwhile)
+    replace = _before_a_check(monkeypatch, lambda: (old.unlink(), new.rename(landing / new.name)))
     watcher = _Watcher(NewDataEventTrigger(str(spec_path), poll_seconds=0.1))
     try:
         assert [e["waiting"] for e in watcher.wait_for(1)] == [1]
-        replace["now"] = True
+        replace.set()
         spec_path.touch()  # the next poll checks in full, and the file is replaced as it does
         assert [e["waiting"] for e in watcher.wait_for(2, timeout=5)] == [1, 1], "the replacement is news"
         time.sleep(1)

@@ -217,7 +217,7 @@ def test_every_way_of_writing_the_state_commits_what_the_merge_commits(tmp_path,
         # Item 2: every run failed with "AssertionError", exit 1, retried for ever.
         pytest.param("date_trunc('HOUR', CAST(k AS TIMESTAMP))", "hour", ["2026-01-01 10:15:00", "2026-01-01 11:45:00"],
          ["2026-01-01 10:59:59", "2026-01-01 12:00:00"], {"2026-01-01 10:00:00": 11, "2026-01-01 11:00:00": 1, "2026-01-01 12:00:00": 10},
-         marks=pytest.mark.slow),  # in `make soak`: one CLI run starting Spark a key kind is enough for `make test`
+         marks=pytest.mark.slow),  # in `make soak`: `make test`'s CLI test of a key is the DECIMAL's
     ],
     ids=["decimal", "hour"],
 )

@@ -271,6 +271,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _status(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    from spark_jobs.core.event_time import iso
     from spark_jobs.core.inspect import status
 
     st = status(spec)
@@ -294,12 +295,16 @@ def _status(spec: PipelineSpec, args: argparse.Namespace) -> int:
             ]
         ],
     )
+    if spec.event_time is not None:
+        watermark = st.head.watermark if st.head else None
+        print(f"watermark: {iso(watermark) if watermark else 'none yet'} (records before it are late: event_time.late {spec.event_time.late})")
     if st.note:
         print(f"note: {st.note}")
     return EXIT_OK
 
 
 def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
+    from spark_jobs.core.event_time import iso
     from spark_jobs.core.inspect import history
 
     rows = history(spec)
@@ -307,9 +312,11 @@ def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return EXIT_OK
     shown = rows[-args.limit :] if args.limit else rows
+    timed = any(r.watermark is not None or r.records_late is not None for r in rows)
     _table(
         f"offset ledger of {spec.name} ({len(rows)} rows)",
-        ["epoch", "batch", "status", "start", "end", "records", "quarantined", "keys", "state v", "spec", "run id", "at"],
+        ["epoch", "batch", "status", "start", "end", "records", "quarantined", *(["late", "watermark"] if timed else []),
+         "keys", "state v", "spec", "run id", "at"],
         [
             [
                 r.epoch,
@@ -319,6 +326,7 @@ def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
                 _compact(r.end_offsets),
                 r.records_in,
                 r.records_quarantined,
+                *([r.records_late, iso(r.watermark) if r.watermark else None] if timed else []),
                 r.keys_updated,
                 r.state_version,
                 r.spec_fingerprint,
@@ -403,6 +411,7 @@ def _rewind(spec: PipelineSpec, args: argparse.Namespace) -> int:
 
 def _print_outcome(outcome: BatchOutcome, as_json: bool, *, lines: bool = False) -> None:
     """An outcome for people, or as JSON (`lines`: on one line, one outcome of several)."""
+    from spark_jobs.core.event_time import iso
     from spark_jobs.core.outcome import Outcome
 
     if as_json:
@@ -426,6 +435,9 @@ def _print_outcome(outcome: BatchOutcome, as_json: bool, *, lines: bool = False)
                 ]
             ],
         )
+        if outcome.records_late is not None:
+            watermark = iso(outcome.watermark) if outcome.watermark else "none yet"
+            print(f"event time: {outcome.records_late:,} late record(s); watermark {watermark}")
         if outcome.steps_ms:
             print("time by step: " + ", ".join(f"{step} {ms / 1000:.2f} s" for step, ms in outcome.steps_ms.items()))
     elif outcome.status is Outcome.DRY_RUN:

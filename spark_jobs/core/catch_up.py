@@ -124,11 +124,13 @@ class ReadAhead:
 
 
 def _same_range(a: BatchRange, b: BatchRange) -> bool:
-    """Same offsets, same manifest (for files: the same files, sizes and modification times)."""
-    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict()) == (
+    """Same offsets, same manifest (for files: the same files, sizes and
+    modification times), judged against the same watermark."""
+    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict(), a.watermark) == (
         b.start.to_dict(),
         b.end.to_dict(),
         b.manifest.to_dict(),
+        b.watermark,
     )
 
 
@@ -187,6 +189,10 @@ class _Prefetching(Engine):
         batches) are in flight. Planning stops at the first range the source
         cannot give: nothing waits, or it cannot tell now (the batch's own
         step 2 then raises what there is to raise)."""
+        if pipeline.spec.event_time is not None:
+            # Batch N+1's records are judged against the watermark batch N
+            # leaves, which only N's read tells: no read can be made for it ahead.
+            return
         at_once = min(READ_AHEAD, self.reads_at_once)
         if self._readers is None:
             # As many threads as reads at once: a dropped read still running

@@ -65,6 +65,10 @@ class BatchRecord:
     #: What still waited in the source after this batch when it was planned
     #: (`BatchRange.waiting_after`); None in records older than it.
     waiting_after: int | None = None
+    #: Event time (`spark_jobs.core.event_time`): the watermark after this
+    #: batch, and how many of its records were late; None without `event_time`.
+    watermark: datetime | None = None
+    records_late: int | None = None
 
     def record(self) -> dict[str, Any]:
         """These fields alone, to carry them from one record to the other."""

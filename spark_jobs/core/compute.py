@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol, cast
 
 import pyarrow as pa
@@ -61,6 +62,11 @@ class ComputeResult:
     staged: Staged | None = None
     #: With a sink: the quarantined records' files (bookkeeping columns included).
     staged_quarantine: Staged | None = None
+    #: Event time (`spark_jobs.core.event_time`): records older than the
+    #: batch's watermark, whatever became of them, and the newest event time
+    #: among the records the transform took. None without `event_time`.
+    records_late: int | None = None
+    newest_event_time: datetime | None = None
 
 
 class Compute(Protocol):

@@ -221,6 +221,11 @@ SPEC_RULES: dict[str, FieldRule] = {
     "quarantine.max_records": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
     "quarantine.max_fraction": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
     "quarantine.on_exceed": FieldRule(Rule.FREE, "whether such a run fails or warns"),
+    "event_time": FieldRule(
+        Rule.RECORD,
+        "which records the next batches judge late, and how the watermark moves; the recorded batches and the watermark stand",
+        value=lambda s: s.event_time.model_dump() if s.event_time is not None else _ABSENT,
+    ),
 }
 
 

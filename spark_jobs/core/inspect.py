@@ -69,6 +69,8 @@ class PipelineStatus:
             "note": self.note,
             "oldest_rewindable": self.oldest_rewindable,
             "quarantined": self.quarantined,
+            # Event time: the watermark the next batch's records are judged against.
+            "watermark": self.head.watermark.isoformat() if self.head and self.head.watermark else None,
         }
 
 

@@ -44,11 +44,12 @@ __all__ = ["COMPACT_AT_FILES", "FORMAT_VERSION", "POSITION_COLUMNS", "LedgerRow"
 log = logging.getLogger("microbatch")
 
 #: The row format this code writes, and the newest it reads (2 added
-#: `pipeline_id`, `spec` and `spec_fingerprint`, 3 added `waiting_after`; older
-#: tables gain the columns on their next write, and their old rows read as None).
-FORMAT_VERSION = 3
+#: `pipeline_id`, `spec` and `spec_fingerprint`, 3 added `waiting_after`, 4
+#: `watermark` and `records_late`; older tables gain the columns on their
+#: next write, and their old rows read as None).
+FORMAT_VERSION = 4
 #: Columns added after format 1, added to older ledgers before a write.
-_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after")
+_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after", "watermark", "records_late")
 #: Compact the ledger once it has this many data files (two per batch), so
 #: that reading it, which every run does, stays fast after thousands of batches.
 COMPACT_AT_FILES = 64
@@ -210,7 +211,7 @@ def _upgrade(table: DeltaTable) -> list[str]:
     missing = [c for c in _ADDED_COLUMNS if c not in names]
     if missing:
         try:
-            types = {pa.string(): "string", pa.int64(): "long"}
+            types = {pa.string(): "string", pa.int64(): "long", pa.timestamp("us", tz="UTC"): "timestamp"}
             table.alter.add_columns([Field(c, types[SCHEMA.field(c).type], nullable=True) for c in missing])
         except Exception as exc:
             if not is_commit_conflict(exc):

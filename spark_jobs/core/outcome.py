@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -34,6 +35,9 @@ class BatchOutcome:
     inputs: tuple[str, ...] = ()
     records_in: int | None = None
     records_quarantined: int | None = None
+    #: Event time: records older than the batch's watermark, and the watermark it left.
+    records_late: int | None = None
+    watermark: datetime | None = None
     keys_updated: int | None = None
     state_version: int | None = None
     duration_ms: int | None = None
@@ -45,4 +49,5 @@ class BatchOutcome:
         out = asdict(self)
         out["status"] = str(self.status)
         out["inputs"] = list(self.inputs)
+        out["watermark"] = self.watermark.isoformat() if self.watermark else None
         return out

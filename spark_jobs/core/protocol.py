@@ -115,6 +115,7 @@ from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commi
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
+from spark_jobs.core.event_time import judged_against, watermark_after
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.folding import is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
@@ -188,6 +189,9 @@ class Processed:
     updates: pa.Table | Staged
     records_in: int
     records_quarantined: int
+    #: Event time: the batch's late records, and its newest accepted event time.
+    records_late: int | None = None
+    newest_event_time: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,8 @@ class Committed:
 
     state_version: int
     keys_updated: int
+    #: Event time: the watermark the commit recorded (None without `event_time`).
+    watermark: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +336,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, nothing_new(options, view.head), head)
         batch = planned
+    batch = judged_against(spec, batch, view.head)
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
@@ -338,6 +345,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
         if isinstance(recorded, Done):
             return recorded
         view, row, batch = recorded
+        batch = judged_against(spec, batch, view.head)
     log.info("planned %s: %s", n, batch.describe())
     return Plan(n, head, batch, row, view, identity)
 
@@ -413,7 +421,7 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
             pipeline.quarantine.write(result.quarantine, n)
         log.info("quarantined %d of %d records", quarantined, result.records_in)
     _boundary("after_quarantine", spec)
-    return Processed(updates, result.records_in, quarantined)
+    return Processed(updates, result.records_in, quarantined, result.records_late, result.newest_event_time)
 
 
 def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
@@ -449,7 +457,8 @@ def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proces
             pipeline.quarantine.write(bad, n)
         log.info("quarantined %d of %d records", bad.rows, result.records_in)
     _boundary("after_quarantine", spec)
-    return Processed(updates, result.records_in, bad.rows if bad is not None else 0)
+    bad_rows = bad.rows if bad is not None else 0
+    return Processed(updates, result.records_in, bad_rows, result.records_late, result.newest_event_time)
 
 
 def sink_for(pipeline: Pipeline, position: Position, schema: pa.Schema) -> Sink:
@@ -506,7 +515,7 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
             return landed
         # No stop here on SIGTERM: the ledger row is a few milliseconds away.
         fault_point("after_state_commit")
-        return Committed(version, keys_updated)
+        return Committed(version, keys_updated, metadata.watermark)
     raise AssertionError("unreachable: the last try returns or raises")
 
 
@@ -560,6 +569,9 @@ def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, option
             "records_in": processed.records_in,
             "records_quarantined": processed.records_quarantined,
             "duration_ms": int((time.monotonic() - started) * 1000),
+            # (The plan's interval, not this run's: a replay advances it the same.)
+            "watermark": watermark_after(pipeline.spec, plan.batch.watermark, processed.newest_event_time, plan.row.interval_end),
+            "records_late": processed.records_late,
         },
         kind=CommitKind.BATCH,
         position=plan.position,
@@ -583,7 +595,7 @@ def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, ex
         # our log entry and reports a conflict.
         log.warning("the commit of %s landed although the store reported a failure", n)
         fault_point("after_state_commit")
-        return Committed(landed.version, landed.keys_updated)
+        return Committed(landed.version, landed.keys_updated, landed.metadata.watermark)
     if now >= n:
         reconcile(pipeline)
         return Done(Outcome.ALREADY_COMMITTED, moved_past(n, now), n, plan.batch)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spark_jobs.core.commits import CommitKind, CommitMetadata
@@ -100,6 +101,8 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         run_id=run_id,
         rewound_from=str(head),
         restored_version=version,
+        # The pipeline carries on from batch `to_batch`: from its watermark too.
+        watermark=_watermark_at(view, to_batch),
     )
     state_version = _restore(pipeline, table, version, metadata, refuse)
     # The consumed index belonged to the old epoch: rebuild it for the new one now
@@ -107,6 +110,12 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
     pipeline.lineage(reconcile(pipeline)).record()
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
+
+
+def _watermark_at(view: LedgerView, batch_id: int) -> datetime | None:
+    """The watermark batch `batch_id` of the lineage recorded (None: batch 0, or no event time)."""
+    row = view.committed_row(batch_id) if batch_id > 0 else None
+    return row.watermark if row is not None else None
 
 
 def _check_not_moved(pipeline: Pipeline, view: LedgerView, table: DeltaTable, recovering: bool) -> None:

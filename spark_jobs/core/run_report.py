@@ -95,6 +95,8 @@ def outcome_of(
         inputs=tuple(batch.manifest.inputs()) if batch else (),
         records_in=processed.records_in if processed else None,
         records_quarantined=processed.records_quarantined if processed else None,
+        records_late=processed.records_late if processed else None,
+        watermark=committed.watermark if committed else None,
         keys_updated=committed.keys_updated if committed else None,
         state_version=committed.state_version if committed else None,
         duration_ms=int((time.monotonic() - started) * 1000),

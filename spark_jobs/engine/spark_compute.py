@@ -27,7 +27,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlparse
 from weakref import WeakKeyDictionary
@@ -41,7 +41,7 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
-from spark_jobs.engine import delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
+from spark_jobs.engine import event_marks, delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
 from spark_jobs.engine.failures import never_retried
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
@@ -98,10 +98,15 @@ def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tupl
         else:
             valid = F.col(REASON).isNull()
             metrics = {"records": F.count(F.lit(1)), "bad": F.count(REASON)}
+        observed = [column.alias(name) for name, column in metrics.items()]
+        if spec.event_time is not None:
+            valid, timed = event_marks.split_terms(spec, valid)
+            observed += timed
         fields = [F.col(spark_identifier(f.name)) for f in spec.source.fields] + [F.col(name) for name in extra]
-        return _Split(valid, [column.alias(name) for name, column in metrics.items()], fields)
+        return _Split(valid, observed, fields)
 
-    key = ("split", "native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra)
+    timed = (spec.event_time.column, spec.event_time.late) if spec.event_time is not None else ()
+    key = ("split", "native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra, "|", *timed)
     return built_once(spark, key, build)
 
 
@@ -354,7 +359,7 @@ class SparkCompute:
         """Kafka records, fetched on the executors and cached: fetching them
         from the brokers again for the quarantine pass would cost more than
         keeping them."""
-        parsed = exact_read.kafka_records(self.spark, spec, batch.manifest).cache()
+        parsed = _marked(exact_read.kafka_records(self.spark, spec, batch.manifest), spec, batch).cache()
         return _FirstRead(batch, self._numbered_query(spec, parsed, KAFKA_COLUMNS), parsed=parsed)
 
     def _read_files(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> _FirstRead:
@@ -382,7 +387,7 @@ class SparkCompute:
         strict = spec.source.unknown_fields == "quarantine"
         if remote or spec.source.format == "parquet" or strict or not self._native_reads:
             read = exact_read.parquet_records if spec.source.format == "parquet" else exact_read.text_records
-            parsed = read(self.spark, spec, [f.uri if remote else spark_path(f.uri) for f in entries])
+            parsed = _marked(read(self.spark, spec, [f.uri if remote else spark_path(f.uri) for f in entries]), spec, batch)
             # S3 objects are cached for the same reason as Kafka records.
             parsed = parsed.cache() if remote else parsed
             return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
@@ -394,11 +399,11 @@ class SparkCompute:
         suspect = [f for f in entries if native_read.suspect_on_driver(spec, _local_path(f.uri))]
         clean = [f for f in entries if f not in suspect]
         if not clean:
-            parsed = exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect])
+            parsed = _marked(exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect]), spec, batch)
             return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
         one_task = alongside and self._reads_fill_cores() and sum(f.size for f in clean) <= self._split_bytes()
         rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], one_task=one_task)
-        query = self._query(spec, rows, _split(self.spark, spec, native=True))
+        query = self._query(spec, _marked(rows, spec, batch, native=True), _split(self.spark, spec, native=True))
         return _FirstRead(batch, query, native=(clean, suspect))
 
     def _reads_fill_cores(self) -> bool:
@@ -430,6 +435,7 @@ class SparkCompute:
         if clean:
             native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
             parsed = parsed.unionByName(_numbered_like_exact(spec, native))
+        parsed = _marked(parsed, spec, first.batch)
         return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed, out)
 
     def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, extra: tuple[str, ...] = ()) -> _Query:
@@ -442,7 +448,7 @@ class SparkCompute:
             updates, seen = self._execute(query, spec, out)
             if out is None:
                 quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
-                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]))
+                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **_event_counts(spec, seen))
             result = self._result(spec, updates, seen, out)
             if seen["bad"]:
                 written = spark_state.quarantine_job(parsed, out).toArrow()
@@ -456,11 +462,13 @@ class SparkCompute:
         """The batch's result: its rows checked (`validate_updates`), or, when
         the executors wrote them, their files checked (`spark_state.checked`)."""
         if out is None:
-            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]))
+            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), **_event_counts(spec, seen))
         staged = spark_state.checked(
             self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink, unique=bool(seen.get(spark_state.UNIQUE_KEYS))
         )
-        return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged)
+        return ComputeResult(
+            out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged, **_event_counts(spec, seen)
+        )
 
     def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split) -> _Query:
         """The transform of the valid rows, with the split's metrics observed over all `rows`:
@@ -713,6 +721,22 @@ def _python_row(spark: SparkSession, jrow: Any) -> dict[str, Any]:
     return CPickleSerializer().loads(utils.toPyRow(jrow)).asDict(recursive=False)
 
 
+def _marked(records: DataFrame, spec: PipelineSpec, batch: BatchRange, *, native: bool = False) -> DataFrame:
+    """`records` with their late ones marked against the batch's watermark
+    (`spark_jobs.engine.event_marks`); as they are without event time."""
+    if spec.event_time is None:
+        return records
+    return (event_marks.native if native else event_marks.numbered)(records, spec, batch.watermark)
+
+
+def _event_counts(spec: PipelineSpec, seen: dict[str, Any]) -> dict[str, Any]:
+    """A result's event-time fields, from the batch's observed metrics."""
+    if spec.event_time is None:
+        return {}
+    newest = seen.get(event_marks.NEWEST_METRIC)
+    return {"records_late": int(seen.get(event_marks.LATE_METRIC) or 0), "newest_event_time": event_marks.as_datetime(newest)}
+
+
 def _numbered_like_exact(spec: PipelineSpec, native: DataFrame) -> DataFrame:
     """Natively read records of clean files, in the exact read's columns. They
     need no line number: none of them failed when first read. (One that
@@ -755,7 +779,7 @@ def _named_as_planned(result: ComputeResult, manifest: FilesManifest) -> Compute
     ]
     index = quarantine.schema.get_field_index("file")
     named = quarantine.set_column(index, quarantine.schema.field(index), pa.array(files, pa.string()))
-    return ComputeResult(result.updates, named, result.records_in)
+    return replace(result, quarantine=named)
 
 
 def _explain_kafka(spec: PipelineSpec, manifest: KafkaManifest, exc: Exception) -> Exception:

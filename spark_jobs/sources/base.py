@@ -75,6 +75,10 @@ class BatchRange:
     #: What still waited in the source after this batch when it was planned,
     #: in the source's unit (the console charts it as lag over time).
     waiting_after: int | None = None
+    #: Event time: the watermark this batch's records are judged against
+    #: (`spark_jobs.core.event_time.judged_against`): the ledger head's, set
+    #: at planning, so that a read made for another watermark is not taken.
+    watermark: datetime | None = None
 
     def describe(self) -> str:
         return f"{self.manifest.describe()}, offsets {self.start.to_dict()} -> {self.end.to_dict()}"

@@ -161,6 +161,9 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         "oldest_rewindable": d["oldest_rewindable"],
         "end_offsets": d["end_offsets"],
         "quarantined": d["quarantined"],
+        # Event time: the watermark the next batch is judged against, and the policy for what is older.
+        "watermark": d["watermark"],
+        "late_policy": spec.event_time.late if spec.event_time is not None else None,
     }
 
 

@@ -55,3 +55,22 @@ def test_a_ledger_row_keeps_every_record_field_through_the_table(tmp_path):
     assert ledger.append(view, row, PLAN_FENCE)
     (back,) = ledger.load().rows
     assert back.record() == _full_record()
+
+
+def test_a_format_3_ledger_gains_the_event_time_columns_on_its_next_write(tmp_path):
+    """A ledger an older microbatch wrote (no `watermark`, no `records_late`):
+    its rows read with them as None, and the next append adds the columns."""
+    from deltalake import write_deltalake
+
+    from spark_jobs.core.ledger import _to_arrow
+
+    path = str(tmp_path / "ledger")
+    ledger = OffsetLedger(path, "text")
+    old = LedgerRow(**{**_full_record(), "watermark": None, "records_late": None}, epoch=0, batch_id=1, status=RowStatus.PLANNED, format_version=3)
+    write_deltalake(path, _to_arrow([old]).drop_columns(["watermark", "records_late"]))
+    (back,) = ledger.load().rows
+    assert (back.watermark, back.records_late, back.batch_id) == (None, None, 1)
+    row = LedgerRow(**_full_record(), epoch=0, batch_id=2, status=RowStatus.PLANNED)
+    assert ledger.append(ledger.load(), row, PLAN_FENCE)
+    rows = sorted(ledger.load().rows, key=lambda r: r.batch_id)
+    assert [(r.watermark, r.records_late) for r in rows] == [(None, None), (WHEN, 7)]

@@ -200,6 +200,9 @@ function details(pipeline, r) {
         r.interval_end ? `; interval ${when(r.interval_start)} – ${when(r.interval_end)}` : "",
         r.planned_at ? `; planned ${when(r.planned_at)}` : "", r.committed_at ? `; committed ${when(r.committed_at)}` : "",
         r.oldest_arrival ? `; oldest input arrived ${when(r.oldest_arrival)}` : ""),
+      r.records_late !== null && r.records_late !== undefined
+        ? el("div", { class: "event-time" }, `event time: ${fmt(r.records_late)} late record(s); watermark after it ${r.watermark ? when(r.watermark) : "none yet"}`)
+        : "",
       el("div", { class: "muted" }, `read ${fmt(r.input_count)} input(s)` + (inputs.length ? ":" : "")),
       el("ul", { class: "inputs mono" }, ...inputs.map((name) => el("li", {}, name)), more > 0 ? el("li", { class: "muted" }, `… and ${fmt(more)} more`) : ""),
     ));
@@ -222,6 +225,8 @@ function renderBatches(pipeline) {
     const quarantined = r.records_quarantined
       ? el("a", { href: "#quarantine", onclick: (e) => { e.stopPropagation(); loadQuarantine(pipeline, r); } }, fmt(r.records_quarantined))
       : fmt(r.records_quarantined);
+    // Late records (event time), whatever became of them: beside the quarantined, which may hold them.
+    const late = r.records_late ? el("span", { class: "muted late", title: "records older than the watermark" }, ` · ${fmt(r.records_late)} late`) : "";
     if (highlight && !state.openedLinked) {
       // The batch a link named (a task log's, the run's tab): opened once.
       state.openedLinked = true;
@@ -235,7 +240,7 @@ function renderBatches(pipeline) {
       el("td", { class: "mono nowrap" }, el("span", { class: "caret" }, state.open.has(key) ? "▾ " : "▸ "), batchName(r)),
       el("td", {}, phaseBadge(r)),
       el("td", { class: "num", "data-label": "read" }, fmt(r.records_in)),
-      el("td", { class: "num", "data-label": "quarantined" }, quarantined),
+      el("td", { class: "num", "data-label": "quarantined" }, quarantined, late),
       // (A phone shows each batch as a card: every value with its label.)
       el("td", { class: "num optional", "data-label": "keys updated" }, fmt(r.keys_updated)),
       el("td", { class: "num narrow-hidden", "data-label": "took" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),
@@ -395,7 +400,10 @@ async function select(name) {
   const layout = pipeline.layout === "appended"
     ? "; state: appended layout (partial rows: read it with `microbatch query`, or the SQL `microbatch query --sql spark` prints)"
     : "";
-  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}${layout}`;
+  const watermark = pipeline.late_policy
+    ? `; event time: watermark ${pipeline.watermark ? when(pipeline.watermark) : "none yet"} (older records: ${pipeline.late_policy})`
+    : "";
+  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}${layout}${watermark}`;
   $("#dag-link").href = `${AIRFLOW}/dags/${encodeURIComponent(pipeline.dag_id)}`;
   state.batches = await api(`pipelines/${encodeURIComponent(name)}/batches?limit=100&group=batch`);
   renderCharts(pipeline);

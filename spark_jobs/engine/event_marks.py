@@ -1,0 +1,121 @@
+"""Late records marked on the executors, before the transform sees them.
+
+`spark_jobs.core.event_time` says what a watermark is and when a record is
+late; this module writes that as Spark columns over a batch's records, in the
+two forms the reads give them (`spark_jobs.engine.spark_compute`):
+
+* records numbered by line (the exact read, Kafka): a late record gets the
+  quarantine's reason (`late: event time ... is before the watermark ...`)
+  under `late: quarantine`, and a record without an event time gets its own;
+* natively read rows: such rows mark their file suspect, and a suspect file is
+  read again by line, where the reasons are given (late records are rare, and
+  the quarantine names each by file and line).
+
+Either way the `LATE` column marks the late records, whatever the policy:
+`split_terms` counts them and takes the newest event time among the records
+the transform gets, as the batch's observed metrics (no second pass).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from spark_jobs.core.event_time import iso
+from spark_jobs.core.sql_text import spark_identifier
+from spark_jobs.engine import native_read
+from spark_jobs.engine.parse import REASON
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+    from spark_jobs.core.spec import PipelineSpec
+
+__all__ = ["LATE", "as_datetime", "native", "numbered", "split_terms"]
+
+#: Marks a valid record older than the batch's watermark.
+LATE = "__late"
+#: The metrics' names (`split_terms`), read back by `spark_compute`.
+LATE_METRIC, NEWEST_METRIC = "late", "newest_event_micros"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> DataFrame:
+    """Records numbered by line (`REASON` marks the failed), late ones marked;
+    under `late: quarantine` they fail with the reason that names their event
+    time, and so does a valid record with no event time (always)."""
+    from pyspark.sql import functions as F
+
+    assert spec.event_time is not None
+    moment = _moment(spec)
+    valid = F.col(REASON).isNull()
+    marked = parsed.withColumn(LATE, valid & _older(moment, watermark))
+    reason = F.when(valid & moment.isNull(), F.lit(f"no event time: {spec.event_time.column} is null (event_time.column)"))
+    if spec.event_time.late == "quarantine" and watermark is not None:
+        text = F.concat(F.lit("late: event time "), _iso(moment), F.lit(f" is before the watermark {iso(watermark)}"))
+        reason = reason.when(F.col(LATE), text)
+    return marked.withColumn(REASON, reason.otherwise(F.col(REASON)))
+
+
+def native(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> DataFrame:
+    """Natively read rows, late ones marked; a file holding a row without an
+    event time, or (`late: quarantine`) a late one, becomes suspect: it is
+    read again by line, where `numbered` gives each its reason."""
+    from pyspark.sql import functions as F
+
+    assert spec.event_time is not None
+    moment = _moment(spec)
+    fine = ~F.col(native_read.SUSPECT)
+    marked = rows.withColumn(LATE, fine & _older(moment, watermark))
+    suspect = F.col(native_read.SUSPECT) | moment.isNull()
+    if spec.event_time.late == "quarantine":
+        suspect = suspect | F.col(LATE)
+    return marked.withColumn(native_read.SUSPECT, suspect)
+
+
+def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]]:
+    """For a spec with event time: which rows the transform gets (`valid`,
+    less the late ones under `late: drop`) and the metrics observed over all
+    rows: the late count, and the newest event time among those it gets (in
+    microseconds, `as_datetime` reads it)."""
+    from pyspark.sql import functions as F
+
+    assert spec.event_time is not None
+    if spec.event_time.late == "drop":
+        valid = valid & ~F.col(LATE)
+    metrics = [
+        F.count(F.when(F.col(LATE), F.lit(1))).alias(LATE_METRIC),
+        F.max(F.when(valid, F.unix_micros(_moment(spec)))).alias(NEWEST_METRIC),
+    ]
+    return valid, metrics
+
+
+def as_datetime(micros: int | None) -> datetime | None:
+    """The newest event time as observed (microseconds since the epoch, UTC)."""
+    return None if micros is None else _EPOCH + timedelta(microseconds=micros)
+
+
+def _moment(spec: PipelineSpec) -> Column:
+    """The event time as a TIMESTAMP (a DATE counts from its midnight, UTC: the session's zone)."""
+    from pyspark.sql import functions as F
+
+    assert spec.event_time is not None
+    return F.col(spark_identifier(spec.event_time.column)).cast("timestamp")
+
+
+def _older(moment: Column, watermark: datetime | None) -> Column:
+    """Whether `moment` is before `watermark` (never, before the first watermark; null moments are not late)."""
+    from pyspark.sql import functions as F
+
+    if watermark is None:
+        return F.lit(False)
+    micros = (watermark.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)
+    return F.coalesce(moment < F.expr(f"timestamp_micros({micros})"), F.lit(False))
+
+
+def _iso(moment: Column) -> Column:
+    """`moment` spelled as `iso` spells a watermark."""
+    from pyspark.sql import functions as F
+
+    text = F.date_format(moment, "yyyy-MM-dd'T'HH:mm:ss.SSSSSS")
+    return F.concat(F.regexp_replace(text, r"\.000000$", ""), F.lit("Z"))

@@ -1,0 +1,251 @@
+"""Event time: the watermark each batch leaves, and late records, against an oracle.
+
+Real Spark (the process's shared session), real Delta tables in `tmp_path`.
+Each batch is one hand-written JSON file whose records' event times are
+chosen so that the oracle below knows which are late: a record is late when
+its event time is before the watermark the batch before it left (the newest
+event time taken so far, minus the delay).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.ledger import OffsetLedger, RowStatus
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.rewind import rewind
+from spark_jobs.core.spec import load_spec
+from spark_jobs.errors import SpecError
+from tests.conftest import crash_at, run_cli, write_spec
+
+T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+DELAY = timedelta(minutes=10)
+
+
+def _spec(tmp_path: Path, late: str = "quarantine", **event_time) -> Path:
+    spec = {
+        "name": "timed",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "event_id STRING, user_id STRING, ts TIMESTAMP"},
+        "transform": "SELECT user_id, count(*) AS events, max(ts) AS last_ts FROM batch GROUP BY user_id",
+        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum", "last_ts": "max"}},
+        "checkpoint": "lake/_checkpoints/timed",
+        "event_time": {"column": "ts", "delay": "10 minutes", "late": late, **event_time},
+    }
+    return write_spec(tmp_path, spec)
+
+
+def _land(spec_path: Path, name: str, minutes: list[int | None], user: str = "u") -> list[dict]:
+    """One file of records at T0 + each minute (None: no event time), one user per record."""
+    records = [
+        {"event_id": f"{name}-{i}", "user_id": f"{user}{i % 3}", "ts": None if m is None else (T0 + timedelta(minutes=m)).isoformat()}
+        for i, m in enumerate(minutes)
+    ]
+    (spec_path.parent / "landing" / f"{name}.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+class Oracle:
+    """What the pipeline should hold: the taken records' counts per user, the
+    watermark after each batch, and the late records of each."""
+
+    def __init__(self, late: str) -> None:
+        self.policy = late
+        self.watermark: datetime | None = None
+        self.events: dict[str, int] = {}
+
+    def batch(self, records: list[dict]) -> tuple[int, list[dict]]:
+        late, taken = [], []
+        for r in records:
+            if r["ts"] is None:
+                continue  # quarantined: no event time
+            moment = datetime.fromisoformat(r["ts"])
+            if self.watermark is not None and moment < self.watermark:
+                late.append(r)
+                if self.policy != "accept":
+                    continue
+            taken.append(r)
+        for r in taken:
+            self.events[r["user_id"]] = self.events.get(r["user_id"], 0) + 1
+        newest = max((datetime.fromisoformat(r["ts"]) for r in taken), default=None)
+        if newest is not None:
+            self.watermark = max(w for w in (self.watermark, newest - DELAY) if w is not None)
+        return len(late), late
+
+
+def _run(spec_path: Path, compute, **options):
+    return run_batch(load_spec(spec_path), RunOptions(run_id="test", **options), compute_factory=compute)
+
+
+def _state(spec_path: Path) -> dict[str, int]:
+    rows = read_all(open_table(str(spec_path.parent / "lake/state"))).to_pylist()
+    return {r["user_id"]: r["events"] for r in rows}
+
+
+def _rows(spec_path: Path) -> list:
+    spec = load_spec(spec_path)
+    ledger = OffsetLedger(spec.ledger_path, spec.name)
+    return sorted((r for r in ledger.load().rows if r.status is not RowStatus.PLANNED), key=lambda r: (r.epoch, r.batch_id))
+
+
+def _quarantined(spec_path: Path) -> list[dict]:
+    table = open_table(str(spec_path.parent / "lake/_checkpoints/timed/quarantine"))
+    return [] if table is None else read_all(table).to_pylist()
+
+
+@pytest.mark.parametrize("late", ["quarantine", "drop", "accept"])
+def test_out_of_order_records_and_a_late_file_are_judged_by_the_watermark_before_them(tmp_path, compute, late):
+    spec_path = _spec(tmp_path, late)
+    oracle = Oracle(late)
+    waves = [
+        [30, 5, 20, 0, 25],  # out of order within the file; the first batch: nothing is late
+        [14, 21, 40, 19, 35],  # 14 and 19 are before 20 (30 - 10): late
+        [29, 31, 45, None],  # 29 is late against 30; a record with no event time
+        [],  # (no file: a run with nothing new leaves the watermark as it is)
+        [34, 36, 120],  # 34 late against 35
+    ]
+    for n, minutes in enumerate(waves):
+        if not minutes:
+            assert _run(spec_path, compute).status == "no_new_data"
+            continue
+        records = _land(spec_path, f"f{n}", minutes)
+        expected_late, _ = oracle.batch(records)
+        outcome = _run(spec_path, compute)
+        assert outcome.status == "committed", outcome.message
+        head = _rows(spec_path)[-1]
+        assert head.records_late == expected_late, (n, head.records_late, expected_late)
+        assert head.watermark == oracle.watermark, (n, head.watermark, oracle.watermark)
+    assert _state(spec_path) == oracle.events
+
+    reasons = sorted(r["reason"] for r in _quarantined(spec_path))
+    no_time = ["no event time: ts is null (event_time.column)"]
+    if late == "quarantine":
+        assert reasons == sorted([
+            "late: event time 2026-12-01T10:14:00Z is before the watermark 2026-12-01T10:20:00Z",
+            "late: event time 2026-12-01T10:19:00Z is before the watermark 2026-12-01T10:20:00Z",
+            "late: event time 2026-12-01T10:29:00Z is before the watermark 2026-12-01T10:30:00Z",
+            "late: event time 2026-12-01T10:34:00Z is before the watermark 2026-12-01T10:35:00Z",
+            *no_time,
+        ])
+        assert {r["line"] for r in _quarantined(spec_path) if r["reason"].startswith("late")} == {1, 4}
+    else:
+        assert reasons == no_time  # dropped or accepted: counted, not quarantined
+
+
+def test_a_replay_judges_against_the_same_watermark_and_leaves_the_same_one(tmp_path, compute):
+    """A run killed after its read (its late records counted) and the retry
+    that replays the planned range: one commit, the watermark the oracle says."""
+    spec_path = _spec(tmp_path)
+    oracle = Oracle("quarantine")
+    oracle.batch(_land(spec_path, "f0", [30, 0]))
+    assert _run(spec_path, compute).status == "committed"
+    expected_late, _ = oracle.batch(_land(spec_path, "f1", [5, 50]))
+    with crash_at("after_quarantine"):
+        _run(spec_path, compute)
+    # Newer records landing meanwhile must not move the watermark the replay judges against.
+    _land(spec_path, "f2", [90])
+    assert _run(spec_path, compute).status == "committed"
+    rows = _rows(spec_path)
+    assert [r.batch_id for r in rows] == [1, 2]
+    assert rows[-1].records_late == expected_late == 1 and rows[-1].watermark == oracle.watermark
+    assert len([r for r in _quarantined(spec_path) if r["reason"].startswith("late")]) == 1
+
+
+def test_a_rewind_carries_on_from_the_watermark_of_the_batch_it_returns_to(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    _land(spec_path, "f0", [30])  # watermark 10:20
+    assert _run(spec_path, compute).status == "committed"
+    _land(spec_path, "f1", [90])  # watermark 11:20
+    assert _run(spec_path, compute).status == "committed"
+    assert _rows(spec_path)[-1].watermark == T0 + timedelta(minutes=80)
+    rewind(load_spec(spec_path), 1, run_id="test")
+    head = _rows(spec_path)[-1]
+    assert head.status is RowStatus.REWOUND and head.watermark == T0 + timedelta(minutes=20)
+    # The replay of f1 after the rewind is judged against 10:20 again: 90 is not late.
+    _land(spec_path, "f2", [25, 15])  # 15 is late against 10:20, 25 is not
+    assert _run(spec_path, compute).status == "committed"
+    head = _rows(spec_path)[-1]
+    assert head.records_late == 1 and head.watermark == T0 + timedelta(minutes=80)
+
+
+def test_the_watermark_keeps_time_with_the_schedule_when_asked(tmp_path, compute):
+    """`advance_with_schedule`: the data interval's end minus the delay, once
+    later than the records'; never back."""
+    spec_path = _spec(tmp_path, advance_with_schedule=True)
+    end = T0 + timedelta(hours=2)
+
+    def land(name: str, minutes: list[int]) -> None:
+        _land(spec_path, name, minutes)  # arriving within the interval it is run for
+        os.utime(spec_path.parent / "landing" / f"{name}.json", (end.timestamp() - 60, end.timestamp() - 60))
+
+    land("f0", [0])
+    assert _run(spec_path, compute, interval_end=end).status == "committed"
+    assert _rows(spec_path)[-1].watermark == end - DELAY
+    land("f1", [60, 200])  # 60 is late against 11:50; 200 moves it to 13:10
+    assert _run(spec_path, compute, interval_end=end).status == "committed"
+    head = _rows(spec_path)[-1]
+    assert head.records_late == 1 and head.watermark == T0 + timedelta(minutes=190)
+
+
+def test_the_executors_judge_late_records_the_same(tmp_path, compute):
+    """`state_write: executors`: the rows and the quarantine written as files by Spark's tasks."""
+    spec_path = _spec(tmp_path)
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["engine"] = {"state_write": "executors"}
+    spec_path.write_text(yaml.safe_dump(spec))
+    oracle = Oracle("quarantine")
+    for n, minutes in enumerate([[30, 0], [5, 50, 19, None]]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+    head = _rows(spec_path)[-1]
+    assert (head.records_late, head.watermark, head.records_quarantined) == (2, oracle.watermark, 3)
+    assert _state(spec_path) == oracle.events
+
+
+@pytest.mark.parametrize(
+    ("event_time", "problem"),
+    [
+        ({"column": "when", "delay": "1 hour"}, "event_time.column 'when' is not a column of the source's records"),
+        ({"column": "user_id", "delay": "1 hour"}, "event_time.column 'user_id' is STRING: an event time is a TIMESTAMP or DATE column"),
+        ({"column": "ts", "delay": "an hour"}, "'an hour' is not a duration"),
+        ({"column": "ts", "delay": "1 hour", "late": "ignore"}, "event_time.late"),
+    ],
+)
+def test_a_bad_event_time_block_fails_before_any_write_naming_its_field(tmp_path, event_time, problem):
+    spec_path = _spec(tmp_path)
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["event_time"] = event_time
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SpecError) as caught:
+        load_spec(spec_path)
+    assert problem in str(caught.value)
+    assert not (tmp_path / "lake").exists()
+
+
+def test_the_cli_shows_the_watermark_and_the_late_records(tmp_path):
+    """What a user sees: each run's late count and watermark, `status`'s
+    watermark, `history`'s columns (a new process each, as a user runs them)."""
+    spec_path = _spec(tmp_path, late="drop")
+    _land(spec_path, "f0", [30, 0])
+    first = run_cli("run", str(spec_path))
+    assert first.returncode == 0, first.stderr
+    assert "event time: 0 late record(s); watermark 2026-12-01T10:20:00Z" in first.stdout
+    _land(spec_path, "f1", [5, 50, 19])
+    second = run_cli("run", str(spec_path), "--json")
+    assert second.returncode == 0, second.stderr
+    outcome = json.loads(second.stdout)
+    assert (outcome["records_late"], outcome["watermark"], outcome["records_quarantined"]) == (2, "2026-12-01T10:40:00+00:00", 0)
+    status = run_cli("status", str(spec_path))
+    assert "watermark: 2026-12-01T10:40:00Z (records before it are late: event_time.late drop)" in status.stdout, status.stdout
+    history = json.loads(run_cli("history", str(spec_path), "--json").stdout)
+    committed = [r for r in history if r["status"] == "committed"]
+    assert [(r["records_late"], r["watermark"]) for r in committed] == [
+        (0, "2026-12-01T10:20:00+00:00"),
+        (2, "2026-12-01T10:40:00+00:00"),
+    ]

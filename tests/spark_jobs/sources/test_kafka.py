@@ -40,7 +40,7 @@ from spark_jobs.core.faults import POINTS
 from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.spec import load_spec
-from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, exit_code
+from spark_jobs.errors import DataLossError, SourceChangedError, SourceError, SpecError, exit_code
 from spark_jobs.sources import kafka as kafka_source
 from spark_jobs.sources import make_source
 from spark_jobs.sources.base import Caps
@@ -530,6 +530,37 @@ def test_text_format_and_null_values(kafka, topic, tmp_path, compute):
     reasons = dict(zip(quarantine.column("line").to_pylist(), quarantine.column("reason").to_pylist()))
     assert set(quarantine.column("file").to_pylist()) == {f"kafka://{topic}/0"}
     assert "no value" in reasons[2] and "not valid UTF-8" in reasons[3]
+
+
+def test_event_time_judges_kafka_records_by_the_watermark_before_them(kafka, topic, tmp_path, compute):
+    """Event time over Kafka (records numbered by partition and offset): a
+    record older than the watermark the batch before left goes to the
+    quarantine, named by its partition and offset. Of the columns Kafka adds,
+    only `_kafka_timestamp` can be an event time: `_kafka_key` is refused."""
+    start = datetime(2026, 12, 1, 10, 0, tzinfo=timezone.utc)
+
+    def at(minutes: list[int]) -> list[str]:
+        return [json.dumps({"event_id": f"m{m}", "user_id": "u0", "amount_cents": m, "ts": (start + timedelta(minutes=m)).isoformat()}) for m in minutes]
+
+    path = spec_file(tmp_path, kafka, topic, schema="event_id STRING, user_id STRING, amount_cents BIGINT, ts TIMESTAMP")
+    spec = yaml.safe_load(path.read_text())
+    spec["event_time"] = {"column": "ts", "delay": "10 minutes"}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    produce(kafka, topic, at([30, 0, 25]), partition_of=lambda i: 0)
+    assert run(path, compute) == "committed"  # watermark 10:20
+    produce(kafka, topic, at([15, 40]), partition_of=lambda i: 0)  # 15 is late
+    assert run(path, compute) == "committed"  # watermark 10:30
+    rows = sorted((r for r in OffsetLedger(str(tmp_path / "checkpoint" / "offsets"), "kclicks").load().rows if r.status == "committed"), key=lambda r: r.batch_id)
+    assert [(r.records_late, r.watermark) for r in rows] == [(0, start + timedelta(minutes=20)), (1, start + timedelta(minutes=30))]
+    (late,) = read_all(DeltaTable(str(tmp_path / "checkpoint" / "quarantine"))).to_pylist()
+    assert (late["file"], late["line"]) == (f"kafka://{topic}/0", 3)
+    assert late["reason"] == "late: event time 2026-12-01T10:15:00Z is before the watermark 2026-12-01T10:20:00Z"
+    state = read_all(DeltaTable(str(tmp_path / "state"))).to_pylist()
+    assert [(r["events"], r["cents"]) for r in state] == [(4, 30 + 0 + 25 + 40)]
+    spec["event_time"] = {"column": "_kafka_key", "delay": "1 hour"}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SpecError, match="event_time.column '_kafka_key' is STRING"):
+        load_spec(path)
 
 
 def test_a_broker_down_mid_life_fails_retryably_with_nothing_written(tmp_path, topic, compute):

@@ -101,6 +101,19 @@ def top_users(spec_file: Path, n: int = 5) -> None:
     Console(width=120).print(table)
 
 
+def event_time(work: Path, landing: str) -> None:
+    """Act 5: the windowed example over the clicks landed so far, then a file of late clicks."""
+    banner("5. Event time: clicks per user per hour, a watermark, a late file")
+    windowed = work / WINDOWED.name
+    shutil.copy(WINDOWED, windowed)
+    cli("run", str(windowed))
+    cli("status", str(windowed))
+    late = write_wave(landing, 1, files=1, records_per_file=200, users=2000, seed=99)
+    print(f"landed {late[0].name}: 200 clicks of hour 1, older than the watermark: late")
+    cli("run", str(windowed))
+    check_late(windowed, late[0], expected=200)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=str(ROOT / ".demo"), help="scratch folder (recreated)")
@@ -147,15 +160,7 @@ def main() -> None:
     top_users(spec_file)
     check_exact(spec_file)
 
-    banner("5. Event time: clicks per user per hour, a watermark, a late file")
-    windowed = work / WINDOWED.name
-    shutil.copy(WINDOWED, windowed)
-    cli("run", str(windowed))
-    cli("status", str(windowed))
-    late = write_wave(landing, 1, files=1, records_per_file=200, users=2000, seed=99)
-    print(f"landed {late[0].name}: 200 clicks of hour 1, older than the watermark: late")
-    cli("run", str(windowed))
-    check_late(windowed, late[0], expected=200)
+    event_time(work, landing)
     print(f"\ndemo done. Explore: .venv/bin/microbatch status {spec_file}")
 
 

@@ -56,6 +56,8 @@ def live(tmp_path_factory, shared_connect):
     console["state"]["path"] = "lake/console"
     console["checkpoint"] = "lake/_checkpoints/console"
     console["engine"] = {"master": shared_connect}
+    # Event time (accepted when late: the batches and the quarantine stay what the console's tests count).
+    console["event_time"] = {"column": "ts", "delay": "10 minutes", "late": "accept"}
     write_spec(pipelines, console, "console_clicks.yaml")
     stopped = oracle_spec_dict(name="stopped_clicks", airflow={"retries": 0})
     stopped["source"]["path"] = "landing_stopped"
@@ -577,6 +579,10 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             shown = replay.committed_at.astimezone(ZoneInfo("Asia/Kolkata")).strftime("%Y-%m-%d %H:%M:%S")
             assert f"committed {shown}" in details.inner_text()
             assert details.locator("ul.inputs li").count() == 1 and ".json" in details.locator("ul.inputs li").inner_text()
+            # Event time: the batch's late count and the watermark it left; the pipeline's watermark.
+            watermark = replay.watermark.astimezone(ZoneInfo("Asia/Kolkata")).strftime("%Y-%m-%d %H:%M:%S")
+            assert details.locator(".event-time").inner_text() == f"event time: 0 late record(s); watermark after it {watermark}"
+            assert f"event time: watermark {watermark} (older records: accept)" in page.locator("#detail-source").inner_text()
             log = details.locator("a", has_text="task log").get_attribute("href")
             assert log == f"{base}/dags/console_clicks/runs/{quote(replay.run_id)}/tasks/run_batch?try_number=1"
             page.screenshot(path=str(shots / "console.png"), full_page=True)

@@ -12,15 +12,20 @@ says "records older than this are not expected any more":
    counted. A record without an event time is quarantined: it cannot be
    placed in time. The first batch has no watermark: nothing is late.
 2. After N, the watermark is ``max(W_in, newest accepted event time -
-   delay)`` and, with `advance_with_schedule`, also at least the data
-   interval's end minus the delay (a quiet source's watermark keeps time with
-   the schedule). It never moves back.
+   delay)`` and, with `advance_with_schedule`, also at least the planned
+   data interval's end minus the delay when N took everything that waited
+   (a batch capped by `batch.max_files` leaves records that arrived in time
+   for later batches: those must not find the watermark moved past them).
+   It never moves back: a batch made without `event_time` (the block taken
+   out of the spec for a while) carries the watermark on unchanged.
 3. It is recorded in N's state commit metadata and so in N's ledger row
    (`BatchRecord.watermark`), with the count of late records
    (`records_late`): in the batch's atomic commit. A replay of N judges
    against the same ``W_in`` (the head did not move) over the same planned
-   range, and so computes the same watermark; a rewind to batch K records
-   K's watermark in its own row, so the pipeline carries on from it.
+   range, under the `event_time` block N was planned with (a replay under
+   another is refused: the first attempt may have quarantined by it), and
+   so computes the same watermark; a rewind to batch K records K's
+   watermark in its own row, so the pipeline carries on from it.
 
 Both values come from the planned row and the range, never from the clock,
 which is what makes a replay, a retry or a backfill judge every record the
@@ -35,12 +40,14 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
+from spark_jobs.errors import SpecChangedError
+
 if TYPE_CHECKING:
     from spark_jobs.core.ledger import LedgerRow
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange
 
-__all__ = ["iso", "judged_against", "watermark_after"]
+__all__ = ["check_replay", "iso", "judged_against", "watermark_after"]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -51,18 +58,45 @@ def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None
     return replace(batch, watermark=head.watermark if head is not None else None)
 
 
-def watermark_after(
-    spec: PipelineSpec, watermark_in: datetime | None, newest: datetime | None, interval_end: datetime | None
-) -> datetime | None:
-    """The watermark after a batch whose newest accepted event time was
-    `newest` (None: no record with one): step 2 of the module docstring."""
+def watermark_after(spec: PipelineSpec, watermark_in: datetime | None, newest: datetime | None, plan: LedgerRow) -> datetime | None:
+    """The watermark after the batch `plan` planned, whose newest accepted
+    event time was `newest` (None: no record with one), from the head's
+    `watermark_in`: step 2 of the module docstring."""
     if spec.event_time is None:
-        return None
+        return watermark_in
     delay = timedelta(seconds=spec.event_time.delay_seconds)
-    candidates = [w for w in (watermark_in, newest - delay if newest is not None else None) if w is not None]
-    if spec.event_time.advance_with_schedule and interval_end is not None:
-        candidates.append(_utc(interval_end) - delay)
-    return max(candidates) if candidates else None
+    candidates = [watermark_in, _less(newest, delay)]
+    if spec.event_time.advance_with_schedule and plan.interval_end is not None and plan.waiting_after == 0:
+        candidates.append(_less(_utc(plan.interval_end), delay))
+    found = [w for w in candidates if w is not None]
+    return max(found) if found else None
+
+
+def check_replay(spec: PipelineSpec, planned: LedgerRow) -> None:
+    """A replay of `planned` judges its records as its first attempt did,
+    which may have written its quarantine: under the same `event_time`."""
+    then = ((planned.spec or {}).get("fields") or {}).get("event_time")
+    now = spec.event_time.model_dump() if spec.event_time is not None else None
+    if (planned.spec or {}).get("format") and then != now:
+        raise SpecChangedError(
+            f"pipeline {spec.name}: {planned.position} was planned with event_time {then} and the spec now says "
+            f"{now}. An earlier attempt at it may have quarantined its late records already, so it is replayed "
+            "only as it was planned: put the event_time block back as it was until that batch commits, then "
+            "change it (the next batch is judged by the new one).",
+            pipeline=spec.name,
+            path=spec.spec_path,
+            position=planned.position,
+        )
+
+
+def _less(moment: datetime | None, delay: timedelta) -> datetime | None:
+    """`moment` less `delay`, or None when that is before year 1 (nothing is older)."""
+    if moment is None:
+        return None
+    try:
+        return moment - delay
+    except OverflowError:
+        return None
 
 
 def iso(moment: datetime) -> str:

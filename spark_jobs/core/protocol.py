@@ -115,7 +115,7 @@ from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commi
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.core.event_time import judged_against, watermark_after
+from spark_jobs.core.event_time import check_replay, judged_against, watermark_after
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.folding import is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
@@ -329,6 +329,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
     row = view.planned(n)
     if row is not None:
         batch = pipeline.batch(row)
+        check_replay(spec, row)
         pipeline.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:
@@ -380,6 +381,7 @@ def _record_plan(
     view = pipeline.ledger.load()
     theirs = view.planned(n)
     if theirs is not None:
+        check_replay(spec, theirs)
         return view, theirs, pipeline.batch(theirs)
     if view.position >= n:
         return Done(Outcome.ALREADY_COMMITTED, moved_past(n, view.position), n, batch)
@@ -569,8 +571,8 @@ def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, option
             "records_in": processed.records_in,
             "records_quarantined": processed.records_quarantined,
             "duration_ms": int((time.monotonic() - started) * 1000),
-            # (The plan's interval, not this run's: a replay advances it the same.)
-            "watermark": watermark_after(pipeline.spec, plan.batch.watermark, processed.newest_event_time, plan.row.interval_end),
+            # (From the head's and the plan's interval, not this run's: a replay leaves the same.)
+            "watermark": watermark_after(pipeline.spec, plan.view.head.watermark if plan.view.head else None, processed.newest_event_time, plan.row),
             "records_late": processed.records_late,
         },
         kind=CommitKind.BATCH,

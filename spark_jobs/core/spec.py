@@ -478,12 +478,20 @@ _UNIT_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 
 EVENT_TIME_TYPES = ("TIMESTAMP", "TIMESTAMP_NTZ", "DATE")
 
 
+#: The longest duration an `event_time` block takes (a watermark that far
+#: behind judges nothing late; longer ones overflow a date).
+_LONGEST_DAYS = 36_500
+
+
 def duration_seconds(text: str) -> float:
     """Seconds of a duration such as ``90 seconds``, ``10 minutes`` or ``1.5 hours``."""
     found = _DURATION.match(text)
     if not found:
         raise ValueError(f"{text!r} is not a duration: write a number and a unit, e.g. '10 minutes' or '2 hours' (units: seconds, minutes, hours, days, weeks)")
-    return float(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()]
+    seconds = float(found.group(1)) * _UNIT_SECONDS[found.group(2).lower()]
+    if seconds > _LONGEST_DAYS * 86400:
+        raise ValueError(f"{text!r} is longer than {_LONGEST_DAYS:,} days: no watermark that far behind judges anything late (leave event_time out instead)")
+    return seconds
 
 
 class EventTimeSpec(_Model):
@@ -629,10 +637,7 @@ class PipelineSpec(_Model):
             return self
         column = self.event_time.column
         if isinstance(self.source, DeltaSourceSpec):
-            raise ValueError(
-                "event_time is not available for a Delta source yet: its late rows have no place in the "
-                "quarantine (files and Kafka sources have it; docs/spec.md, \"Event time\")"
-            )
+            return self  # (its columns are the upstream table's: checked when a batch is planned)
         types = {f.name: f.type for f in self.source.fields}
         if isinstance(self.source, KafkaSourceSpec):
             types.update(KAFKA_COLUMN_TYPES)
@@ -768,6 +773,9 @@ def _describe(error: dict[str, Any], lines: Mapping[tuple[str, ...], int]) -> st
         loc = loc + ("type",)
     elif kind == "literal_error" and field == "source.type":
         message = f"{error.get('input')!r} is not a source type; use files, delta or kafka"
+    elif not loc and (named := re.match(r"(event_time\.[a-z_]+) ", message)):
+        # A check across fields (`PipelineSpec`'s) names the field it is about first: placed there.
+        loc, message = tuple(named.group(1).split(".")), message[named.end():]
     return _at(lines, loc, message)
 
 

@@ -9,7 +9,10 @@ two forms the reads give them (`spark_jobs.engine.spark_compute`):
   under `late: quarantine`, and a record without an event time gets its own;
 * natively read rows: such rows mark their file suspect, and a suspect file is
   read again by line, where the reasons are given (late records are rare, and
-  the quarantine names each by file and line).
+  the quarantine names each by file and line);
+* a Delta source's rows (`versions`): typed, none failed; they get the
+  columns of numbered records, the upstream's version for a place and the
+  row as JSON for its text, and are then marked as those are.
 
 Either way the `LATE` column marks the late records, whatever the policy:
 `split_terms` counts them and takes the newest event time among the records
@@ -23,15 +26,17 @@ from typing import TYPE_CHECKING
 
 from spark_jobs.core.event_time import iso
 from spark_jobs.core.sql_text import spark_identifier
+from spark_jobs.errors import SpecError
 from spark_jobs.engine import native_read
-from spark_jobs.engine.parse import REASON
+from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import Column, DataFrame
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["LATE", "as_datetime", "native", "numbered", "split_terms"]
+__all__ = ["LATE", "as_datetime", "check_column", "native", "numbered", "split_terms", "versions"]
 
 #: Marks a valid record older than the batch's watermark.
 LATE = "__late"
@@ -73,6 +78,42 @@ def native(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> D
     return marked.withColumn(native_read.SUSPECT, suspect)
 
 
+def versions(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None, table: str, span: str) -> DataFrame:
+    """A Delta source's rows as records numbered by line, marked (`numbered`):
+    a quarantined row is placed at `table`'s version (``<table>@v<version>``;
+    `span`, the batch's versions, where the rows do not say theirs) and
+    kept as JSON."""
+    from pyspark.sql import functions as F
+
+    version = F.col("_commit_version").cast("string") if "_commit_version" in rows.columns else F.lit(span)
+    framed = rows.select(
+        "*",
+        F.concat(F.lit(f"{table}@v"), version).alias(FILE),
+        F.lit(None).cast("long").alias(LINE),
+        F.to_json(F.struct(*[F.col(spark_identifier(c)) for c in rows.columns])).alias(RAW),
+        F.lit(None).cast("string").alias(REASON),
+        F.lit(MAX_RAW_CHARS).alias(KEEP),
+    )
+    return numbered(framed, spec, watermark)
+
+
+def check_column(spec: PipelineSpec, columns: pa.Schema, where: str) -> None:
+    """A Delta source's event time must be a timestamp or date column of the
+    batch's rows (known only from the upstream's table): else the run stops
+    before any write, naming the field."""
+    import pyarrow as pa
+
+    assert spec.event_time is not None
+    name = spec.event_time.column
+    if name not in columns.names:
+        problem = f"event_time.column {name!r} is not a column of the source table {where} (its columns: {', '.join(columns.names)})"
+    elif not (pa.types.is_timestamp(columns.field(name).type) or pa.types.is_date(columns.field(name).type)):
+        problem = f"event_time.column {name!r} is {columns.field(name).type} in the source table {where}: an event time is a TIMESTAMP or DATE column"
+    else:
+        return
+    raise SpecError(spec.spec_path, [problem])
+
+
 def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]]:
     """For a spec with event time: which rows the transform gets (`valid`,
     less the late ones under `late: drop`) and the metrics observed over all
@@ -91,8 +132,14 @@ def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]
 
 
 def as_datetime(micros: int | None) -> datetime | None:
-    """The newest event time as observed (microseconds since the epoch, UTC)."""
-    return None if micros is None else _EPOCH + timedelta(microseconds=micros)
+    """The newest event time as observed (microseconds since the epoch, UTC),
+    no later than Python's last moment."""
+    if micros is None:
+        return None
+    try:
+        return _EPOCH + timedelta(microseconds=micros)
+    except OverflowError:  # past year 9999, which Spark holds and Python does not
+        return datetime.max.replace(tzinfo=UTC)
 
 
 def _moment(spec: PipelineSpec) -> Column:

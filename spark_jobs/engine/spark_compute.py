@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import unquote, urlparse
 from weakref import WeakKeyDictionary
 
@@ -238,7 +238,10 @@ class SparkCompute:
         """
         reader = _reader_of(spec, batch)
         if reader.columns_on_driver is not None:
-            empty = delta_read.arrow_frame(self.spark, reader.columns_on_driver(spec, batch.manifest).empty_table())
+            columns = reader.columns_on_driver(spec, batch.manifest)
+            if spec.event_time is not None:
+                event_marks.check_column(spec, columns, batch.manifest.uri)
+            empty = delta_read.arrow_frame(self.spark, columns.empty_table())
             _check_result(spec, self._transform(spec, empty).schema)
             return
         checked = _CHECKED.setdefault(self.spark, set())
@@ -264,7 +267,7 @@ class SparkCompute:
     def _process(self, spec: PipelineSpec, batch: BatchRange, alongside: bool, out: Out | None) -> ComputeResult:
         reader = _reader_of(spec, batch)
         if reader.read_on_driver is not None:
-            return reader.read_on_driver(self, spec, batch.manifest, out)
+            return reader.read_on_driver(self, spec, batch, out)
         first = self._take_first(batch)
 
         def run() -> ComputeResult:
@@ -552,16 +555,20 @@ class SparkCompute:
         )
         return bad.toArrow().cast(QUARANTINE_COLUMNS)
 
-    def _process_versions(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
+    def _process_versions(self, spec: PipelineSpec, batch: BatchRange, out: Out | None) -> ComputeResult:
         """A Delta source's batch: its rows come typed, so nothing is
-        quarantined. Read by the driver, or by Spark (`source.reader`): see
+        quarantined (but, with event time, what `_timed_versions` judges).
+        Read by the driver, or by Spark (`source.reader`): see
         `spark_jobs.engine.delta_read`."""
+        manifest = cast(DeltaManifest, batch.manifest)
         if manifest.reader_for(spec.source.reader) == "spark":
-            return self._versions_by_spark(spec, manifest, out)
+            return self._versions_by_spark(spec, batch, out)
         try:
             rows = delta_read.read_versions(manifest)
         except Exception as exc:
             raise _unreadable_versions(spec, manifest, exc) from exc
+        if spec.event_time is not None:
+            return self._timed_versions(spec, batch, delta_read.arrow_frame(self.spark, rows), out)
         result = self._transform(spec, delta_read.arrow_frame(self.spark, rows))
         if out is None:
             return self._result(spec, result.toArrow(), {"records": rows.num_rows}, None)
@@ -569,14 +576,17 @@ class SparkCompute:
         written = job.toArrow()
         return self._result(spec, written, {"records": rows.num_rows, **self._written_metrics(job, result, spec, out)}, out)
 
-    def _versions_by_spark(self, spec: PipelineSpec, manifest: DeltaManifest, out: Out | None) -> ComputeResult:
+    def _versions_by_spark(self, spec: PipelineSpec, batch: BatchRange, out: Out | None) -> ComputeResult:
         """The versions read by delta-spark on the executors, transformed in
         the same job, their rows counted as it runs (observed metrics)."""
         from pyspark.sql import functions as F
 
+        manifest = cast(DeltaManifest, batch.manifest)
         log.info("versions %d..%d of %s read by delta-spark on the executors", manifest.first, manifest.last, manifest.uri)
         try:
             rows = delta_read.spark_versions(self.spark, manifest)
+            if spec.event_time is not None:
+                return self._timed_versions(spec, batch, rows, out)
             split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
             query = self._query(spec, rows, split)
             updates, seen = self._execute(query, spec, out)
@@ -587,6 +597,20 @@ class SparkCompute:
                 raise _delta_spark_missing(spec) from exc
             raise _unreadable_versions(spec, manifest, exc) from exc
         return self._result(spec, updates, seen, out)
+
+    def _timed_versions(self, spec: PipelineSpec, batch: BatchRange, rows: DataFrame, out: Out | None) -> ComputeResult:
+        """A Delta source's rows judged by event time (`event_marks.versions`):
+        the late ones and those without an event time quarantined (each at its
+        upstream version, as JSON), dropped or accepted as from any source,
+        counted by the job that transforms them."""
+        from pyspark.sql import functions as F
+
+        manifest = cast(DeltaManifest, batch.manifest)
+        fields = [F.col(spark_identifier(c)) for c in rows.columns]
+        marked = event_marks.versions(rows, spec, batch.watermark, manifest.uri, f"{manifest.first}..{manifest.last}")
+        valid, timed = event_marks.split_terms(spec, F.col(REASON).isNull())
+        split = _Split(valid, [F.count(F.lit(1)).alias("records"), F.count(REASON).alias("bad"), *timed], fields)
+        return self._numbered_result(spec, self._query(spec, marked, split), marked, out)
 
     # -- internals ------------------------------------------------------------
 
@@ -837,7 +861,7 @@ class _Reader:
     first_read: Callable[[SparkCompute, PipelineSpec, BatchRange, bool], _FirstRead] | None = None
     explain: Callable[[PipelineSpec, Any, Exception], Exception] = lambda spec, manifest, exc: exc
     as_planned: Callable[[ComputeResult, Any], ComputeResult] = lambda result, manifest: result
-    read_on_driver: Callable[[SparkCompute, PipelineSpec, Any, Out | None], ComputeResult] | None = None
+    read_on_driver: Callable[[SparkCompute, PipelineSpec, BatchRange, Out | None], ComputeResult] | None = None
     columns_on_driver: Callable[[PipelineSpec, Any], pa.Schema] | None = None
 
 

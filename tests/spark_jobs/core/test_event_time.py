@@ -22,7 +22,7 @@ from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
-from spark_jobs.errors import SpecError
+from spark_jobs.errors import SpecChangedError, SpecError
 from tests.conftest import crash_at, run_cli, write_spec
 
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
@@ -211,9 +211,10 @@ def test_the_executors_judge_late_records_the_same(tmp_path, compute):
 @pytest.mark.parametrize(
     ("event_time", "problem"),
     [
-        ({"column": "when", "delay": "1 hour"}, "event_time.column 'when' is not a column of the source's records"),
-        ({"column": "user_id", "delay": "1 hour"}, "event_time.column 'user_id' is STRING: an event time is a TIMESTAMP or DATE column"),
-        ({"column": "ts", "delay": "an hour"}, "'an hour' is not a duration"),
+        ({"column": "when", "delay": "1 hour"}, "line 18, field `event_time.column`: 'when' is not a column of the source's records"),
+        ({"column": "user_id", "delay": "1 hour"}, "field `event_time.column`: 'user_id' is STRING: an event time is a TIMESTAMP or DATE column"),
+        ({"column": "ts", "delay": "an hour"}, "field `event_time.delay`: 'an hour' is not a duration"),
+        ({"column": "ts", "delay": "1000000 days"}, "'1000000 days' is longer than 36,500 days"),
         ({"column": "ts", "delay": "1 hour", "late": "ignore"}, "event_time.late"),
     ],
 )
@@ -249,3 +250,112 @@ def test_the_cli_shows_the_watermark_and_the_late_records(tmp_path):
         (0, "2026-12-01T10:20:00+00:00"),
         (2, "2026-12-01T10:40:00+00:00"),
     ]
+
+
+@pytest.mark.parametrize(("reader", "read"), [("driver", "appends"), ("spark", "changes")])
+def test_a_delta_source_quarantines_its_late_rows_at_their_version(tmp_path, compute, reader, read):
+    """A Delta table's rows judged by event time, read by the driver or by
+    delta-spark: a late row goes to the quarantine as JSON, placed at its
+    upstream version (the batch's versions when the rows do not say theirs)."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    upstream = tmp_path / "upstream"
+
+    def append(minutes: list[int]) -> None:
+        moments = [T0 + timedelta(minutes=m) for m in minutes]
+        rows = pa.table({"user_id": [f"u{m % 2}" for m in minutes], "at": pa.array(moments, pa.timestamp("us", tz="UTC"))})
+        write_deltalake(str(upstream), rows, mode="append", configuration={"delta.enableChangeDataFeed": "true"})
+
+    append([30, 0])  # version 0
+    spec = {
+        "name": "timed",
+        "source": {"type": "delta", "path": "upstream", "read": read, "reader": reader},
+        "transform": "SELECT user_id, count(*) AS events FROM batch GROUP BY user_id",
+        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum"}},
+        "checkpoint": "lake/_checkpoints/timed",
+        "event_time": {"column": "at", "delay": "10 minutes"},
+    }
+    spec_path = tmp_path / "pipeline.yaml"
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert _run(spec_path, compute).status == "committed"  # watermark 10:20
+    append([5, 50])  # version 1: 5 is late
+    assert _run(spec_path, compute).status == "committed"
+    head = _rows(spec_path)[-1]
+    assert (head.records_late, head.watermark, head.records_quarantined) == (1, T0 + timedelta(minutes=40), 1)
+    (late,) = _quarantined(spec_path)
+    assert late["file"] == f"{upstream.resolve()}@v1" if read == "changes" else late["file"].endswith("@v1..1")
+    assert late["reason"] == "late: event time 2026-12-01T10:05:00Z is before the watermark 2026-12-01T10:20:00Z"
+    assert json.loads(late["raw"])["user_id"] == "u1"
+    assert _state(spec_path) == {"u0": 3}  # 30, 0 and 50; 5 (u1) is late
+    spec["event_time"]["column"] = "user_id"
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    append([60])
+    with pytest.raises(SpecError, match="event_time.column 'user_id' is string in the source table"):
+        _run(spec_path, compute)
+    assert _rows(spec_path)[-1].batch_id == 2  # nothing planned
+
+
+def test_the_schedule_moves_the_watermark_only_past_a_batch_that_took_everything_waiting(tmp_path, compute):
+    """Files that arrived within the delay, taken one a batch (`max_files`):
+    none is late, and the interval's end counts once nothing waits."""
+    spec_path = _spec(tmp_path, advance_with_schedule=True)
+    end = T0 + timedelta(hours=2, minutes=30)
+    for n, minutes in enumerate([0, 60, 120]):
+        _land(spec_path, f"f{n}", [minutes])
+        arrived = (T0 + timedelta(minutes=minutes + 5)).timestamp()
+        os.utime(spec_path.parent / "landing" / f"f{n}.json", (arrived, arrived))
+    for _ in range(3):
+        assert _run(spec_path, compute, interval_end=end, max_files=1).status == "committed"
+    rows = _rows(spec_path)
+    assert [r.records_late for r in rows] == [0, 0, 0]
+    assert [r.watermark for r in rows] == [T0 - DELAY, T0 + timedelta(minutes=50), end - DELAY]
+
+
+def test_a_batch_without_event_time_carries_the_watermark_on(tmp_path, compute):
+    """The block taken out for a batch and put back: the watermark never moves back."""
+    spec_path = _spec(tmp_path)
+    timed = spec_path.read_text()
+    _land(spec_path, "f0", [60])  # 10:50
+    assert _run(spec_path, compute).status == "committed"
+    plain = yaml.safe_load(timed)
+    del plain["event_time"]
+    spec_path.write_text(yaml.safe_dump(plain))
+    _land(spec_path, "f1", [0])
+    assert _run(spec_path, compute).status == "committed"
+    assert (_rows(spec_path)[-1].watermark, _rows(spec_path)[-1].records_late) == (T0 + timedelta(minutes=50), None)
+    spec_path.write_text(timed)
+    _land(spec_path, "f2", [45, 55])  # 45 is late against 10:50
+    assert _run(spec_path, compute).status == "committed"
+    head = _rows(spec_path)[-1]
+    assert (head.records_late, head.watermark) == (1, T0 + timedelta(minutes=50))
+
+
+def test_a_replay_under_another_event_time_block_is_refused_until_it_is_put_back(tmp_path, compute):
+    """Its first attempt quarantined a late record: a replay accepting it would
+    count it in the state as well."""
+    spec_path = _spec(tmp_path)
+    timed = spec_path.read_text()
+    _land(spec_path, "f0", [30])
+    assert _run(spec_path, compute).status == "committed"
+    _land(spec_path, "f1", [5, 40])
+    with crash_at("after_quarantine"):
+        _run(spec_path, compute)
+    spec_path.write_text(timed.replace("late: quarantine", "late: accept"))
+    with pytest.raises(SpecChangedError, match="was planned with event_time"):
+        _run(spec_path, compute)
+    spec_path.write_text(timed)
+    assert _run(spec_path, compute).status == "committed"
+    assert len(_quarantined(spec_path)) == 1 and _state(spec_path) == {"u0": 1, "u1": 1}  # 30 and 40; 5 late
+
+
+def test_event_times_at_the_ends_of_the_calendar(tmp_path, compute):
+    """Year 1 (a placeholder some producers write) less the delay is no
+    watermark at all; a later batch moves it as usual."""
+    spec_path = _spec(tmp_path)
+    (spec_path.parent / "landing" / "f0.json").write_text('{"event_id": "e0", "user_id": "u0", "ts": "0001-01-01T00:00:00Z"}\n')
+    assert _run(spec_path, compute).status == "committed"
+    assert _rows(spec_path)[-1].watermark is None
+    _land(spec_path, "f1", [30])
+    assert _run(spec_path, compute).status == "committed"
+    assert _rows(spec_path)[-1].watermark == T0 + timedelta(minutes=20)

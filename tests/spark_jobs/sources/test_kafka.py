@@ -559,7 +559,7 @@ def test_event_time_judges_kafka_records_by_the_watermark_before_them(kafka, top
     assert [(r["events"], r["cents"]) for r in state] == [(4, 30 + 0 + 25 + 40)]
     spec["event_time"] = {"column": "_kafka_key", "delay": "1 hour"}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    with pytest.raises(SpecError, match="event_time.column '_kafka_key' is STRING"):
+    with pytest.raises(SpecError, match="field `event_time.column`: '_kafka_key' is STRING"):
         load_spec(path)
 
 

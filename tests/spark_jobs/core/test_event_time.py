@@ -18,12 +18,13 @@ import pytest
 import yaml
 
 from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.faults import POINTS
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.errors import SpecChangedError, SpecError
-from tests.conftest import crash_at, run_cli, write_spec
+from tests.conftest import crash_at, reach, run_cli, write_spec
 
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
 DELAY = timedelta(minutes=10)
@@ -359,3 +360,29 @@ def test_event_times_at_the_ends_of_the_calendar(tmp_path, compute):
     _land(spec_path, "f1", [30])
     assert _run(spec_path, compute).status == "committed"
     assert _rows(spec_path)[-1].watermark == T0 + timedelta(minutes=20)
+
+
+@pytest.mark.slow
+def test_a_kill_at_every_point_leaves_the_watermark_and_the_late_records_the_oracle_says(tmp_path, compute):
+    """Soak: a batch with late records and one without an event time, killed
+    at each point of the protocol in turn, then run again: every batch's
+    watermark and late count, the quarantine and the state are the oracle's."""
+    spec_path = _spec(tmp_path)
+    oracle = Oracle("quarantine")
+    oracle.batch(_land(spec_path, "f0", [30, 0]))
+    assert _run(spec_path, compute).status == "committed"
+    expected = []
+    for n, point in enumerate(POINTS, start=1):
+        base = 30 + 10 * n
+        late, _ = oracle.batch(_land(spec_path, f"f{n}", [base, base - 25, None, base - 5]))  # base - 25 is late
+        expected.append((late, oracle.watermark))
+        reach(point, spec_path)
+        with crash_at(point):
+            _run(spec_path, compute)
+        # The next run redoes the batch, or (a kill after the state commit) completes it.
+        assert _run(spec_path, compute).status in ("committed", "no_new_data")
+    rows = [r for r in _rows(spec_path) if r.batch_id > 1]
+    assert [(r.records_late, r.watermark) for r in rows] == expected
+    quarantined = _quarantined(spec_path)
+    assert sorted(r["reason"][:4] for r in quarantined) == sorted(["late", "no e"] * len(POINTS))
+    assert _state(spec_path) == oracle.events

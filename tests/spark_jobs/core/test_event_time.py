@@ -386,3 +386,21 @@ def test_a_kill_at_every_point_leaves_the_watermark_and_the_late_records_the_ora
     quarantined = _quarantined(spec_path)
     assert sorted(r["reason"][:4] for r in quarantined) == sorted(["late", "no e"] * len(POINTS))
     assert _state(spec_path) == oracle.events
+
+
+def test_a_catch_up_judges_each_batch_by_the_watermark_the_one_before_left(tmp_path, compute):
+    """Batches back to back in one process (`--catch-up`), one file each: no
+    read made ahead judges a batch against a watermark not yet left."""
+    from spark_jobs.core.catch_up import catch_up
+
+    spec_path = _spec(tmp_path)
+    oracle = Oracle("quarantine")
+    expected = []
+    for n, minutes in enumerate([[30], [15, 45], [30, 70], [55, 90]]):  # 15, 30 and 55 are late in turn
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        expected.append(oracle.watermark)
+    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="catch-up", max_files=1), compute)
+    assert [o.status for o in outcomes][:4] == ["committed"] * 4
+    rows = _rows(spec_path)
+    assert [(r.records_late, r.watermark) for r in rows] == list(zip([0, 1, 1, 1], expected))
+    assert _state(spec_path) == oracle.events

@@ -45,15 +45,16 @@ LATE_METRIC, NEWEST_METRIC = "late", "newest_event_micros"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> DataFrame:
+def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None, judged: Column | None = None) -> DataFrame:
     """Records numbered by line (`REASON` marks the failed), late ones marked;
     under `late: quarantine` they fail with the reason that names their event
-    time, and so does a valid record with no event time (always)."""
+    time, and so does a valid record with no event time (always). Only the
+    records `judged` says are judged at all (default: every one)."""
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
     moment = _moment(spec)
-    valid = F.col(REASON).isNull()
+    valid = F.col(REASON).isNull() if judged is None else F.col(REASON).isNull() & judged
     marked = parsed.withColumn(LATE, valid & _older(moment, watermark))
     reason = F.when(valid & moment.isNull(), F.lit(f"no event time: {spec.event_time.column} is null (event_time.column)"))
     if spec.event_time.late == "quarantine" and watermark is not None:
@@ -82,7 +83,13 @@ def versions(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None, ta
     """A Delta source's rows as records numbered by line, marked (`numbered`):
     a quarantined row is placed at `table`'s version (``<table>@v<version>``;
     `span`, the batch's versions, where the rows do not say theirs) and
-    kept as JSON."""
+    kept as JSON.
+
+    Of a change feed's rows only inserts are judged: an update's pre-image
+    and a delete take back a row taken before, with that row's old event
+    time, and an update's post-image goes with its pre-image. Judged apart,
+    a pre-image found late would be quarantined while its post-image is
+    taken, and a downstream netting the two would count the row twice."""
     from pyspark.sql import functions as F
 
     version = F.col("_commit_version").cast("string") if "_commit_version" in rows.columns else F.lit(span)
@@ -94,7 +101,8 @@ def versions(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None, ta
         F.lit(None).cast("string").alias(REASON),
         F.lit(MAX_RAW_CHARS).alias(KEEP),
     )
-    return numbered(framed, spec, watermark)
+    judged = F.col("_change_type") == F.lit("insert") if "_change_type" in rows.columns else None
+    return numbered(framed, spec, watermark, judged)
 
 
 def check_column(spec: PipelineSpec, columns: pa.Schema, where: str) -> None:

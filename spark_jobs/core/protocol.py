@@ -323,13 +323,14 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
 def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> Plan | Done:
     """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
     spec = pipeline.spec
-    identity = check_spec(pipeline, view)
     head = view.position
     n = head.next()
     row = view.planned(n)
     if row is not None:
+        check_replay(spec, row)  # (before `check_spec` logs the change as going on)
+    identity = check_spec(pipeline, view)
+    if row is not None:
         batch = pipeline.batch(row)
-        check_replay(spec, row)
         pipeline.source.verify(batch)
         log.info("replaying the planned range of %s", n)
     else:

@@ -121,10 +121,24 @@ def test_a_fenced_commit_landing_during_delta_spark_s_merge_fails_it_as_a_confli
     rows = pa.table({"k": pa.array(range(100), pa.int64()), "v": pa.array([1] * 100, pa.int64())})
     fenced = lambda version: CommitProperties(app_transactions=[Transaction(STATE_FENCE, version)])  # noqa: E731
     write_deltalake(path, rows, configuration={"delta.enableChangeDataFeed": "true"}, commit_properties=fenced(1))
-    # A source whose read sleeps three seconds (one row does, in a filter no
-    # plan can drop), so that the winner lands mid-MERGE.
+    # A source whose read holds (one row does, in a filter no plan can drop)
+    # until the winner has landed: mid-MERGE, after it read the fence, however
+    # loaded the machine. (A fixed three seconds let the winner land before
+    # the MERGE's read on a loaded machine, and the MERGE rightly committed.)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def held(k: int) -> bool:
+        if k == 0 and not (gate / "landed").exists():
+            (gate / "reading").touch()
+            deadline = time.monotonic() + 120
+            while not (gate / "landed").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return True
+
+    spark.udf.register("held_until_the_winner_landed", held, "boolean")
     spark.range(0, 200, 1, 1).selectExpr("id AS k", "1L AS v").createOrReplaceTempView("slow_batch")
-    slow = "java_method('java.lang.Thread', 'sleep', CASE WHEN k = 0 THEN 3000L ELSE 0L END) IS NULL"
+    slow = "held_until_the_winner_landed(k)"
     sql = f"MERGE INTO delta.`{path}` t USING (SELECT k, v FROM slow_batch WHERE {slow}) s ON t.k = s.k " \
           "WHEN MATCHED THEN UPDATE SET t.v = t.v + s.v WHEN NOT MATCHED THEN INSERT *"
     failed: list[BaseException] = []
@@ -138,8 +152,12 @@ def test_a_fenced_commit_landing_during_delta_spark_s_merge_fails_it_as_a_confli
 
     racer = threading.Thread(target=merge)
     racer.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not (gate / "reading").exists():
+        assert racer.is_alive() and time.monotonic() < deadline, f"the MERGE never read its source: {failed}"
+        time.sleep(0.05)
     write_deltalake(path, rows.schema.empty_table(), mode="append", commit_properties=fenced(2))
+    (gate / "landed").touch()
     racer.join()
     assert failed and is_commit_conflict(failed[0]), failed
     assert "ConcurrentTransaction" in str(failed[0]) or "DELTA_CONCURRENT_TRANSACTION" in str(failed[0])

@@ -510,10 +510,10 @@ class EventTimeSpec(_Model):
     #: time (nothing lost); `drop`: left out and counted; `accept`: taken
     #: like any other record, and counted.
     late: Literal["quarantine", "drop", "accept"] = "quarantine"
-    #: Also move the watermark to the run's data interval end minus `delay`
-    #: when that is later: a quiet source's watermark keeps time with the
-    #: schedule (safe only when records reach the source within `delay` of
-    #: their event time: docs/spec.md).
+    #: Also move the watermark, after a batch that took everything waiting,
+    #: to the planned data interval's end minus `delay` when that is later
+    #: (safe only when records reach the source within `delay` of their
+    #: event time: docs/spec.md).
     advance_with_schedule: bool = False
 
     @field_validator("delay")

@@ -84,9 +84,9 @@ def _run(spec_path: Path, compute, **options):
     return run_batch(load_spec(spec_path), RunOptions(run_id="test", **options), compute_factory=compute)
 
 
-def _state(spec_path: Path) -> dict[str, int]:
+def _state(spec_path: Path, total: str = "events") -> dict[str, int]:
     rows = read_all(open_table(str(spec_path.parent / "lake/state"))).to_pylist()
-    return {r["user_id"]: r["events"] for r in rows}
+    return {r["user_id"]: r[total] for r in rows}
 
 
 def _rows(spec_path: Path) -> list:
@@ -269,14 +269,7 @@ def test_a_delta_source_quarantines_its_late_rows_at_their_version(tmp_path, com
         write_deltalake(str(upstream), rows, mode="append", configuration={"delta.enableChangeDataFeed": "true"})
 
     append([30, 0])  # version 0
-    spec = {
-        "name": "timed",
-        "source": {"type": "delta", "path": "upstream", "read": read, "reader": reader},
-        "transform": "SELECT user_id, count(*) AS events FROM batch GROUP BY user_id",
-        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum"}},
-        "checkpoint": "lake/_checkpoints/timed",
-        "event_time": {"column": "at", "delay": "10 minutes"},
-    }
+    spec = _delta_spec({"read": read, "reader": reader}, "SELECT user_id, count(*) AS events FROM batch GROUP BY user_id", "events", "at")
     spec_path = tmp_path / "pipeline.yaml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert _run(spec_path, compute).status == "committed"  # watermark 10:20
@@ -417,15 +410,8 @@ def test_a_delta_change_feed_judges_its_inserts_only(tmp_path, compute):
     moments = [T0, T0 + timedelta(minutes=30), T0 + timedelta(minutes=5)]
     rows = pa.table({"user_id": ["a", "b", "c"], "ts": pa.array(moments, pa.timestamp("us", tz="UTC")), "amount": [1, 1, 1]})
     write_deltalake(upstream, rows, configuration={"delta.enableChangeDataFeed": "true"})
-    spec = {
-        "name": "timed",
-        "source": {"type": "delta", "path": "upstream", "read": "changes", "reader": "driver"},
-        "transform": "SELECT user_id, sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN amount ELSE -amount END) AS amount "
-                     "FROM batch GROUP BY user_id",
-        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"amount": "sum"}},
-        "checkpoint": "lake/_checkpoints/timed",
-        "event_time": {"column": "ts", "delay": "10 minutes"},
-    }
+    netted = "SELECT user_id, sum(CASE WHEN _change_type IN ('insert', 'update_postimage') THEN amount ELSE -amount END) AS amount FROM batch GROUP BY user_id"
+    spec = _delta_spec({"read": "changes", "reader": "driver"}, netted, "amount", "ts")
     spec_path = tmp_path / "pipeline.yaml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert _run(spec_path, compute).status == "committed"  # watermark 10:20
@@ -434,9 +420,16 @@ def test_a_delta_change_feed_judges_its_inserts_only(tmp_path, compute):
     assert _run(spec_path, compute).status == "committed"
     head = _rows(spec_path)[-1]
     assert (head.records_late, head.records_quarantined, head.watermark) == (0, 0, T0 + timedelta(minutes=40))
-    assert _state_amounts(spec_path) == {"a": 5, "b": 1, "c": 0}
+    assert _state(spec_path, "amount") == {"a": 5, "b": 1, "c": 0}
 
 
-def _state_amounts(spec_path: Path) -> dict[str, int]:
-    rows = read_all(open_table(str(spec_path.parent / "lake/state"))).to_pylist()
-    return {r["user_id"]: r["amount"] for r in rows}
+def _delta_spec(source: dict, transform: str, total: str, column: str) -> dict:
+    """A pipeline over the Delta table `upstream`, summing `total` per user, with event time on `column`."""
+    return {
+        "name": "timed",
+        "source": {"type": "delta", "path": "upstream", **source},
+        "transform": transform,
+        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {total: "sum"}},
+        "checkpoint": "lake/_checkpoints/timed",
+        "event_time": {"column": column, "delay": "10 minutes"},
+    }

@@ -266,6 +266,9 @@ def _type_problem(spec: PipelineSpec, column: str, column_type: pa.DataType) -> 
         return f"{named}, which `{rule}` cannot order (a MAP has no order): merge it with `first` or `last`, or return an orderable type"
     if rule == "sum" and not (pa.types.is_signed_integer(column_type) or pa.types.is_decimal(column_type) or pa.types.is_floating(column_type)):
         return f"{named}, which `sum` cannot add: return a number"
+    timed = _event_time_columns(spec)
+    if column in timed and not (pa.types.is_timestamp(column_type) or pa.types.is_date32(column_type)):
+        return f"{named}, but {timed[column]} names it: return a TIMESTAMP or DATE (`window(ts, '1 hour').start`)"
     if rule == "sum" and pa.types.is_float32(column_type) and spec.state.layout == "appended":
         return (
             f"{named} summed in an appended state, whose partial rows are added in DOUBLE and rounded to FLOAT "
@@ -273,6 +276,19 @@ def _type_problem(spec: PipelineSpec, column: str, column_type: pa.DataType) -> 
             "(`CAST(... AS DOUBLE)`), or use `state.layout: merged`"
         )
     return None
+
+
+def _event_time_columns(spec: PipelineSpec) -> dict[str, str]:
+    """The state columns the `event_time` block reads as times, and the field that names each."""
+    event_time = spec.event_time
+    if event_time is None:
+        return {}
+    named = {}
+    if event_time.window is not None:
+        named[event_time.window.key] = "event_time.window.key"
+    if event_time.expire is not None and event_time.expire.column is not None:
+        named[event_time.expire.column] = "event_time.expire.column"
+    return named
 
 
 def _orderable(column_type: pa.DataType) -> bool:

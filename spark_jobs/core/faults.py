@@ -50,6 +50,7 @@ __all__ = [
     "HOLD_POINT_ENV",
     "MARKER",
     "POINTS",
+    "WINDOW_POINTS",
     "fault_point",
     "set_hook",
     "watch_for_new_files",
@@ -80,6 +81,9 @@ POINTS = (
 #: only when a batch has bad records, and the executors write a batch's
 #: rows only on an engine that writes files (Spark, not a test's in-memory compute).
 CONDITIONAL_POINTS = ("mid_quarantine_write", "mid_executor_write")
+#: Points of a pipeline with event-time windows only (`spark_jobs.core.windows`):
+#: between the final rows' append and the state's expiry.
+WINDOW_POINTS = ("after_final_rows",)
 
 #: Test hook called with the point's name at every point (see `set_hook`).
 _hook: Callable[[str], None] | None = None

@@ -17,7 +17,7 @@ the two. A run of batch N (position ``(epoch, N)``):
    append that row from the state commit's metadata, fenced on the ledger's
    commit fence (so a racing run does not append it twice). If S is further
    ahead or behind, the tables do not belong together (a lost checkpoint, a
-   replaced state): stop.
+   replaced state): stop. Then windows settle at H (`core.windows`).
 
 2. **Plan** N = H.batch_id + 1. First, the spec must still mean what it
    meant for H (`spark_jobs.core.identity`): an incompatible change stops
@@ -53,11 +53,11 @@ the two. A run of batch N (position ``(epoch, N)``):
    three times (docs/reliability.md says which check guards each writer).
 
 5. **Project into the ledger.** Step 1 again: the ``committed`` row is built
-   from the state commit we just made. The consumed index, a cache of the
-   ledger that answers "was this file consumed?" without reading every
-   manifest (`spark_jobs.core.lineage`), follows it. Then the source may
-   release what the committed batches consumed (`source.after_commit`:
-   delete or archive).
+   from the state commit we just made (and windows settle at it). The
+   consumed index, a cache of the ledger that answers "was this file
+   consumed?" without reading every manifest (`spark_jobs.core.lineage`),
+   follows it. Then the source may release what the committed batches
+   consumed (`source.after_commit`: delete or archive).
 
 Every crash point is covered: before 4 nothing visible happened but a plan
 (reused on replay), at most one quarantine append (fenced), and a change of
@@ -126,6 +126,7 @@ from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.run_report import StepTimes, moved_past, note_fold_due, nothing_new, outcome_of
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, Staged
+from spark_jobs.core.windows import check_windows, settle
 from spark_jobs.core.write_path import merged_by_delta_spark
 from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
 from spark_jobs.sources import BatchRange, Caps
@@ -239,6 +240,7 @@ def prepare(pipeline: Pipeline, options: RunOptions, engine: Engine, steps: Step
     spec = pipeline.spec
     with steps("reconcile"):
         view = reconcile(pipeline)
+        settle(pipeline, view)
     _boundary("after_reconcile", spec)
     with steps("plan"):
         plan = plan_batch(pipeline, view, options, engine)
@@ -261,7 +263,6 @@ def complete(
         committed = commit_state(pipeline, plan, processed, options, started, engine)
     if isinstance(committed, Done):
         return outcome_of(spec, options, started, committed, steps=steps)
-    # DEBUG: the run's outcome (the CLI's table, the task's one summary line) says it.
     log.debug("committed %s: state version %d, %d keys updated", plan.position, committed.state_version, committed.keys_updated)
     with steps("project"):
         project(pipeline)
@@ -417,6 +418,7 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     # that write is fenced per batch, so after a fix to the spec the replay
     # would not quarantine again what the fixed spec rejects.
     updates = pipeline.state.align(table, result.updates)
+    check_windows(spec, updates, plan.batch.watermark)
     quarantined = result.quarantine.num_rows
     if quarantined:
         watch_for_new_files("mid_quarantine_write", pipeline.quarantine.path)
@@ -453,6 +455,7 @@ def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proces
         if moved is not None:
             return moved
     pipeline.state.check_staged(table, updates)
+    check_windows(spec, updates, plan.batch.watermark)
     bad = result.staged_quarantine
     if bad is not None and bad.files:
         fault_point("mid_quarantine_write")  # its files written, their commit not made
@@ -622,6 +625,7 @@ def project(pipeline: Pipeline) -> None:
     # A fault point but no SIGTERM stop: the batch is committed, and a run
     # that committed must say so.
     fault_point("after_ledger_commit")
+    settle(pipeline, view)
     if pipeline.ledger.compact():
         log.info("compacted the offset ledger")
     lineage = pipeline.lineage(view)

@@ -36,6 +36,7 @@ from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.windows import settle
 from spark_jobs.errors import (
     ConcurrentRunError,
     RewindError,
@@ -105,11 +106,18 @@ def rewind(spec: PipelineSpec, to_batch: int, run_id: str) -> BatchOutcome:
         watermark=_watermark_at(view, to_batch),
     )
     state_version = _restore(pipeline, table, version, metadata, refuse)
-    # The consumed index belonged to the old epoch: rebuild it for the new one now
-    # (rewinds are rare), so the next runs look files up in it again.
-    pipeline.lineage(reconcile(pipeline)).record()
+    _after_rewind(pipeline)
     return _rewound(spec, head, new, end_offsets, state_version, run_id, started)
 
+
+
+def _after_rewind(pipeline: Pipeline) -> None:
+    """The rewind projected into the ledger; the consumed index rebuilt for
+    the new epoch (rewinds are rare), so the next runs look files up in it
+    again; the final rows of the batches after the target taken back."""
+    rewound = reconcile(pipeline)
+    pipeline.lineage(rewound).record()
+    settle(pipeline, rewound)
 
 
 def _watermark_at(view: LedgerView, batch_id: int) -> datetime | None:

@@ -494,6 +494,60 @@ def duration_seconds(text: str) -> float:
     return seconds
 
 
+class WindowSpec(_Model):
+    """A window over the event time, as part of the state's key: the state
+    key `key` holds each window's start (``window(ts, '1 hour').start``;
+    sliding windows too: ``window(ts, '1 hour', '15 minutes').start``), and
+    the window ends `size` later. It is final once the watermark reaches its
+    end: no record that is not late can fall in it any more."""
+
+    #: A key of the state (`state.keys`), TIMESTAMP or DATE: the window's start.
+    key: str = Field(min_length=1)
+    #: The window's length: ``1 hour``, ``1 day``.
+    size: str
+
+    @field_validator("size")
+    @classmethod
+    def _size_parses(cls, size: str) -> str:
+        if duration_seconds(size) <= 0:
+            raise ValueError(f"{size!r}: a window lasts longer than 0 seconds")
+        return size
+
+    @property
+    def size_seconds(self) -> float:
+        return duration_seconds(self.size)
+
+
+class FinalSpec(_Model):
+    """The table of final rows: each window's state row, appended once when
+    the watermark passes the window's end (`spark_jobs.core.finals`)."""
+
+    #: A Delta table (a folder, or ``s3://``), not the state's nor the checkpoint's.
+    path: str = Field(min_length=1)
+
+
+class ExpirySpec(_Model):
+    """State rows behind the watermark by more than `after` leave the state
+    (in the commit after the batch that moved the watermark past them; a
+    rewind restores them): a window's rows once its end is that far behind,
+    or a key whose `column` (a TIMESTAMP state column merged with `max`,
+    say the newest event time it saw) is."""
+
+    after: str
+    #: A state column to expire by; none: the window's end (`event_time.window`).
+    column: str | None = None
+
+    @field_validator("after")
+    @classmethod
+    def _after_parses(cls, after: str) -> str:
+        duration_seconds(after)
+        return after
+
+    @property
+    def after_seconds(self) -> float:
+        return duration_seconds(self.after)
+
+
 class EventTimeSpec(_Model):
     """Event time (`spark_jobs.core.event_time`): which column of the source's
     records says when each happened, and how far behind the newest such time
@@ -515,12 +569,34 @@ class EventTimeSpec(_Model):
     #: (safe only when records reach the source within `delay` of their
     #: event time: docs/spec.md).
     advance_with_schedule: bool = False
+    #: Windows (`WindowSpec`): which state key holds each window's start,
+    #: and how long a window is; needed by `final` and a window's `expire`.
+    window: WindowSpec | None = None
+    #: Where each window's final row is appended once the watermark passes
+    #: its end (`spark_jobs.core.finals`); none by default.
+    final: FinalSpec | None = None
+    #: When state rows leave the state (`ExpirySpec`); never by default.
+    expire: ExpirySpec | None = None
 
     @field_validator("delay")
     @classmethod
     def _delay_parses(cls, delay: str) -> str:
         duration_seconds(delay)
         return delay
+
+    @model_validator(mode="after")
+    def _windows_declared(self) -> EventTimeSpec:
+        """Final rows need windows, and a window's final row must stay final."""
+        if self.final is not None and self.window is None:
+            raise ValueError("event_time.final needs event_time.window: which state key holds each window's start, and its size")
+        if self.final is not None and self.late == "accept":
+            raise ValueError(
+                "event_time.late 'accept' would change a window whose final row was already appended: "
+                "use quarantine (the default) or drop with event_time.final"
+            )
+        if self.expire is not None and self.expire.column is None and self.window is None:
+            raise ValueError("event_time.expire needs a column (a TIMESTAMP state column, merged with max) or an event_time.window")
+        return self
 
     @property
     def delay_seconds(self) -> float:
@@ -647,6 +723,33 @@ class PipelineSpec(_Model):
             raise ValueError(f"event_time.column {column!r} is {types[column]}: an event time is a TIMESTAMP or DATE column (cast it in source.schema)")
         return self
 
+    @model_validator(mode="after")
+    def _event_time_state_columns(self) -> PipelineSpec:
+        """A window is a key of the state; an expiry column is a state column
+        that only grows (a key, or merged with `max`); final rows go to a
+        table of their own."""
+        event_time = self.event_time
+        if event_time is None:
+            return self
+        window, expire, final = event_time.window, event_time.expire, event_time.final
+        if window is not None and window.key not in self.state.keys:
+            raise ValueError(f"event_time.window.key {window.key!r} is not among state.keys ({', '.join(self.state.keys)}): a window is part of the key")
+        if expire is not None and expire.column is not None:
+            rule = self.state.merge.get(expire.column)
+            if expire.column not in self.state.keys and rule != "max":
+                raise ValueError(
+                    f"event_time.expire.column {expire.column!r} is "
+                    + (f"merged with {rule!r}" if rule else "not a state column")
+                    + ": expire by a key or a column merged with `max` (say `max(ts) AS last_seen`), which only grows"
+                )
+        if final is not None:
+            target = self.resolve(final.path).rstrip("/")
+            for what, path in (("state.path", self.state_path), ("checkpoint", self.checkpoint_path)):
+                path = path.rstrip("/")
+                if target == path or target.startswith(path + "/") or path.startswith(target + "/"):
+                    raise ValueError(f"event_time.final.path {final.path!r} overlaps {what} ({path}): give the final rows a table of their own")
+        return self
+
     # -- resolved locations -------------------------------------------------
 
     def resolve(self, location: str) -> str:
@@ -678,6 +781,11 @@ class PipelineSpec(_Model):
     @property
     def ledger_path(self) -> str:
         return self.checkpoint_path.rstrip("/") + "/offsets"
+
+    @property
+    def final_path(self) -> str | None:
+        final = self.event_time.final if self.event_time is not None else None
+        return self.resolve(final.path) if final is not None else None
 
     @property
     def quarantine_path(self) -> str:
@@ -773,7 +881,7 @@ def _describe(error: dict[str, Any], lines: Mapping[tuple[str, ...], int]) -> st
         loc = loc + ("type",)
     elif kind == "literal_error" and field == "source.type":
         message = f"{error.get('input')!r} is not a source type; use files, delta or kafka"
-    elif not loc and (named := re.match(r"(event_time\.[a-z_]+) ", message)):
+    elif loc[:1] in ((), ("event_time",)) and (named := re.match(r"(event_time(?:\.[a-z_]+)+) ", message)):
         # A check across fields (`PipelineSpec`'s) names the field it is about first: placed there.
         loc, message = tuple(named.group(1).split(".")), message[named.end():]
     return _at(lines, loc, message)

@@ -50,6 +50,7 @@ __all__ = [
     "commit_files",
     "delete_files",
     "files_bytes",
+    "key_range",
     "read_staged",
     "require_written",
     "touched_files",
@@ -217,7 +218,7 @@ def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: 
         return paths
     key = keys[0]
     kind = staged.schema.field(key).type
-    batch = _key_range(staged, key)
+    batch = key_range(staged, key)
     lows, highs = f"min.{key}", f"max.{key}"
     if batch is None or lows not in actions.column_names or highs not in actions.column_names:
         return paths
@@ -233,7 +234,7 @@ def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: 
     return touched
 
 
-def _key_range(staged: Staged, key: str) -> tuple[Any, Any] | None:
+def key_range(staged: Staged, key: str) -> tuple[Any, Any] | None:
     """The batch's smallest and largest key as values of the key's type,
     from what the writing tasks saw (None: unknown). Numbers come from the
     exact bounds (`StagedFile.bounds`: a DECIMAL's statistics go through a

@@ -44,6 +44,7 @@ from spark_jobs.core.staged import (
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
+from spark_jobs.core.windows import EXPIRE_KEY
 from spark_jobs.core.write_path import merged_by_delta_spark
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
@@ -528,7 +529,7 @@ class StateTable:
             return []  # no version in between: no history to read
         changes = []
         for info in commit_infos(table.table_uri, last, max(since_version + 1, latest - HISTORY_SEARCH + 1)):
-            if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY) or info.get(UNTRACKED_MARKER):
+            if info.get(METADATA_KEY) or info.get(WIDEN_KEY) or info.get(FOLD_KEY) or info.get(UNTRACKED_MARKER) or info.get(EXPIRE_KEY):
                 continue
             operation = str(info.get("operation", "")).upper()
             if operation not in MAINTENANCE_OPERATIONS:

@@ -1,0 +1,286 @@
+"""Windows over event time: final rows appended once, and expiry, against an oracle.
+
+Real Spark (the process's shared session), real Delta tables in `tmp_path`.
+Each batch is one hand-written JSON file of clicks; the oracle knows each
+batch's watermark (the newest click taken so far less 10 minutes), which
+clicks are late (before the watermark the batch before left: quarantined),
+which windows are final after each batch (ended at or before its watermark),
+and which state rows have expired (their window ended more than `after`
+before it).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.faults import POINTS, WINDOW_POINTS
+from spark_jobs.core.protocol import RunOptions, run_batch
+from spark_jobs.core.rewind import rewind
+from spark_jobs.core.spec import load_spec
+from spark_jobs.errors import SpecError, TransformError
+from tests.conftest import crash_at, reach, write_spec
+
+T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+DELAY = timedelta(minutes=10)
+SIZE = timedelta(minutes=30)
+AFTER = timedelta(minutes=60)
+
+
+def _spec(tmp_path: Path, *, slide: str | None = None, layout: str = "merged", state_write: str = "auto", **event_time) -> Path:
+    window = f"window(ts, '30 minutes'{f', {slide!r}' if slide else ''})"
+    spec = {
+        "name": "windowed",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "event_id STRING, user_id STRING, ts TIMESTAMP"},
+        "transform": f"SELECT user_id, {window}.start AS win, count(*) AS clicks FROM batch GROUP BY user_id, {window}",
+        "state": {"path": "lake/state", "keys": ["user_id", "win"], "merge": {"clicks": "sum"}, "layout": layout},
+        "checkpoint": "lake/_checkpoints/windowed",
+        "engine": {"state_write": state_write},
+        "event_time": {
+            "column": "ts",
+            "delay": "10 minutes",
+            "window": {"key": "win", "size": "30 minutes"},
+            "final": {"path": "lake/final"},
+            "expire": {"after": "60 minutes"},
+            **event_time,
+        },
+    }
+    return write_spec(tmp_path, spec)
+
+
+def _land(spec_path: Path, name: str, minutes: list[int], users: int = 2) -> list[dict]:
+    records = [
+        {"event_id": f"{name}-{i}", "user_id": f"u{i % users}", "ts": (T0 + timedelta(minutes=m)).isoformat()} for i, m in enumerate(minutes)
+    ]
+    (spec_path.parent / "landing" / f"{name}.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+class Oracle:
+    """Per (user, window start): the clicks taken; the watermark; the final
+    windows (appended once each) and the windows expired from the state."""
+
+    def __init__(self, slide: timedelta | None = None) -> None:
+        self.slide = slide or SIZE
+        self.watermark: datetime | None = None
+        self.clicks: dict[tuple[str, datetime], int] = {}
+        self.expired: set[tuple[str, datetime]] = set()
+
+    def starts(self, moment: datetime) -> list[datetime]:
+        """The windows a click falls in, aligned to the epoch as Spark's `window` is."""
+        epoch = datetime(1970, 1, 1, tzinfo=UTC)
+        last = epoch + ((moment - epoch) // self.slide) * self.slide
+        return [s for k in range(int(SIZE / self.slide)) if (s := last - k * self.slide) + SIZE > moment]
+
+    def batch(self, records: list[dict]) -> None:
+        taken = [datetime.fromisoformat(r["ts"]) for r in records]
+        taken_users = [r["user_id"] for r, m in zip(records, taken) if self.watermark is None or m >= self.watermark]
+        taken = [m for m in taken if self.watermark is None or m >= self.watermark]
+        for user, moment in zip(taken_users, taken):
+            for start in self.starts(moment):
+                self.clicks[(user, start)] = self.clicks.get((user, start), 0) + 1
+        if taken:
+            self.watermark = max(w for w in (self.watermark, max(taken) - DELAY) if w is not None)
+        if self.watermark is not None:
+            self.expired |= {k for k in self.clicks if k[1] + SIZE < self.watermark - AFTER}
+
+    def final(self) -> dict[tuple[str, datetime], int]:
+        return {k: v for k, v in self.clicks.items() if self.watermark is not None and k[1] + SIZE <= self.watermark}
+
+    def state(self) -> dict[tuple[str, datetime], int]:
+        return {k: v for k, v in self.clicks.items() if k not in self.expired}
+
+
+def _run(spec_path: Path, compute, **options):
+    return run_batch(load_spec(spec_path), RunOptions(run_id="test", **options), compute_factory=compute)
+
+
+def _table(spec_path: Path, where: str) -> list[dict]:
+    table = open_table(str(spec_path.parent / where))
+    return [] if table is None else read_all(table).to_pylist()
+
+
+def _final(spec_path: Path) -> dict[tuple[str, datetime], int]:
+    rows = _table(spec_path, "lake/final")
+    keyed = [(r["user_id"], r["win"]) for r in rows]
+    assert len(keyed) == len(set(keyed)), f"a window appended twice: {sorted(keyed)}"
+    return {(r["user_id"], r["win"]): r["clicks"] for r in rows}
+
+
+def _state(spec_path: Path) -> dict[tuple[str, datetime], int]:
+    spec = load_spec(spec_path)
+    if spec.state.layout == "appended":
+        from spark_jobs.core.folding import read_state
+
+        rows = read_state(spec).read_all().to_pylist()
+    else:
+        rows = _table(spec_path, "lake/state")
+    return {(r["user_id"], r["win"]): r["clicks"] for r in rows}
+
+
+def _check(spec_path: Path, oracle: Oracle) -> None:
+    assert _final(spec_path) == oracle.final()
+    assert _state(spec_path) == oracle.state()
+
+
+#: Batches of click minutes after T0: out of order, late clicks, windows closing and expiring.
+WAVES = [
+    [5, 20, 12, 40],  # watermark 30: window [0, 30) final
+    [25, 33, 50, 61],  # 25 late (before 30); watermark 51: [30, 60) final... not yet (ends 60 > 51)
+    [70, 55, 95],  # watermark 85: [30, 60) and [60, 90)? [60,90) ends 90 > 85: only [30, 60)
+    [80, 150],  # 80 late; watermark 140: [60, 90), [90, 120) final; [0, 30) expired (30 < 140 - 60)
+    [200],  # watermark 190: [120, 150) final; [30, 60), [60, 90) expired
+]
+
+
+def test_windows_close_once_and_expire_as_the_oracle_says(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+        _check(spec_path, oracle)
+    # A run with nothing new changes nothing.
+    assert _run(spec_path, compute).status == "no_new_data"
+    _check(spec_path, oracle)
+    late = [r["reason"] for r in _table(spec_path, "lake/_checkpoints/windowed/quarantine")]
+    assert len(late) == 2 and all(r.startswith("late: ") for r in late)
+    # Each final row names the batch that closed its window.
+    assert sorted({r["_batch_id"] for r in _table(spec_path, "lake/final")}) == [1, 3, 4, 5]
+
+
+def test_sliding_windows_close_each_window_once(tmp_path, compute):
+    spec_path = _spec(tmp_path, slide="10 minutes")
+    oracle = Oracle(slide=timedelta(minutes=10))
+    for n, minutes in enumerate(WAVES[:4]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+        _check(spec_path, oracle)
+    assert len(oracle.final()) > 8  # (each click counts in three windows)
+
+
+#: The kills `make test` runs (the final rows' own points); `make soak` runs every point.
+FAST_POINTS = ("after_state_commit", "after_ledger_commit", *WINDOW_POINTS)
+
+
+@pytest.mark.parametrize("point", [p if p in FAST_POINTS else pytest.param(p, marks=pytest.mark.slow) for p in (*POINTS, *WINDOW_POINTS)])
+def test_a_kill_at_any_point_leaves_each_final_row_once(tmp_path, compute, point):
+    """A batch that closes windows and expires rows, killed at `point`, then
+    run again (or, after its commit, a run with nothing new): the final
+    rows and the state are the oracle's."""
+    spec_path = _spec(tmp_path)
+    reach(point, spec_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES[:3]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+    oracle.batch(_land(spec_path, "f3", WAVES[3]))
+    with crash_at(point):
+        _run(spec_path, compute)
+    assert _run(spec_path, compute).status in ("committed", "no_new_data")
+    _check(spec_path, oracle)
+    oracle.batch(_land(spec_path, "f4", WAVES[4]))
+    assert _run(spec_path, compute).status == "committed"
+    _check(spec_path, oracle)
+
+
+def test_a_rewind_takes_back_final_rows_and_restores_expired_ones(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES[:2]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+    at_two = (oracle.final(), oracle.state())
+    for n, minutes in enumerate(WAVES[2:], start=2):
+        _land(spec_path, f"f{n}", minutes)
+        assert _run(spec_path, compute).status == "committed"
+    assert rewind(load_spec(spec_path), 2, "test").status == "rewound"
+    assert (_final(spec_path), _state(spec_path)) == at_two
+    # The batches after 2 run again (the same files, one batch now) and close their windows once more.
+    oracle.batch(_land(spec_path, "f2", WAVES[2]) + _land(spec_path, "f3", WAVES[3]) + _land(spec_path, "f4", WAVES[4]))
+    assert _run(spec_path, compute).status == "committed"
+    _check(spec_path, oracle)
+
+
+def test_an_appended_state_and_the_executors_close_windows_alike(tmp_path, compute):
+    for layout, state_write in (("appended", "auto"), ("merged", "executors")):
+        spec_path = _spec(tmp_path / layout, layout=layout, state_write=state_write)
+        oracle = Oracle()
+        for n, minutes in enumerate(WAVES):
+            oracle.batch(_land(spec_path, f"f{n}", minutes))
+            assert _run(spec_path, compute).status == "committed"
+        _check(spec_path, oracle)
+
+
+def test_expiry_by_a_column_without_windows(tmp_path, compute):
+    """A key seen last more than `after` before the watermark leaves the state."""
+    spec = {
+        "name": "idle",
+        "source": {"type": "files", "path": "landing", "format": "json", "schema": "event_id STRING, user_id STRING, ts TIMESTAMP"},
+        "transform": "SELECT user_id, count(*) AS clicks, max(ts) AS last_seen FROM batch GROUP BY user_id",
+        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"clicks": "sum", "last_seen": "max"}},
+        "checkpoint": "lake/_checkpoints/idle",
+        "event_time": {"column": "ts", "delay": "10 minutes", "expire": {"column": "last_seen", "after": "60 minutes"}},
+    }
+    spec_path = write_spec(tmp_path, spec)
+    _land(spec_path, "f0", [0, 5, 10], users=3)  # u0 at 0, u1 at 5, u2 at 10
+    _land(spec_path, "f1", [50, 60], users=2)  # u0 at 50, u1 at 60
+    assert _run(spec_path, compute, max_files=1).status == "committed"
+    assert _run(spec_path, compute, max_files=1).status == "committed"
+    _land(spec_path, "f2", [81])  # watermark 71: u2 (last seen at 10) is behind by more than 60
+    assert _run(spec_path, compute).status == "committed"
+    state = {r["user_id"]: r["clicks"] for r in _table(spec_path, "lake/state")}
+    assert state == {"u0": 3, "u1": 2}
+
+
+def test_a_transform_that_changes_a_closed_window_is_refused_before_any_write(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    _land(spec_path, "f0", [5, 45])
+    assert _run(spec_path, compute).status == "committed"  # watermark 35: [0, 30) final
+    spec = yaml.safe_load(spec_path.read_text())
+    # Windows shifted an hour back: a click at 50 lands in the closed window [-10, 20)... of another clock.
+    spec["transform"] = spec["transform"].replace("window(ts,", "window(ts - INTERVAL 1 HOUR,")
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _land(spec_path, "f1", [50])
+    with pytest.raises(TransformError, match="at or before the watermark"):
+        _run(spec_path, compute)
+    assert _table(spec_path, "lake/_checkpoints/windowed/quarantine") == []
+    assert len(_final(spec_path)) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"window": None}, "field `event_time.final`: needs event_time.window"),
+        ({"late": "accept"}, "field `event_time.late`: 'accept' would change a window whose final row was already appended"),
+        ({"window": {"key": "user_id2", "size": "30 minutes"}}, "field `event_time.window.key`: 'user_id2' is not among state.keys"),
+        ({"window": {"key": "win", "size": "0 minutes"}}, "field `event_time.window.size`: '0 minutes': a window lasts longer than 0 seconds"),
+        ({"final": {"path": "lake/state/final"}}, "field `event_time.final.path`: 'lake/state/final' overlaps state.path"),
+        ({"expire": {"column": "clicks", "after": "1 hour"}}, "field `event_time.expire.column`: 'clicks' is merged with 'sum'"),
+    ],
+)
+def test_a_bad_window_block_is_refused_naming_its_field(tmp_path, change, message):
+    spec_path = _spec(tmp_path)
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["event_time"].update(change)
+    spec["event_time"] = {k: v for k, v in spec["event_time"].items() if v is not None}
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SpecError) as raised:
+        load_spec(spec_path)
+    assert message in str(raised.value)
+
+
+def test_a_window_key_that_is_no_time_is_refused_when_the_transform_is_analysed(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["transform"] = spec["transform"].replace(".start AS win", ".start::string AS win")
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _land(spec_path, "f0", [5])
+    with pytest.raises(TransformError, match="event_time.window.key names it"):
+        _run(spec_path, compute)
+    assert open_table(str(spec_path.parent / "lake/state")) is None

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from spark_jobs.errors import TransformError
 from spark_jobs.sources.base import BatchRange
+from spark_jobs.core.event_time import is_quiet
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.staged import Sink, Staged, StagedFile, delete_files
 from spark_jobs.core.widen import sql_type
@@ -157,6 +158,8 @@ class Engine:
         return max(1, self.get().reads_at_once)
 
     def check(self, spec: PipelineSpec, batch: BatchRange) -> None:
+        if is_quiet(batch):
+            return  # it reads nothing, so there is no transform to analyse (and no engine to start)
         self._for(spec, batch).check(spec, batch, alongside=self._alongside())
 
     def process(

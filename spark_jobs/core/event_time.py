@@ -40,14 +40,19 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from spark_jobs.errors import SpecChangedError
+import pyarrow as pa
+
+from spark_jobs.core.spec import BATCH_COLUMN
+from spark_jobs.errors import ConcurrentRunError, SpecChangedError
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
     from spark_jobs.core.ledger import LedgerRow
     from spark_jobs.core.spec import PipelineSpec
-    from spark_jobs.sources import BatchRange
+    from spark_jobs.sources import BatchRange, Source
 
-__all__ = ["check_replay", "iso", "judged_against", "watermark_after"]
+__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "quiet_batch", "quiet_updates", "watermark_after"]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -70,6 +75,39 @@ def watermark_after(spec: PipelineSpec, watermark_in: datetime | None, newest: d
         candidates.append(_less(_utc(plan.interval_end), delay))
     found = [w for w in candidates if w is not None]
     return max(found) if found else None
+
+
+def quiet_batch(spec: PipelineSpec, source: Source, head: LedgerRow | None, interval_end: datetime | None) -> BatchRange | None:
+    """A run that finds nothing new, with `advance_with_schedule`: the batch
+    that still moves the watermark to the data interval's end less the delay
+    when that is past the head's, so that windows close on time while the
+    source is quiet. It reads nothing (its range starts where it ends) and
+    commits like any batch: planned, fenced, in the ledger, replayed as
+    planned. None when there is nothing to move (or no state to commit to)."""
+    event_time = spec.event_time
+    if event_time is None or not event_time.advance_with_schedule or head is None or head.state_version is None or interval_end is None:
+        return None
+    moved = _less(_utc(interval_end), timedelta(seconds=event_time.delay_seconds))
+    if moved is None or (head.watermark is not None and moved <= _utc(head.watermark)):
+        return None
+    return replace(source.decode(head.end_offsets, head.end_offsets, {}), waiting_after=0)
+
+
+def is_quiet(batch: BatchRange) -> bool:
+    """Whether `batch` is a `quiet_batch`: nothing to read."""
+    return batch.start.to_dict() == batch.end.to_dict()
+
+
+def quiet_updates(spec: PipelineSpec, table: DeltaTable | None) -> pa.Table:
+    """A quiet batch's updates: none, in the state's columns."""
+    if table is None:
+        raise ConcurrentRunError(
+            f"pipeline {spec.name}: the state table {spec.state_path} disappeared while this run planned a quiet batch; nothing was committed",
+            pipeline=spec.name,
+            path=spec.state_path,
+        )
+    schema = pa.schema(table.schema().to_arrow())
+    return schema.remove(schema.get_field_index(BATCH_COLUMN)).empty_table()
 
 
 def check_replay(spec: PipelineSpec, planned: LedgerRow) -> None:

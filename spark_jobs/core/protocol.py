@@ -115,7 +115,7 @@ from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commi
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.core.event_time import check_replay, judged_against, watermark_after
+from spark_jobs.core.event_time import check_replay, is_quiet, judged_against, quiet_batch, quiet_updates, watermark_after
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.folding import is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
@@ -323,8 +323,7 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
 
 def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine: Engine) -> Plan | Done:
     """Step 2: batch N's range, reused from an earlier attempt or planned and recorded now."""
-    spec = pipeline.spec
-    head = view.position
+    spec, head = pipeline.spec, view.position
     n = head.next()
     row = view.planned(n)
     if row is not None:
@@ -336,6 +335,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
         log.info("replaying the planned range of %s", n)
     else:
         planned = pipeline.source.plan(pipeline.lineage(view), until=options.interval_end, caps=options.caps(spec))
+        planned = planned or quiet_batch(spec, pipeline.source, view.head, options.interval_end)
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, nothing_new(options, view.head), head)
         batch = planned
@@ -402,6 +402,8 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
     write the batch's updates and bad records as data files, and only the
     files' names and statistics reach this process (`_read_by_executors`)."""
     spec, n = pipeline.spec, plan.position
+    if is_quiet(plan.batch):  # nothing to read: a batch that moves the watermark on schedule
+        return Processed(quiet_updates(spec, pipeline.state.open()), 0, 0, 0)
     if engine.executors_write(spec, plan.batch):
         return _read_by_executors(pipeline, plan, engine)
     # Spark reads the planned files by name: one replaced meanwhile was read in
@@ -560,9 +562,8 @@ def _checked_snapshot(pipeline: Pipeline, plan: Plan) -> DeltaTable | Done:
 
 
 def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, started: float) -> CommitMetadata:
-    """What the state commit carries: the planned row's range (this run's or
-    an earlier attempt's), this run's identity and spec, and what step 3
-    counted; the ledger's row is built from it."""
+    """What the state commit carries, and the ledger's row is built from: the planned
+    row's range (this run's or an earlier attempt's), this run's spec, step 3's counts."""
     return CommitMetadata(
         **{
             **plan.row.record(),
@@ -587,10 +588,9 @@ def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, option
 
 def _after_conflict(pipeline: Pipeline, plan: Plan, metadata: CommitMetadata, exc: Exception, *, last: bool) -> Committed | Done | None:
     """A commit landed after our snapshot and ours failed: whose was it? Ours
-    (reported as failed), another run's of N (or a rewind): how the run
-    ends. None: a commit that moved no fence (a compaction, say), after
-    which step 4 may try again from a fresh snapshot, unless this was the
-    `last` try."""
+    (reported as failed), another run's of N (or a rewind): how the run ends.
+    None: one that moved no fence (a compaction, say), after which step 4 may
+    try again from a fresh snapshot, unless this was the `last` try."""
     n = plan.position
     table = pipeline.state.open()
     now = pipeline.state.position(table)

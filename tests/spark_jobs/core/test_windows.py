@@ -12,6 +12,7 @@ before it).
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import yaml
 
 from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.core.faults import POINTS, WINDOW_POINTS
+from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
@@ -103,6 +105,11 @@ def _run(spec_path: Path, compute, **options):
 def _table(spec_path: Path, where: str) -> list[dict]:
     table = open_table(str(spec_path.parent / where))
     return [] if table is None else read_all(table).to_pylist()
+
+
+def _rows(spec_path: Path) -> list:
+    spec = load_spec(spec_path)
+    return sorted(OffsetLedger(spec.ledger_path, spec.name).load().rows, key=lambda r: (r.epoch, r.batch_id))
 
 
 def _final(spec_path: Path) -> dict[tuple[str, datetime], int]:
@@ -284,3 +291,35 @@ def test_a_window_key_that_is_no_time_is_refused_when_the_transform_is_analysed(
     with pytest.raises(TransformError, match="event_time.window.key names it"):
         _run(spec_path, compute)
     assert open_table(str(spec_path.parent / "lake/state")) is None
+
+
+def test_a_quiet_schedule_closes_windows_on_time(tmp_path, compute):
+    """With `advance_with_schedule`, a run that finds nothing new still
+    commits a batch that reads nothing and moves the watermark to its data
+    interval's end less the delay: the window closes on time, once."""
+    spec_path = _spec(tmp_path, advance_with_schedule=True)
+
+    def land(name: str, minutes: list[int], arrived: int) -> None:
+        _land(spec_path, name, minutes)
+        moment = (T0 + timedelta(minutes=arrived)).timestamp()
+        os.utime(spec_path.parent / "landing" / f"{name}.json", (moment, moment))
+
+    def run(minutes: int, **options):
+        return _run(spec_path, compute, interval_end=T0 + timedelta(minutes=minutes), **options)
+
+    land("f0", [5, 20], arrived=25)
+
+    assert run(30).status == "committed"  # watermark 20: [0, 30) is open
+    assert _final(spec_path) == {}
+    with crash_at("after_plan"):
+        run(60)  # a quiet batch, planned, then killed
+    assert run(60).status == "committed"  # its replay: watermark 50
+    assert _final(spec_path) == {("u0", T0): 1, ("u1", T0): 1}
+    assert run(60).status == "no_new_data"  # nothing left to move
+    rows = [r for r in _rows(spec_path) if r.status.value == "committed"]
+    assert [(r.records_in, r.watermark) for r in rows] == [(2, T0 + timedelta(minutes=20)), (0, T0 + timedelta(minutes=50))]
+    # A click that arrives after the quiet period is judged against the watermark it left.
+    land("f1", [25, 70], arrived=80)
+    assert run(100).status == "committed"  # watermark 90: [60, 90) is final
+    assert _final(spec_path) == {("u0", T0): 1, ("u1", T0): 1, ("u1", T0 + 2 * SIZE): 1}
+    assert [r["reason"][:5] for r in _table(spec_path, "lake/_checkpoints/windowed/quarantine")] == ["late:"]

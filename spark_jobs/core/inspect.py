@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from spark_jobs.core.delta_io import count_rows, open_table, read_all, rows_of
@@ -20,6 +21,7 @@ from spark_jobs.core.maintain import oldest_rewindable
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
+from spark_jobs.core.windows import FinalSummary, final_summary
 from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.errors import MicrobatchError, SourceError, StateLedgerMismatchError
 from spark_jobs.sources import Lag
@@ -51,6 +53,8 @@ class PipelineStatus:
     #: broker that does not answer): also in `note`. Before a first batch
     #: that is something to wait for, after one a problem.
     source_unavailable: str | None = None
+    #: Event-time windows: what the table of final rows holds (None without one).
+    final: FinalSummary | None = None
 
     @property
     def position(self) -> Position:
@@ -71,6 +75,7 @@ class PipelineStatus:
             "quarantined": self.quarantined,
             # Event time: the watermark the next batch's records are judged against.
             "watermark": self.head.watermark.isoformat() if self.head and self.head.watermark else None,
+            "final": self.final.to_dict() if self.final else None,
         }
 
 
@@ -145,6 +150,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         oldest_rewindable=oldest_rewindable(pipeline, view, table),
         quarantined=_quarantine_count(spec, view.live()),
         source_unavailable=unavailable,
+        final=final_summary(spec),
     )
 
 
@@ -285,6 +291,12 @@ def _ordered(rows: list[LedgerRow]) -> list[LedgerRow]:
     return sorted(rows, key=lambda r: (r.planned_at or r.committed_at or utcnow(), r.epoch, r.batch_id, order[r.status]))
 
 
+#: Late records' reasons each name their own event time: counted (and
+#: filtered) together under `LATE_REASON`, one group however many there are.
+LATE_PREFIX = "late: "
+LATE_REASON = "late: event time before the watermark"
+
+
 @dataclass(frozen=True)
 class Quarantined:
     """Quarantined records of a pipeline (or of one batch), newest batches first."""
@@ -318,7 +330,8 @@ def quarantined(
     the old epoch's rows stay for audit (`lineage="all"` shows them; so does
     asking for one batch by `batch_id` and `epoch`).
     `by_reason` counts every reason whatever `reason` asks for, so a filter
-    shows its share.
+    shows its share; late records count under `LATE_REASON`, which also
+    filters them.
     """
     if lineage not in ("live", "all"):
         raise ValueError(f"lineage must be 'live' or 'all', not {lineage!r}")
@@ -334,10 +347,11 @@ def quarantined(
     data = read_all(table, where=where)
     if batch_id is not None and epoch is None and data.num_rows:
         data = data.filter(pc.equal(data["epoch"], pc.max(data["epoch"])))
-    counts = pc.value_counts(data["reason"])
+    grouped = pc.if_else(pc.starts_with(data["reason"], LATE_PREFIX), pa.scalar(LATE_REASON), data["reason"]) if data.num_rows else data["reason"]
+    counts = pc.value_counts(grouped)
     by_reason = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
     if reason is not None:
-        data = data.filter(pc.equal(data["reason"], reason))
+        data = data.filter(pc.equal(grouped, reason))
     newest = data.sort_by([("epoch", "descending"), ("batch_id", "descending"), ("line", "ascending")])
     if limit is not None:
         newest = newest.slice(0, limit)

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.pipeline import Pipeline
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "check_windows", "settle"]
+__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "FinalSummary", "check_windows", "final_summary", "settle"]
 
 log = logging.getLogger("microbatch")
 
@@ -206,12 +207,21 @@ def _rows(spec: PipelineSpec, state: DeltaTable, schema: pa.Schema, where: str) 
 
 def _through(table: DeltaTable) -> datetime | None:
     """The watermark the final table was last brought to (None: never)."""
+    through = (_marker(table) or {}).get("through")
+    return _parse(through) if through else None
+
+
+def _marker(table: DeltaTable) -> dict[str, Any] | None:
+    """The newest `FINAL_KEY` of the final table's log (an OPTIMIZE by anyone carries none)."""
     latest = table.version()
     for info in commit_infos(table.table_uri, latest, latest - FINAL_SEARCH + 1):
         if info.get(FINAL_KEY):
-            through = json.loads(info[FINAL_KEY]).get("through")
-            return datetime.fromisoformat(through.replace("Z", "+00:00")) if through else None
+            return json.loads(info[FINAL_KEY])
     return None
+
+
+def _parse(moment: str) -> datetime:
+    return datetime.fromisoformat(moment.replace("Z", "+00:00"))
 
 
 def _state_at(pipeline: Pipeline, head: LedgerRow) -> DeltaTable | None:
@@ -224,6 +234,36 @@ def _state_at(pipeline: Pipeline, head: LedgerRow) -> DeltaTable | None:
 
 def _empty_commit(table: DeltaTable, props: CommitProperties) -> None:
     write_deltalake(table, pa.schema(table.schema().to_arrow()).empty_table(), mode="append", commit_properties=props)
+
+
+@dataclass(frozen=True)
+class FinalSummary:
+    """What the table of final rows holds, for `status` and the console."""
+
+    path: str
+    #: Final rows (one per window and key), and the watermark the table was
+    #: last brought to: every window that ended by then is in it.
+    rows: int
+    through: datetime | None
+    #: The batch whose settle last appended to it (or took rows back).
+    batch_id: int | None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "rows": self.rows, "through": iso(self.through) if self.through else None, "batch_id": self.batch_id}
+
+
+def final_summary(spec: PipelineSpec) -> FinalSummary | None:
+    """The final table's rows and how far it is, from its log (no data read); None without one."""
+    if spec.final_path is None:
+        return None
+    table = open_table(spec.final_path)
+    if table is None:
+        return FinalSummary(spec.final_path, 0, None, None)
+    actions = pa.table(table.get_add_actions(flatten=True))
+    rows = int(pa.compute.sum(actions.column("num_records")).as_py() or 0) if actions.num_rows else 0
+    marker = _marker(table) or {}
+    through = marker.get("through")
+    return FinalSummary(spec.final_path, rows, _parse(through) if through else None, marker.get("batch_id"))
 
 
 # -- expiry ----------------------------------------------------------------------------

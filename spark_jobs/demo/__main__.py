@@ -7,7 +7,8 @@ three batches, the ledger and the top users, a run killed with SIGKILL right
 after its state commit and the re-run that lands exact totals, then a rewind
 and its exact replay. Last, event time: the windowed example
 (`dags/pipelines/hourly_clicks_per_user.yaml`) over the same clicks, its
-watermark, and a file of late clicks that goes to the quarantine.
+watermark, the final rows of the hours it closed, and a file of late
+clicks that goes to the quarantine.
 """
 
 from __future__ import annotations
@@ -82,6 +83,28 @@ def check_late(spec_file: Path, late_file: Path, expected: int) -> None:
     print(f"exact: {clicks} clicks counted by hour, the {late} late ones in the quarantine, as late")
 
 
+def check_final(spec_file: Path) -> None:
+    """The final table holds each closed hour's rows once, as the state holds
+    them, and no hour the watermark has not passed."""
+    from datetime import timedelta
+
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.ledger import OffsetLedger
+
+    spec = load_spec(spec_file)
+    watermark = OffsetLedger(spec.ledger_path, spec.name).load().head.watermark
+    final = DeltaTable(spec.final_path).to_pyarrow_table().to_pylist()
+    state = DeltaTable(spec.state_path).to_pyarrow_table().to_pylist()
+    closed = {(r["user_id"], r["hour"]): (r["clicks"], r["amount"]) for r in state if r["hour"] + timedelta(hours=1) <= watermark}
+    appended = {(r["user_id"], r["hour"]): (r["clicks"], r["amount"]) for r in final}
+    if len(appended) != len(final) or appended != closed:
+        sys.exit(f"demo: the final table has {len(final)} rows ({len(appended)} windows); the state's closed hours have {len(closed)}")
+    hours = sorted({h.strftime("%H:%M") for _, h in closed})
+    open_hours = sorted({r["hour"].strftime("%H:%M") for r in state} - set(hours))
+    print(f"final: {len(final)} rows, once each, for the hours {', '.join(hours)} (watermark {watermark:%H:%M}); still open: {', '.join(open_hours)}")
+
+
 def top_users(spec_file: Path, n: int = 5) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -103,15 +126,17 @@ def top_users(spec_file: Path, n: int = 5) -> None:
 
 def event_time(work: Path, landing: str) -> None:
     """Act 5: the windowed example over the clicks landed so far, then a file of late clicks."""
-    banner("5. Event time: clicks per user per hour, a watermark, a late file")
+    banner("5. Event time: clicks per user per hour, a watermark, final hours, a late file")
     windowed = work / WINDOWED.name
     shutil.copy(WINDOWED, windowed)
     cli("run", str(windowed))
     cli("status", str(windowed))
+    check_final(windowed)
     late = write_wave(landing, 1, files=1, records_per_file=200, users=2000, seed=99)
     print(f"landed {late[0].name}: 200 clicks of hour 1, older than the watermark: late")
     cli("run", str(windowed))
     check_late(windowed, late[0], expected=200)
+    check_final(windowed)  # hour 1 was final, and stays as it was
 
 
 def main() -> None:

@@ -164,6 +164,8 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         # Event time: the watermark the next batch is judged against, and the policy for what is older.
         "watermark": d["watermark"],
         "late_policy": spec.event_time.late if spec.event_time is not None else None,
+        # Event-time windows: the table of final rows, its rows and how far it is.
+        "final": d["final"],
     }
 
 

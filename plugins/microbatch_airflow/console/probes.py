@@ -47,7 +47,7 @@ __all__ = ["SUMMARY_FIELDS", "Probes", "ledger_mark"]
 #: them all, None where not known (yet).
 SUMMARY_FIELDS = (
     "name", "dag_id", "source", "spec_path", "epoch", "batch_id", "status", "state_version", "lag",
-    "last_committed_at", "problems", "oldest_rewindable", "end_offsets", "quarantined", "watermark", "late_policy",
+    "last_committed_at", "problems", "oldest_rewindable", "end_offsets", "quarantined", "watermark", "late_policy", "final",
 )
 
 

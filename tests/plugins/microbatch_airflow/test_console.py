@@ -186,3 +186,19 @@ def test_a_source_not_there_yet_is_a_wait_before_the_first_batch_and_a_problem_a
     shutil.rmtree(tmp_path / "landing")
     gone = _summary(spec)
     assert gone["status"] == "problem" and "does not exist" in gone["problems"][0]
+
+
+def test_a_windowed_pipeline_s_summary_says_what_its_final_rows_hold(tmp_path, compute):
+    """The console's pipeline line names the table of final rows, its rows and
+    the watermark it was brought to (console.js shows `final`)."""
+    from microbatch_airflow.console.app import _summary
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.spec import load_spec
+    from tests.spark_jobs.core.test_windows import WAVES, _land, _spec
+
+    spec_path = _spec(tmp_path)
+    spec = load_spec(spec_path)
+    assert _summary(spec)["final"] == {"path": spec.final_path, "rows": 0, "through": None, "batch_id": None}
+    _land(spec_path, "f0", WAVES[0])
+    run_batch(spec, RunOptions(run_id="r1"), compute)
+    assert _summary(spec)["final"] == {"path": spec.final_path, "rows": 2, "through": "2026-12-01T10:30:00Z", "batch_id": 1}

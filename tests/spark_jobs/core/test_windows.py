@@ -21,6 +21,7 @@ import yaml
 
 from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.core.faults import POINTS, WINDOW_POINTS
+from spark_jobs.core.inspect import LATE_REASON, quarantined, status
 from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
@@ -156,9 +157,15 @@ def test_windows_close_once_and_expire_as_the_oracle_says(tmp_path, compute):
     assert _run(spec_path, compute).status == "no_new_data"
     _check(spec_path, oracle)
     late = [r["reason"] for r in _table(spec_path, "lake/_checkpoints/windowed/quarantine")]
-    assert len(late) == 2 and all(r.startswith("late: ") for r in late)
+    assert len(late) == 2 and all(r.startswith("late: ") for r in late) and len(set(late)) == 2
+    # The console's reason buttons: the late records are one group, which filters them all.
+    grouped = quarantined(load_spec(spec_path), reason=LATE_REASON)
+    assert grouped.by_reason == {LATE_REASON: 2} and grouped.total == 2
     # Each final row names the batch that closed its window.
     assert sorted({r["_batch_id"] for r in _table(spec_path, "lake/final")}) == [1, 3, 4, 5]
+    # `status` says what the table holds and how far it is.
+    final = status(load_spec(spec_path)).final
+    assert final is not None and (final.rows, final.through, final.batch_id) == (len(oracle.final()), oracle.watermark, 5)
 
 
 def test_sliding_windows_close_each_window_once(tmp_path, compute):

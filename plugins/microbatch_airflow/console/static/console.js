@@ -403,7 +403,10 @@ async function select(name) {
   const watermark = pipeline.late_policy
     ? `; event time: watermark ${pipeline.watermark ? when(pipeline.watermark) : "none yet"} (older records: ${pipeline.late_policy})`
     : "";
-  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}${layout}${watermark}`;
+  const final = pipeline.final
+    ? `; final windows: ${fmt(pipeline.final.rows)} rows in ${pipeline.final.path} (${pipeline.final.through ? `every window ended by ${when(pipeline.final.through)}` : "none final yet"})`
+    : "";
+  $("#detail-source").textContent = `${pipeline.source || ""}; spec ${pipeline.spec_path}${layout}${watermark}${final}`;
   $("#dag-link").href = `${AIRFLOW}/dags/${encodeURIComponent(pipeline.dag_id)}`;
   state.batches = await api(`pipelines/${encodeURIComponent(name)}/batches?limit=100&group=batch`);
   renderCharts(pipeline);

@@ -25,6 +25,10 @@ query's end, and each batch's progress (`durationMs`, rows). `--remote`
 runs the query on a Spark Connect server instead (a warm JVM shared by the
 runs, as the project can use one).
 
+`--windowed SIZE [--delay D]` runs bench/windows_vs_ss.py's query instead:
+`withWatermark("ts", D)`, per user and `window(ts, SIZE)` count and sum, in
+append mode (each window's row once, when the watermark passes its end).
+
 `--landings DIR --stop-file F` is bench/fleet.py's anchor instead: each
 subfolder of DIR a pipeline's landing folder, read by a query of its own,
 all in one driver, as a team would run a fleet of streams in one long-lived
@@ -76,6 +80,8 @@ def main() -> None:
     parser.add_argument("--remote", help="a Spark Connect server (sc://host:port) to run the query on")
     parser.add_argument("--interval", type=float, default=10, help="--landings: the queries' trigger, seconds")
     parser.add_argument("--stop-file", help="--landings: stop once this file exists")
+    parser.add_argument("--windowed", help="a window size (`1 hour`): bench/windows_vs_ss.py's query instead")
+    parser.add_argument("--delay", default="10 minutes", help="--windowed: the watermark's delay")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -118,9 +124,10 @@ def main() -> None:
         clicks = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", args.max_files).json(args.landing)
         if args.seed:
             clicks = clicks.unionByName(spark.readStream.schema(SCHEMA).parquet(args.seed))
+    result, mode = (windowed(clicks, args.windowed, args.delay), "append") if args.windowed else (totals(clicks), "update")
     query = (
-        totals(clicks)
-        .writeStream.outputMode("update")
+        result
+        .writeStream.outputMode(mode)
         .format("noop")
         .option("checkpointLocation", args.checkpoint)
         .trigger(availableNow=True)
@@ -129,7 +136,12 @@ def main() -> None:
     query.awaitTermination()
     done = time.time()
     batches = [
-        {"batch_id": _field(p, "batchId"), "rows": _field(p, "numInputRows"), "duration_ms": _field(p, "durationMs")}
+        {
+            "batch_id": _field(p, "batchId"),
+            "rows": _field(p, "numInputRows"),
+            "duration_ms": _field(p, "durationMs"),
+            "state_rows": [_field(o, "numRowsTotal") for o in _field(p, "stateOperators") or []],
+        }
         for p in query.recentProgress
         if _field(p, "numInputRows") > 0
     ]
@@ -149,6 +161,19 @@ def totals(clicks: Any) -> Any:
 
     return clicks.groupBy("user_id").agg(
         F.count("*").alias("events"), F.sum("amount").alias("amount"), F.max("ts").alias("last_seen")
+    )
+
+
+def windowed(clicks: Any, size: str, delay: str) -> Any:
+    """bench/windows_vs_ss.py's aggregation: per user and event-time window,
+    count and sum, behind a watermark (`withWatermark`): append mode emits a
+    window's row once the watermark passes its end, and evicts its state."""
+    from pyspark.sql import functions as F
+
+    return (
+        clicks.withWatermark("ts", delay)
+        .groupBy("user_id", F.window("ts", size))
+        .agg(F.count("*").alias("clicks"), F.sum("amount").alias("amount"))
     )
 
 

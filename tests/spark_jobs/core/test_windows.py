@@ -330,3 +330,48 @@ def test_a_quiet_schedule_closes_windows_on_time(tmp_path, compute):
     assert run(100).status == "committed"  # watermark 90: [60, 90) is final
     assert _final(spec_path) == {("u0", T0): 1, ("u1", T0): 1, ("u1", T0 + 2 * SIZE): 1}
     assert [r["reason"][:5] for r in _table(spec_path, "lake/_checkpoints/windowed/quarantine")] == ["late:"]
+
+
+def test_a_downstream_reads_the_final_rows_once_and_a_rewind_s_deletes(tmp_path, compute):
+    """Chained: a downstream pipeline (`type: delta`, `read: changes`) over
+    the final table sums each user's closed hours; an upstream rewind's
+    deletes take them back, and the replay's appends count once."""
+    spec_path = _spec(tmp_path)
+    downstream = {
+        "name": "closed_per_user",
+        "source": {"type": "delta", "path": "lake/final", "read": "changes"},
+        "transform": (
+            "SELECT user_id, sum(CASE WHEN _change_type = 'delete' THEN -clicks ELSE clicks END) AS clicks "
+            "FROM batch WHERE _change_type IN ('insert', 'delete') GROUP BY user_id"
+        ),
+        "state": {"path": "lake/closed", "keys": ["user_id"], "merge": {"clicks": "sum"}},
+        "checkpoint": "lake/_checkpoints/closed",
+    }
+    (tmp_path / "lake").mkdir(parents=True, exist_ok=True)
+    down_path = tmp_path / "closed.yaml"
+    down_path.write_text(yaml.safe_dump(downstream, sort_keys=False))
+
+    def closed() -> dict[str, int]:
+        assert _run(down_path, compute).status in ("committed", "no_new_data")
+        return {r["user_id"]: r["clicks"] for r in _table(down_path, "lake/closed") if r["clicks"]}
+
+    def expected(oracle: Oracle) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for (user, _), clicks in oracle.final().items():
+            totals[user] = totals.get(user, 0) + clicks
+        return totals
+
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES[:3]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+    at_two = Oracle()
+    for n in range(2):
+        at_two.batch([json.loads(line) for line in (tmp_path / "landing" / f"f{n}.json").read_text().splitlines()])
+    assert closed() == expected(oracle)
+    assert rewind(load_spec(spec_path), 2, "test").status == "rewound"
+    assert closed() == expected(at_two)
+    again = [json.loads(line) for line in (tmp_path / "landing" / "f2.json").read_text().splitlines()]
+    at_two.batch(again + _land(spec_path, "f3", WAVES[3]))  # one batch now: files 2 and 3, again and new
+    assert _run(spec_path, compute).status == "committed"
+    assert closed() == expected(at_two)

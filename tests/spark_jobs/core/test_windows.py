@@ -27,7 +27,7 @@ from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.errors import SpecError, TransformError
-from tests.conftest import crash_at, reach, write_spec
+from tests.conftest import crash_at, reach, run_cli, write_spec
 
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
 DELAY = timedelta(minutes=10)
@@ -375,3 +375,17 @@ def test_a_downstream_reads_the_final_rows_once_and_a_rewind_s_deletes(tmp_path,
     at_two.batch(again + _land(spec_path, "f3", WAVES[3]))  # one batch now: files 2 and 3, again and new
     assert _run(spec_path, compute).status == "committed"
     assert closed() == expected(at_two)
+
+
+def test_the_cli_on_spark_connect_closes_windows_as_the_oracle_says(tmp_path, on_connect):
+    """Every engine: the batches run by `microbatch run` as thin clients of a
+    Spark Connect server; final rows and expiry are the job process's own."""
+    spec_path = _spec(tmp_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        done = run_cli("run", str(spec_path))
+        assert done.returncode == 0, done.stderr[-2000:]
+    _check(spec_path, oracle)
+    shown = run_cli("status", str(spec_path))
+    assert f"final rows: {len(oracle.final())} in " in shown.stdout, shown.stdout

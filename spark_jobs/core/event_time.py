@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange, Source
 
-__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "quiet_batch", "quiet_updates", "watermark_after"]
+__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "quiet_batch", "quiet_updates", "watermark_after"]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -70,9 +70,9 @@ def watermark_after(spec: PipelineSpec, watermark_in: datetime | None, newest: d
     if spec.event_time is None:
         return watermark_in
     delay = timedelta(seconds=spec.event_time.delay_seconds)
-    candidates = [watermark_in, _less(newest, delay)]
+    candidates = [watermark_in, less(newest, delay)]
     if spec.event_time.advance_with_schedule and plan.interval_end is not None and plan.waiting_after == 0:
-        candidates.append(_less(_utc(plan.interval_end), delay))
+        candidates.append(less(_utc(plan.interval_end), delay))
     found = [w for w in candidates if w is not None]
     return max(found) if found else None
 
@@ -87,7 +87,7 @@ def quiet_batch(spec: PipelineSpec, source: Source, head: LedgerRow | None, inte
     event_time = spec.event_time
     if event_time is None or not event_time.advance_with_schedule or head is None or head.state_version is None or interval_end is None:
         return None
-    moved = _less(_utc(interval_end), timedelta(seconds=event_time.delay_seconds))
+    moved = less(_utc(interval_end), timedelta(seconds=event_time.delay_seconds))
     if moved is None or (head.watermark is not None and moved <= _utc(head.watermark)):
         return None
     return replace(source.decode(head.end_offsets, head.end_offsets, {}), waiting_after=0)
@@ -127,7 +127,7 @@ def check_replay(spec: PipelineSpec, planned: LedgerRow) -> None:
         )
 
 
-def _less(moment: datetime | None, delay: timedelta) -> datetime | None:
+def less(moment: datetime | None, delay: timedelta) -> datetime | None:
     """`moment` less `delay`, or None when that is before year 1 (nothing is older)."""
     if moment is None:
         return None

@@ -221,6 +221,12 @@ SPEC_RULES: dict[str, FieldRule] = {
     "quarantine.max_records": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
     "quarantine.max_fraction": FieldRule(Rule.FREE, "when a run fails or warns after its commit; what a batch quarantines is the same"),
     "quarantine.on_exceed": FieldRule(Rule.FREE, "whether such a run fails or warns"),
+    "event_time.window": FieldRule(
+        Rule.REFUSE,
+        "which windows are final: rows the old windows appended to the final table would be appended again, or windows missed; "
+        "keep it, or start a new state, checkpoint and final table",
+        value=lambda s: s.event_time.window.model_dump() if s.event_time is not None and s.event_time.window is not None else _ABSENT,
+    ),
     "event_time": FieldRule(
         Rule.RECORD,
         "which records the next batches judge late, and how the watermark moves; the recorded batches and the watermark stand",

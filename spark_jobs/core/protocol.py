@@ -511,7 +511,7 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
             with storage_errors(f"pipeline {spec.name}: could not commit {n} to the state table", pipeline.state.path):
                 # Also for a batch held here: a small batch into a big merged state
                 # has the executors rewrite the state's files (`StateTable.commit_batch`).
-                files = engine.files() if engine.writes_files else None
+                files = engine.files() if processed.records_in and engine.writes_files else None
                 version, keys_updated = pipeline.state.commit_batch(table, processed.updates, metadata, files)
         except Exception as exc:
             if not is_commit_conflict(exc):

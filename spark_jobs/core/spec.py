@@ -734,6 +734,16 @@ class PipelineSpec(_Model):
         window, expire, final = event_time.window, event_time.expire, event_time.final
         if window is not None and window.key not in self.state.keys:
             raise ValueError(f"event_time.window.key {window.key!r} is not among state.keys ({', '.join(self.state.keys)}): a window is part of the key")
+        if expire is not None and expire.column is not None and window is not None:
+            raise ValueError(
+                f"event_time.expire.column {expire.column!r} with a window: a window's rows expire by its end "
+                "(a row must not leave before its window is final); leave expire.column out"
+            )
+        if expire is not None and expire.column is not None and expire.column not in self.state.keys and self.state.layout == "appended":
+            raise ValueError(
+                f"event_time.expire.column {expire.column!r} in an appended state, whose rows are partial: an old "
+                "row of a key would leave while the key stays; expire by a key, or use `state.layout: merged`"
+            )
         if expire is not None and expire.column is not None:
             rule = self.state.merge.get(expire.column)
             if expire.column not in self.state.keys and rule != "max":
@@ -1020,6 +1030,8 @@ def check_locations(spec: PipelineSpec, text: str, storage_roots: list[str] | No
         locations.insert(0, (("source", "path"), spec.source.path))
     if isinstance(spec.source, FilesSourceSpec) and spec.source.archive:
         locations.append((("source", "archive"), spec.source.archive))
+    if spec.event_time is not None and spec.event_time.final is not None:
+        locations.append((("event_time", "final", "path"), spec.event_time.final.path))
     for loc, raw in locations:
         problem = check_location(raw, spec.resolve(raw), roots)
         if problem:
@@ -1053,6 +1065,8 @@ def _overlaps(spec: PipelineSpec, lines: Mapping[tuple[str, ...], int]) -> list[
         found.append(_at(lines, loc, text))
 
     others = [(("state", "path"), state), (("checkpoint",), checkpoint)] if not isinstance(spec.source, KafkaSourceSpec) else []
+    if spec.final_path and not isinstance(spec.source, KafkaSourceSpec):
+        others.append((("event_time", "final", "path"), spec.final_path))
     if spec.archive_path:
         # Archived files moved to a folder the source lists would be new files, read again.
         others.append((("source", "archive"), spec.archive_path))

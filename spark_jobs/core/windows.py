@@ -55,7 +55,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.delta_io import arrow, commit_infos, ensure_table, is_commit_conflict, open_table, storage_errors
-from spark_jobs.core.event_time import iso
+from spark_jobs.core.event_time import iso, less
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import is_appended, state_sql
@@ -116,7 +116,10 @@ def check_windows(spec: PipelineSpec, updates: pa.Table | Staged, watermark_in: 
         earliest = pa.compute.min(updates.column(key)).as_py() if updates.num_rows else None
     if earliest is None:
         return
-    end = _moment(earliest) + timedelta(seconds=event_time.window.size_seconds)
+    try:
+        end = _moment(earliest) + timedelta(seconds=event_time.window.size_seconds)
+    except OverflowError:
+        return  # it ends after year 9999: not final
     if end <= _utc(watermark_in):
         raise TransformError(
             f"pipeline {spec.name}: the transform returned a row for the window {key} = {iso(_moment(earliest))}, "
@@ -185,13 +188,14 @@ def _bring_to(spec: PipelineSpec, table: DeltaTable, fence: str, position: Posit
         return  # nothing closed
     size = timedelta(seconds=window.size_seconds)
     schema = pa.schema(state.schema().to_arrow()) if state is not None else None
-    if state is None or schema is None:
-        _empty_commit(table, props)
+    last_start, after_start = less(watermark, size), less(through, size)
+    if state is None or schema is None or last_start is None:
+        _empty_commit(table, props)  # (no window ends by a watermark in year 1)
         return
     kind = schema.field(window.key).type
-    where = [_compare(window.key, kind, "<=", watermark - size)]
-    if through is not None:
-        where.append(_compare(window.key, kind, ">", through - size))
+    where = [_compare(window.key, kind, "<=", last_start)]
+    if after_start is not None:
+        where.append(_compare(window.key, kind, ">", after_start))
     rows = _rows(spec, state, schema, " AND ".join(where))
     rows = rows.set_column(rows.schema.get_field_index(BATCH_COLUMN), BATCH_COLUMN, pa.array([head.batch_id] * rows.num_rows, pa.int64()))
     write_deltalake(table, rows, mode="append", schema_mode="merge", commit_properties=props)
@@ -280,9 +284,10 @@ def _expire(pipeline: Pipeline, view: LedgerView) -> None:
     if table is None or pipeline.state.position(table) != view.position:
         return
     column = expire.column or event_time.window.key  # type: ignore[union-attr]
-    cutoff = _utc(head.watermark) - timedelta(seconds=expire.after_seconds)
-    if expire.column is None:
-        cutoff -= timedelta(seconds=event_time.window.size_seconds)  # type: ignore[union-attr]
+    behind = expire.after_seconds + (event_time.window.size_seconds if expire.column is None else 0)  # type: ignore[union-attr]
+    cutoff = less(_utc(head.watermark), timedelta(seconds=behind))
+    if cutoff is None:
+        return  # before year 1: nothing is that old
     kind = pa.schema(table.schema().to_arrow()).field(column).type
     marker = {"before": iso(cutoff), "column": column, "batch_id": head.batch_id, "epoch": head.epoch}
     props = CommitProperties(
@@ -318,8 +323,11 @@ def _compare(column: str, kind: pa.DataType, op: str, moment: datetime) -> str:
         if op == "<" and moment != datetime(day.year, day.month, day.day, tzinfo=UTC):
             day += timedelta(days=1)  # a date is before a moment within it only if it is before its day's end
         return f"{name} {op} '{day.isoformat()}'"
+    # A literal of the column's own type: a plain string would be cast to
+    # nanoseconds, which end in 2262 (an event time in year 9999 failed every run).
     text = moment.strftime("%Y-%m-%dT%H:%M:%S.%f")
-    return f"{name} {op} '{text}{'Z' if kind.tz is not None else ''}'"  # type: ignore[attr-defined]
+    zone = 'Some("UTC")' if kind.tz is not None else "None"  # type: ignore[attr-defined]
+    return f"{name} {op} arrow_cast('{text}{'Z' if kind.tz is not None else ''}', 'Timestamp(Microsecond, {zone})')"
 
 
 def _moment(value: datetime | date) -> datetime:

@@ -193,7 +193,9 @@ def test_every_spec_field_has_a_rule():
         kind = source.model_fields["type"].annotation.__args__[0]
         fields |= {p.replace("source.", f"source.{kind}.", 1) for p in paths(source, "source.") if p != "source.type"}
     fields.add("source.type")
-    assert fields == set(SPEC_RULES), f"without a rule: {sorted(fields - set(SPEC_RULES))}; rules for no field: {sorted(set(SPEC_RULES) - fields)}"
+    # A part of a field may have a rule of its own (`event_time.window` in `event_time`).
+    parts = {p for p in SPEC_RULES if any(p.startswith(f + ".") for f in fields)}
+    assert fields == set(SPEC_RULES) - parts, f"without a rule: {sorted(fields - set(SPEC_RULES))}; rules for no field: {sorted(set(SPEC_RULES) - parts - fields)}"
     documented = (Path(__file__).parents[3] / "docs" / "spec.md").read_text()
     for path, rule in SPEC_RULES.items():
         assert f"| `{path}` | {rule.rule.value} |" in documented, f"docs/spec.md's rule table lacks `{path}` ({rule.rule.value})"

@@ -26,7 +26,7 @@ from spark_jobs.core.ledger import OffsetLedger
 from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
-from spark_jobs.errors import SpecError, TransformError
+from spark_jobs.errors import SpecChangedError, SpecError, TransformError
 from tests.conftest import crash_at, reach, run_cli, write_spec
 
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
@@ -275,7 +275,10 @@ def test_a_transform_that_changes_a_closed_window_is_refused_before_any_write(tm
         ({"window": {"key": "user_id2", "size": "30 minutes"}}, "field `event_time.window.key`: 'user_id2' is not among state.keys"),
         ({"window": {"key": "win", "size": "0 minutes"}}, "field `event_time.window.size`: '0 minutes': a window lasts longer than 0 seconds"),
         ({"final": {"path": "lake/state/final"}}, "field `event_time.final.path`: 'lake/state/final' overlaps state.path"),
-        ({"expire": {"column": "clicks", "after": "1 hour"}}, "field `event_time.expire.column`: 'clicks' is merged with 'sum'"),
+        ({"expire": {"column": "clicks", "after": "1 hour"}}, "field `event_time.expire.column`: 'clicks' with a window"),
+        ({"final": {"path": "landing/final"}}, "field `event_time.final.path`: "),
+        ({"final": {"path": "gs://bucket/final"}}, "field `event_time.final.path`: 'gs://bucket/final': gs:// locations are not supported"),
+        ({"final": {"path": "../final"}}, "field `event_time.final.path`: '../final'"),
     ],
 )
 def test_a_bad_window_block_is_refused_naming_its_field(tmp_path, change, message):
@@ -287,6 +290,48 @@ def test_a_bad_window_block_is_refused_naming_its_field(tmp_path, change, messag
     with pytest.raises(SpecError) as raised:
         load_spec(spec_path)
     assert message in str(raised.value)
+
+
+def test_expiry_by_a_column_is_refused_where_it_would_remove_part_of_a_key(tmp_path):
+    """Not with a window (a row would leave before its window is final), not by
+    a merged column in an appended state (an old partial row of a key would leave)."""
+    spec = yaml.safe_load(_spec(tmp_path).read_text())
+    del spec["event_time"]["window"], spec["event_time"]["final"]
+    spec["transform"] = "SELECT user_id, count(*) AS clicks, max(ts) AS last_seen FROM batch GROUP BY user_id"
+    spec["state"] = {"path": "lake/state", "keys": ["user_id"], "merge": {"clicks": "sum", "last_seen": "max"}, "layout": "appended"}
+    spec["event_time"]["expire"] = {"column": "last_seen", "after": "1 hour"}
+    path = write_spec(tmp_path, spec)
+    with pytest.raises(SpecError, match="field `event_time.expire.column`: 'last_seen' in an appended state"):
+        load_spec(path)
+
+
+def test_a_window_changed_on_a_running_pipeline_is_refused(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    _land(spec_path, "f0", WAVES[0])
+    assert _run(spec_path, compute).status == "committed"
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["event_time"]["window"]["size"] = "1 hour"
+    spec["transform"] = spec["transform"].replace("30 minutes", "1 hour")
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _land(spec_path, "f1", WAVES[1])
+    with pytest.raises(SpecChangedError, match="event_time.window changed"):
+        _run(spec_path, compute)
+
+
+def test_an_event_time_in_year_9999_closes_nothing_and_stops_nothing(tmp_path, compute):
+    """A "never" placeholder among the clicks: its window ends after any
+    watermark a day can reach, the literals stay in range, and the next
+    batches run (its clicks are late for them)."""
+    spec_path = _spec(tmp_path)
+    (spec_path.parent / "landing" / "f0.json").write_text(
+        json.dumps({"event_id": "a", "user_id": "u0", "ts": "2026-12-01T10:05:00Z"}) + "\n"
+        + json.dumps({"event_id": "b", "user_id": "u1", "ts": "9999-12-31T23:40:00Z"}) + "\n"
+    )
+    assert _run(spec_path, compute).status == "committed"
+    assert set(_final(spec_path)) == {("u0", T0)}  # the watermark is in year 9999: every earlier window is final
+    _land(spec_path, "f1", [50])
+    assert _run(spec_path, compute).status == "committed"  # late, quarantined; the run does not fail
+    assert _run(spec_path, compute).status == "no_new_data"
 
 
 def test_a_window_key_that_is_no_time_is_refused_when_the_transform_is_analysed(tmp_path, compute):
@@ -320,7 +365,8 @@ def test_a_quiet_schedule_closes_windows_on_time(tmp_path, compute):
     assert _final(spec_path) == {}
     with crash_at("after_plan"):
         run(60)  # a quiet batch, planned, then killed
-    assert run(60).status == "committed"  # its replay: watermark 50
+    quiet = run(60)  # its replay: watermark 50, with no engine started
+    assert quiet.status == "committed" and "engine_start" not in (quiet.steps_ms or {}), quiet.steps_ms
     assert _final(spec_path) == {("u0", T0): 1, ("u1", T0): 1}
     assert run(60).status == "no_new_data"  # nothing left to move
     rows = [r for r in _rows(spec_path) if r.status.value == "committed"]

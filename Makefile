@@ -130,7 +130,8 @@ bench: setup jars
 # Streaming's Kafka source and the two readers of a Delta source
 # (docs/benchmarks.md), then micro-batches against continuous snapshots
 # (docs/micro-batch-vs-continuous.md), each state layout beside Structured
-# Streaming as users come back (docs/benchmarks.md), what a fleet at rest costs
+# Streaming as users come back, event-time windows beside Structured
+# Streaming's withWatermark (docs/benchmarks.md), what a fleet at rest costs
 # a live Airflow, fleets of 10 to 200 pipelines beside Structured Streaming,
 # and a hundred on Celery workers, one of them killed (docs/fleet.md). Under
 # 4.5 h. The scripts share bench/harness.py; BENCH_DOCS=DIR writes into a copy
@@ -141,6 +142,7 @@ bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/kafka_vs_ss.py
 	$(BIN)/python bench/continuous.py
 	$(BIN)/python bench/state_vs_ss.py
+	$(BIN)/python bench/windows_vs_ss.py
 	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 \

@@ -225,7 +225,7 @@ def test_an_appended_state_and_the_executors_close_windows_alike(tmp_path, compu
     for layout, state_write in (("appended", "auto"), ("merged", "executors")):
         spec_path = _spec(tmp_path / layout, layout=layout, state_write=state_write)
         oracle = Oracle()
-        for n, minutes in enumerate(WAVES):
+        for n, minutes in enumerate(WAVES[:4]):  # (the fourth expires a window)
             oracle.batch(_land(spec_path, f"f{n}", minutes))
             assert _run(spec_path, compute).status == "committed"
         _check(spec_path, oracle)
@@ -428,7 +428,7 @@ def test_the_cli_on_spark_connect_closes_windows_as_the_oracle_says(tmp_path, on
     Spark Connect server; final rows and expiry are the job process's own."""
     spec_path = _spec(tmp_path)
     oracle = Oracle()
-    for n, minutes in enumerate(WAVES):
+    for n, minutes in enumerate(WAVES[:4]):  # (the fourth expires a window)
         oracle.batch(_land(spec_path, f"f{n}", minutes))
         done = run_cli("run", str(spec_path))
         assert done.returncode == 0, done.stderr[-2000:]

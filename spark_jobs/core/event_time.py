@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange, Source
 
-__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "quiet_batch", "quiet_updates", "watermark_after"]
+__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "stamp", "quiet_batch", "quiet_updates", "watermark_after"]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -139,8 +139,14 @@ def less(moment: datetime | None, delay: timedelta) -> datetime | None:
 
 def iso(moment: datetime) -> str:
     """A watermark as reasons and the console spell it: UTC, to the microsecond when it has any."""
-    text = _utc(moment).strftime("%Y-%m-%dT%H:%M:%S.%f").removesuffix(".000000")
-    return text + "Z"
+    return stamp(_utc(moment)).removesuffix(".000000") + "Z"
+
+
+def stamp(moment: datetime) -> str:
+    """`moment`'s ISO text to the microsecond, its year in four digits
+    (`strftime`'s ``%Y`` writes year 202 as ``202``, which no parser takes)."""
+    m = moment
+    return f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}.{m.microsecond:06d}"
 
 
 def _utc(moment: datetime) -> datetime:

@@ -55,14 +55,14 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.delta_io import arrow, commit_infos, ensure_table, is_commit_conflict, open_table, storage_errors
-from spark_jobs.core.event_time import iso, less
+from spark_jobs.core.event_time import iso, less, stamp
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import is_appended, state_sql
 from spark_jobs.core.ledger import RowStatus, scoped
 from spark_jobs.core.spec import BATCH_COLUMN
 from spark_jobs.core.staged import Staged, key_range
-from spark_jobs.errors import ConcurrentRunError, TransformError
+from spark_jobs.errors import ConcurrentRunError, SpecChangedError, TransformError
 from spark_jobs.storage.s3 import delta_storage_options
 
 if TYPE_CHECKING:
@@ -150,6 +150,12 @@ def _finalize(pipeline: Pipeline, view: LedgerView) -> None:
                 description=f"final rows of pipeline {spec.name}: each window once the watermark passed its end",
                 configuration={"delta.enableChangeDataFeed": "true"},
             )
+            if existing is None and head.batch_id > 1:
+                log.warning(
+                    "pipeline %s: the final table %s is made now, from the state, with the windows it holds (had it been "
+                    "there before and been deleted, the rows of windows expired since are not in it)", spec.name, spec.final_path,
+                )
+            _check_final_table(spec, table)
             if transaction_position(table, fence) >= view.position:
                 return
             try:
@@ -167,13 +173,42 @@ def _finalize(pipeline: Pipeline, view: LedgerView) -> None:
     )
 
 
+def _check_final_table(spec: PipelineSpec, table: DeltaTable) -> None:
+    """The table at `final.path` is this pipeline's table of final rows, of
+    the windows the spec declares: another pipeline's (its marker, or a
+    table this job did not make) or another window size would mix two sets
+    of final rows, and a rewind of one would take back the other's."""
+    assert spec.event_time is not None and spec.event_time.window is not None
+    marker = _marker(table) or {}
+    owner = marker.get("pipeline") or (table.metadata().name or "").removesuffix(" final")
+    window = marker.get("window")
+    problem = None
+    if owner != spec.name:
+        problem = f"holds the final rows of {'pipeline ' + repr(owner) if owner else 'a table this job did not make'}"
+    elif window is not None and window != spec.event_time.window.model_dump():
+        problem = f"holds windows {window}, and the spec now says {spec.event_time.window.model_dump()}"
+    if problem:
+        raise SpecChangedError(
+            f"pipeline {spec.name}: event_time.final.path {spec.final_path} {problem}: give this pipeline's final rows "
+            "a table of their own (a new final.path); nothing was written",
+            pipeline=spec.name,
+            path=spec.final_path,
+        )
+
+
 def _bring_to(spec: PipelineSpec, table: DeltaTable, fence: str, position: Position, head: LedgerRow, state: DeltaTable | None) -> None:
     """One fenced commit that brings the final table to `head`: a rewind's
     delete of the rows after it, or the rows of the windows that closed."""
     assert spec.event_time is not None and spec.event_time.window is not None
     window = spec.event_time.window
     watermark = head.watermark
-    marker = {"through": iso(watermark) if watermark is not None else None, "batch_id": head.batch_id, "epoch": head.epoch}
+    marker = {
+        "through": iso(watermark) if watermark is not None else None,
+        "batch_id": head.batch_id,
+        "epoch": head.epoch,
+        "pipeline": spec.name,
+        "window": window.model_dump(),
+    }
     props = commit_properties(fence, position, {FINAL_KEY: json.dumps(marker)})
     if head.status is RowStatus.REWOUND:
         before = table.version()
@@ -322,10 +357,10 @@ def _compare(column: str, kind: pa.DataType, op: str, moment: datetime) -> str:
         day = moment.date()
         if op == "<" and moment != datetime(day.year, day.month, day.day, tzinfo=UTC):
             day += timedelta(days=1)  # a date is before a moment within it only if it is before its day's end
-        return f"{name} {op} '{day.isoformat()}'"
+        return f"{name} {op} '{day.year:04d}-{day.month:02d}-{day.day:02d}'"
     # A literal of the column's own type: a plain string would be cast to
     # nanoseconds, which end in 2262 (an event time in year 9999 failed every run).
-    text = moment.strftime("%Y-%m-%dT%H:%M:%S.%f")
+    text = stamp(moment)
     zone = 'Some("UTC")' if kind.tz is not None else "None"  # type: ignore[attr-defined]
     return f"{name} {op} arrow_cast('{text}{'Z' if kind.tz is not None else ''}', 'Timestamp(Microsecond, {zone})')"
 

@@ -334,6 +334,45 @@ def test_an_event_time_in_year_9999_closes_nothing_and_stops_nothing(tmp_path, c
     assert _run(spec_path, compute).status == "no_new_data"
 
 
+def test_a_final_table_of_another_pipeline_or_other_windows_is_refused(tmp_path, compute):
+    """Two pipelines on one final.path, or a window changed in two steps (taken
+    out for a batch, put back with another size): refused before a write."""
+    first = _spec(tmp_path / "a")
+    _land(first, "f0", WAVES[0])
+    assert _run(first, compute).status == "committed"
+    other = yaml.safe_load(_spec(tmp_path / "b").read_text())
+    other["name"] = "other"
+    other["event_time"]["final"]["path"] = str(tmp_path / "a" / "lake" / "final")
+    second = write_spec(tmp_path / "b", other)
+    _land(second, "f0", WAVES[0])
+    with pytest.raises(SpecChangedError, match="holds the final rows of pipeline 'windowed'"):
+        _run(second, compute)
+    assert len(_final(first)) == 2
+
+    spec = yaml.safe_load(first.read_text())
+    window, final, expire = (spec["event_time"].pop(k) for k in ("window", "final", "expire"))
+    first.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _land(first, "f1", WAVES[1])
+    assert _run(first, compute).status == "committed"  # no window for a batch: recorded
+    spec["event_time"].update(window={**window, "size": "1 hour"}, final=final, expire=expire)
+    spec["transform"] = spec["transform"].replace("30 minutes", "1 hour")
+    first.write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(SpecChangedError, match="holds windows"):
+        _run(first, compute)
+
+
+def test_an_event_time_before_year_1000_is_written_and_read_back(tmp_path, compute):
+    """A typo's year 202: the literals and the final table's marker keep four digits."""
+    spec_path = _spec(tmp_path)
+    (spec_path.parent / "landing" / "f0.json").write_text(json.dumps({"event_id": "a", "user_id": "u0", "ts": "0202-12-01T10:25:00Z"}) + "\n")
+    assert _run(spec_path, compute).status == "committed"
+    _land(spec_path, "f1", [5, 45])
+    assert _run(spec_path, compute).status == "committed"
+    assert _run(spec_path, compute).status == "no_new_data"
+    assert set(_final(spec_path)) == {("u0", datetime(202, 12, 1, 10, 0, tzinfo=UTC)), ("u0", T0)}
+    assert status(load_spec(spec_path)).final.through == T0 + timedelta(minutes=35)
+
+
 def test_a_window_key_that_is_no_time_is_refused_when_the_transform_is_analysed(tmp_path, compute):
     spec_path = _spec(tmp_path)
     spec = yaml.safe_load(spec_path.read_text())

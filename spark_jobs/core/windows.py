@@ -155,9 +155,9 @@ def _finalize(pipeline: Pipeline, view: LedgerView) -> None:
                     "pipeline %s: the final table %s is made now, from the state, with the windows it holds (had it been "
                     "there before and been deleted, the rows of windows expired since are not in it)", spec.name, spec.final_path,
                 )
-            _check_final_table(spec, table)
             if transaction_position(table, fence) >= view.position:
                 return
+            _check_final_table(spec, table)
             try:
                 _bring_to(spec, table, fence, view.position, head, state)
                 return

@@ -17,10 +17,10 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spark_jobs.errors import SpecError
 from spark_jobs.storage.roots import check_location, parse_roots, roots_from_env
@@ -494,6 +494,15 @@ def duration_seconds(text: str) -> float:
     return seconds
 
 
+def _parses(text: str) -> str:
+    duration_seconds(text)
+    return text
+
+
+#: A spec field holding a duration (`duration_seconds`), checked as it loads.
+Duration = Annotated[str, AfterValidator(_parses)]
+
+
 class WindowSpec(_Model):
     """A window over the event time, as part of the state's key: the state
     key `key` holds each window's start (``window(ts, '1 hour').start``;
@@ -520,7 +529,7 @@ class WindowSpec(_Model):
 
 class FinalSpec(_Model):
     """The table of final rows: each window's state row, appended once when
-    the watermark passes the window's end (`spark_jobs.core.finals`)."""
+    the watermark passes the window's end (`spark_jobs.core.windows`)."""
 
     #: A Delta table (a folder, or ``s3://``), not the state's nor the checkpoint's.
     path: str = Field(min_length=1)
@@ -533,15 +542,9 @@ class ExpirySpec(_Model):
     or a key whose `column` (a TIMESTAMP state column merged with `max`,
     say the newest event time it saw) is."""
 
-    after: str
+    after: Duration
     #: A state column to expire by; none: the window's end (`event_time.window`).
     column: str | None = None
-
-    @field_validator("after")
-    @classmethod
-    def _after_parses(cls, after: str) -> str:
-        duration_seconds(after)
-        return after
 
     @property
     def after_seconds(self) -> float:
@@ -559,7 +562,7 @@ class EventTimeSpec(_Model):
     #: A TIMESTAMP or DATE column of the source's records (Kafka: also `_kafka_timestamp`).
     column: str = Field(min_length=1)
     #: How late a record may be and still count: ``10 minutes``, ``1 hour``, ``0 seconds``.
-    delay: str
+    delay: Duration
     #: `quarantine`: to the quarantine table, reason `late`, with its event
     #: time (nothing lost); `drop`: left out and counted; `accept`: taken
     #: like any other record, and counted.
@@ -573,16 +576,10 @@ class EventTimeSpec(_Model):
     #: and how long a window is; needed by `final` and a window's `expire`.
     window: WindowSpec | None = None
     #: Where each window's final row is appended once the watermark passes
-    #: its end (`spark_jobs.core.finals`); none by default.
+    #: its end (`spark_jobs.core.windows`); none by default.
     final: FinalSpec | None = None
     #: When state rows leave the state (`ExpirySpec`); never by default.
     expire: ExpirySpec | None = None
-
-    @field_validator("delay")
-    @classmethod
-    def _delay_parses(cls, delay: str) -> str:
-        duration_seconds(delay)
-        return delay
 
     @model_validator(mode="after")
     def _windows_declared(self) -> EventTimeSpec:

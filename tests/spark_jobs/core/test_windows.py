@@ -56,6 +56,13 @@ def _spec(tmp_path: Path, *, slide: str | None = None, layout: str = "merged", s
     return write_spec(tmp_path, spec)
 
 
+def _edit(spec_path: Path, change) -> None:
+    """The spec at `spec_path` changed by `change(spec)` (its YAML as a dict)."""
+    spec = yaml.safe_load(spec_path.read_text())
+    change(spec)
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
 def _land(spec_path: Path, name: str, minutes: list[int], users: int = 2) -> list[dict]:
     records = [
         {"event_id": f"{name}-{i}", "user_id": f"u{i % users}", "ts": (T0 + timedelta(minutes=m)).isoformat()} for i, m in enumerate(minutes)
@@ -256,10 +263,8 @@ def test_a_transform_that_changes_a_closed_window_is_refused_before_any_write(tm
     spec_path = _spec(tmp_path)
     _land(spec_path, "f0", [5, 45])
     assert _run(spec_path, compute).status == "committed"  # watermark 35: [0, 30) final
-    spec = yaml.safe_load(spec_path.read_text())
     # Windows shifted an hour back: a click at 50 lands in the closed window [-10, 20)... of another clock.
-    spec["transform"] = spec["transform"].replace("window(ts,", "window(ts - INTERVAL 1 HOUR,")
-    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _edit(spec_path, lambda spec: spec.update(transform=spec["transform"].replace("window(ts,", "window(ts - INTERVAL 1 HOUR,")))
     _land(spec_path, "f1", [50])
     with pytest.raises(TransformError, match="at or before the watermark"):
         _run(spec_path, compute)
@@ -375,9 +380,7 @@ def test_an_event_time_before_year_1000_is_written_and_read_back(tmp_path, compu
 
 def test_a_window_key_that_is_no_time_is_refused_when_the_transform_is_analysed(tmp_path, compute):
     spec_path = _spec(tmp_path)
-    spec = yaml.safe_load(spec_path.read_text())
-    spec["transform"] = spec["transform"].replace(".start AS win", ".start::string AS win")
-    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _edit(spec_path, lambda spec: spec.update(transform=spec["transform"].replace(".start AS win", ".start::string AS win")))
     _land(spec_path, "f0", [5])
     with pytest.raises(TransformError, match="event_time.window.key names it"):
         _run(spec_path, compute)

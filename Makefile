@@ -93,9 +93,12 @@ tools:
 # soak runs the long variants of those classes (every crash point with
 # every seed, the chaos suites' long runs, the whole type matrix, ...), and
 # make test-full both. The soak's tests are as independent as make test's,
-# so they run in as many processes.
+# so they run in as many processes, and test by test rather than file by
+# file: 29 of its tests are test_chaos.py's, which alone would keep one
+# process busy for hours while the other sat idle. (What must not run
+# beside itself is grouped: `make airflow`'s tests, `xdist_group`.)
 soak: setup tools jars
-	$(BIN)/python -m pytest -q -m slow --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m slow --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadgroup
 
 test-full: setup tools jars lint
 	$(BIN)/python -m pytest -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile

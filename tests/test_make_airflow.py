@@ -27,7 +27,9 @@ from spark_jobs.engine import connect_server
 from tests.conftest import ROOT, assert_exact, oracle_spec_dict, write_spec
 from tests.plugins.live_airflow import free_port
 
-pytestmark = pytest.mark.timeout(600)
+# `make airflow` keeps files in the checkout (its JVM archives, its bytecode):
+# its runs stay in one test process also where tests are spread one by one (`make soak`).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("make_airflow")]
 
 
 def _call(port: int, method: str, path: str, body: dict | None = None):

@@ -316,9 +316,11 @@ def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
         return EXIT_OK
     shown = rows[-args.limit :] if args.limit else rows
     timed = any(r.watermark is not None or r.records_late is not None for r in rows)
+    deduped = any(r.records_duplicate is not None for r in rows)
     _table(
         f"offset ledger of {spec.name} ({len(rows)} rows)",
         ["epoch", "batch", "status", "start", "end", "records", "quarantined", *(["late", "watermark"] if timed else []),
+         *(["duplicates"] if deduped else []),
          "keys", "state v", "spec", "run id", "at"],
         [
             [
@@ -330,6 +332,7 @@ def _history(spec: PipelineSpec, args: argparse.Namespace) -> int:
                 r.records_in,
                 r.records_quarantined,
                 *([r.records_late, iso(r.watermark) if r.watermark else None] if timed else []),
+                *([r.records_duplicate] if deduped else []),
                 r.keys_updated,
                 r.state_version,
                 r.spec_fingerprint,
@@ -441,6 +444,8 @@ def _print_outcome(outcome: BatchOutcome, as_json: bool, *, lines: bool = False)
         if outcome.records_late is not None:
             watermark = iso(outcome.watermark) if outcome.watermark else "none yet"
             print(f"event time: {outcome.records_late:,} late record(s); watermark {watermark}")
+        if outcome.records_duplicate is not None:
+            print(f"dedup: {outcome.records_duplicate:,} duplicate record(s) dropped")
         if outcome.steps_ms:
             print("time by step: " + ", ".join(f"{step} {ms / 1000:.2f} s" for step, ms in outcome.steps_ms.items()))
     elif outcome.status is Outcome.DRY_RUN:

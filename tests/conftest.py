@@ -81,6 +81,7 @@ LONG_FILES = (
     "tests/plugins/microbatch_airflow/test_hooks.py",
     "tests/test_make_airflow.py",
     "tests/spark_jobs/core/test_storage_faults.py",
+    "tests/spark_jobs/core/test_dedup.py",
 )
 
 

@@ -189,9 +189,10 @@ class _Prefetching(Engine):
         batches) are in flight. Planning stops at the first range the source
         cannot give: nothing waits, or it cannot tell now (the batch's own
         step 2 then raises what there is to raise)."""
-        if pipeline.spec.event_time is not None:
+        if pipeline.spec.event_time is not None or pipeline.spec.dedup is not None:
             # Batch N+1's records are judged against the watermark batch N
-            # leaves, which only N's read tells: no read can be made for it ahead.
+            # leaves, and the ids N took (`dedup`), which only N's read
+            # tells: no read can be made for it ahead.
             return
         at_once = min(READ_AHEAD, self.reads_at_once)
         if self._readers is None:

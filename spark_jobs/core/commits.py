@@ -69,6 +69,9 @@ class BatchRecord:
     #: batch, and how many of its records were late; None without `event_time`.
     watermark: datetime | None = None
     records_late: int | None = None
+    #: Duplicates (`spark_jobs.core.dedup`): the records this batch dropped
+    #: as such; None without `dedup`.
+    records_duplicate: int | None = None
 
     def record(self) -> dict[str, Any]:
         """These fields alone, to carry them from one record to the other."""

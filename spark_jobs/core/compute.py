@@ -68,6 +68,11 @@ class ComputeResult:
     #: among the records the transform took. None without `event_time`.
     records_late: int | None = None
     newest_event_time: datetime | None = None
+    #: Duplicates (`spark_jobs.core.dedup`): the records dropped as such,
+    #: and the ids the kept ones take (rows of `dedup.SCHEMA`'s `id` and
+    #: `event_time`, or, with a sink, its files). None without `dedup`.
+    records_duplicate: int | None = None
+    seen_ids: pa.Table | Staged | None = None
 
 
 class Compute(Protocol):

@@ -232,6 +232,12 @@ SPEC_RULES: dict[str, FieldRule] = {
         "which records the next batches judge late, and how the watermark moves; the recorded batches and the watermark stand",
         value=lambda s: s.event_time.model_dump() if s.event_time is not None else _ABSENT,
     ),
+    "dedup": FieldRule(
+        Rule.RECORD,
+        "which records the next batches drop as duplicates; the recorded batches stand, and ids remembered under "
+        "another key match none of the new key's",
+        value=lambda s: s.dedup.model_dump() if s.dedup is not None else _ABSENT,
+    ),
 }
 
 

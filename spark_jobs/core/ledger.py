@@ -45,11 +45,11 @@ log = logging.getLogger("microbatch")
 
 #: The row format this code writes, and the newest it reads (2 added
 #: `pipeline_id`, `spec` and `spec_fingerprint`, 3 added `waiting_after`, 4
-#: `watermark` and `records_late`; older tables gain the columns on their
-#: next write, and their old rows read as None).
-FORMAT_VERSION = 4
+#: `watermark` and `records_late`, 5 `records_duplicate`; older tables gain
+#: the columns on their next write, and their old rows read as None).
+FORMAT_VERSION = 5
 #: Columns added after format 1, added to older ledgers before a write.
-_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after", "watermark", "records_late")
+_ADDED_COLUMNS = ("pipeline_id", "spec", "spec_fingerprint", "waiting_after", "watermark", "records_late", "records_duplicate")
 #: Compact the ledger once it has this many data files (two per batch), so
 #: that reading it, which every run does, stays fast after thousands of batches.
 COMPACT_AT_FILES = 64

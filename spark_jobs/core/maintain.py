@@ -1,9 +1,10 @@
 """Maintenance: compact and vacuum a pipeline's tables, keeping rewinds possible.
 
-Every batch adds small files to the state, the ledger and the quarantine, and
-every merge leaves the files it rewrote behind for time travel. `maintain`
-folds an appended state (`spark_jobs.core.folding`), compacts the three tables, VACUUMs them and writes Delta checkpoints, so
-reads stay fast and disk use stays bounded. The one thing it must not take
+Every batch adds small files to the state, the ledger, the quarantine and
+the dedup table, and every merge leaves the files it rewrote behind for
+time travel. `maintain` folds an appended state (`spark_jobs.core.folding`),
+compacts the tables, VACUUMs them and writes Delta checkpoints, so reads
+stay fast and disk use stays bounded. The one thing it must not take
 away is the rewinds people need: the state's versions of the last
 `maintenance.keep_batches` batches of the lineage (and the current version)
 are kept restorable with delta-rs's `keep_versions`; older ones may lose
@@ -15,10 +16,12 @@ before K+1's (an OPTIMIZE rewrites files without changing rows). So an
 OPTIMIZE followed by a VACUUM that dropped K's own files still leaves K
 rewindable through the OPTIMIZE's version.
 
-Ledger, quarantine and consumed index are never rewound, so their old
-versions are not needed. Their VACUUM runs before their compaction: the files a compaction
-replaces stay until the next maintenance, for runs reading an older snapshot
-concurrently, so dead files never exceed one compaction's worth.
+Ledger, quarantine, consumed index and dedup table are never rewound, so
+their old versions are not needed (first, the dedup table loses the rows
+no batch a rewind can reach reads: `spark_jobs.core.dedup`). Their VACUUM
+runs before their compaction: the files a compaction replaces stay until
+the next maintenance, for runs reading an older snapshot concurrently, so
+dead files never exceed one compaction's worth.
 """
 
 from __future__ import annotations
@@ -98,12 +101,18 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
         "ledger": [scoped(PLAN_FENCE, spec.name), scoped(COMMIT_FENCE, spec.name)],
         "quarantine": [pipeline.quarantine.fence],
         "consumed": [pipeline.consumed.fence(lineage.ledger)] if lineage.ledger is not None else [],
+        "dedup": [pipeline.dedup.fence],
     }
-    for name, path in (("ledger", pipeline.ledger.path), ("quarantine", pipeline.quarantine.path), ("consumed", pipeline.consumed.path)):
+    tables = (("ledger", pipeline.ledger.path), ("quarantine", pipeline.quarantine.path), ("consumed", pipeline.consumed.path), ("dedup", pipeline.dedup.path))
+    for name, path in tables:
         table = open_table(path)
         if table is None:
             continue
         with _racing(spec, path):
+            if name == "dedup" and spec.dedup is not None:
+                # The ids no batch a rewind can reach reads any more (`SeenIds.forget`).
+                removed["dedup rows"] = pipeline.dedup.forget(view, kept_rows[0] if kept_rows else None, spec.dedup.within_seconds)
+                table.update_incremental()
             # VACUUM first, then compact: what this compaction replaces stays for
             # readers of older snapshots until the next maintenance removes it.
             removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))

@@ -38,6 +38,8 @@ class BatchOutcome:
     #: Event time: records older than the batch's watermark, and the watermark it left.
     records_late: int | None = None
     watermark: datetime | None = None
+    #: Duplicates: the records the batch dropped as such (`dedup`).
+    records_duplicate: int | None = None
     keys_updated: int | None = None
     state_version: int | None = None
     duration_ms: int | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from spark_jobs.core.dedup import SeenIds
 from spark_jobs.core.ledger import LedgerRow, LedgerView, OffsetLedger
 from spark_jobs.core.lineage import ConsumedIndex, LedgerLineage
 from spark_jobs.core.quarantine import Quarantine
@@ -13,7 +14,7 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline:
-    """The offset ledger, consumed index, state, quarantine and source of one spec."""
+    """The offset ledger, consumed index, state, quarantine, dedup table and source of one spec."""
 
     def __init__(self, spec: PipelineSpec) -> None:
         self.spec = spec
@@ -21,6 +22,7 @@ class Pipeline:
         self.consumed = ConsumedIndex(spec.consumed_path, spec.name)
         self.state = StateTable(spec)
         self.quarantine = Quarantine(spec.quarantine_path, spec.name, spec.maintenance.untracked_files_hours)
+        self.dedup = SeenIds(spec.dedup_path, spec.name, spec.maintenance.untracked_files_hours)
         self.source: Source = make_source(spec)
 
     def batch(self, row: LedgerRow) -> BatchRange:

@@ -37,7 +37,9 @@ the two. A run of batch N (position ``(epoch, N)``):
    of N is written; a new merge column is added to the state and a wider
    result type widens the state's column (values kept), only while the
    state fence still reads H. Bad records are appended to the quarantine
-   table on its own fence, so a replay of N does not add them twice.
+   table on its own fence, so a replay of N does not add them twice; so are
+   the ids N took, with `dedup` (`spark_jobs.core.dedup`: records whose id
+   H's lineage took were dropped before the transform).
 
 4. **Commit the state** (the commit point). On a fresh snapshot, the state
    fence must still read H: if it reads N or beyond, another run committed
@@ -115,7 +117,8 @@ from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commi
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
 from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
-from spark_jobs.core.event_time import check_replay, is_quiet, judged_against, quiet_batch, quiet_updates, watermark_after
+from spark_jobs.core.dedup import judged
+from spark_jobs.core.event_time import check_replay, is_quiet, quiet_batch, quiet_updates, watermark_after
 from spark_jobs.core.faults import fault_point, watch_for_new_files
 from spark_jobs.core.folding import is_appended
 from spark_jobs.core.fencing import COMMIT_FENCE, ORIGIN, PLAN_FENCE, Position
@@ -190,9 +193,10 @@ class Processed:
     updates: pa.Table | Staged
     records_in: int
     records_quarantined: int
-    #: Event time: the batch's late records, and its newest accepted event time.
+    #: Its late records and newest accepted event time (`event_time`), and its duplicates (`dedup`).
     records_late: int | None = None
     newest_event_time: datetime | None = None
+    records_duplicate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -339,7 +343,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
         if planned is None:
             return Done(Outcome.NO_NEW_DATA, nothing_new(options, view.head), head)
         batch = planned
-    batch = judged_against(spec, batch, view.head)
+    batch = judged(spec, batch, view)
     if options.dry_run:
         return Done(Outcome.DRY_RUN, f"would process {batch.describe()} as {n}; nothing committed", n, batch)
     if row is None:
@@ -348,7 +352,7 @@ def plan_batch(pipeline: Pipeline, view: LedgerView, options: RunOptions, engine
         if isinstance(recorded, Done):
             return recorded
         view, row, batch = recorded
-        batch = judged_against(spec, batch, view.head)
+        batch = judged(spec, batch, view)
     log.info("planned %s: %s", n, batch.describe())
     return Plan(n, head, batch, row, view, identity)
 
@@ -361,19 +365,13 @@ def _record_plan(
     spec = pipeline.spec
     row = LedgerRow(
         pipeline=spec.name,
-        epoch=n.epoch,
-        batch_id=n.batch_id,
+        epoch=n.epoch, batch_id=n.batch_id,
         status=RowStatus.PLANNED,
-        start_offsets=batch.start.to_dict(),
-        end_offsets=batch.end.to_dict(),
-        manifest=batch.manifest.to_dict(),
+        start_offsets=batch.start.to_dict(), end_offsets=batch.end.to_dict(), manifest=batch.manifest.to_dict(),
         pipeline_id=view.pipeline_id or new_pipeline_id(),
-        spec=identity.to_dict(),
-        spec_fingerprint=identity.fingerprint,
-        run_id=options.run_id,
-        attempt=options.attempt,
-        interval_start=options.interval_start,
-        interval_end=options.interval_end,
+        spec=identity.to_dict(), spec_fingerprint=identity.fingerprint,
+        run_id=options.run_id, attempt=options.attempt,
+        interval_start=options.interval_start, interval_end=options.interval_end,
         planned_at=utcnow(),
         waiting_after=batch.waiting_after,
     )
@@ -427,8 +425,9 @@ def read_and_quarantine(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proce
         with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", pipeline.quarantine.path):
             pipeline.quarantine.write(result.quarantine, n)
         log.info("quarantined %d of %d records", quarantined, result.records_in)
+    pipeline.dedup.write(result.seen_ids, n)
     _boundary("after_quarantine", spec)
-    return Processed(updates, result.records_in, quarantined, result.records_late, result.newest_event_time)
+    return Processed(updates, result.records_in, quarantined, result.records_late, result.newest_event_time, result.records_duplicate)
 
 
 def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Processed | Done:
@@ -464,14 +463,15 @@ def _read_by_executors(pipeline: Pipeline, plan: Plan, engine: Engine) -> Proces
         with storage_errors(f"pipeline {spec.name}: could not quarantine {n}'s bad records", pipeline.quarantine.path):
             pipeline.quarantine.write(bad, n)
         log.info("quarantined %d of %d records", bad.rows, result.records_in)
+    pipeline.dedup.write(result.seen_ids, n)
     _boundary("after_quarantine", spec)
     bad_rows = bad.rows if bad is not None else 0
-    return Processed(updates, result.records_in, bad_rows, result.records_late, result.newest_event_time)
+    return Processed(updates, result.records_in, bad_rows, result.records_late, result.newest_event_time, result.records_duplicate)
 
 
 def sink_for(pipeline: Pipeline, position: Position, schema: pa.Schema) -> Sink:
     """Where the executors write batch `position`'s rows, in `schema` (the state's types)."""
-    return Sink(pipeline.state.path, schema, pipeline.quarantine.path, pipeline.spec.name, position.epoch, position.batch_id)
+    return Sink(pipeline.state.path, schema, pipeline.quarantine.path, pipeline.spec.name, position.epoch, position.batch_id, pipeline.dedup.path)
 
 
 def _moved_on(pipeline: Pipeline, plan: Plan, table: DeltaTable) -> Done | None:
@@ -567,18 +567,14 @@ def _batch_metadata(pipeline: Pipeline, plan: Plan, processed: Processed, option
     return CommitMetadata(
         **{
             **plan.row.record(),
-            "spec": plan.identity.to_dict(),
-            "spec_fingerprint": plan.identity.fingerprint,
-            "run_id": options.run_id,
-            "attempt": options.attempt,
-            "interval_start": options.interval_start,
-            "interval_end": options.interval_end,
-            "records_in": processed.records_in,
-            "records_quarantined": processed.records_quarantined,
+            "spec": plan.identity.to_dict(), "spec_fingerprint": plan.identity.fingerprint,
+            "run_id": options.run_id, "attempt": options.attempt,
+            "interval_start": options.interval_start, "interval_end": options.interval_end,
+            "records_in": processed.records_in, "records_quarantined": processed.records_quarantined,
             "duration_ms": int((time.monotonic() - started) * 1000),
             # (From the head's and the plan's interval, not this run's: a replay leaves the same.)
             "watermark": watermark_after(pipeline.spec, plan.view.head.watermark if plan.view.head else None, processed.newest_event_time, plan.row),
-            "records_late": processed.records_late,
+            "records_late": processed.records_late, "records_duplicate": processed.records_duplicate,
         },
         kind=CommitKind.BATCH,
         position=plan.position,

@@ -96,6 +96,7 @@ def outcome_of(
         records_in=processed.records_in if processed else None,
         records_quarantined=processed.records_quarantined if processed else None,
         records_late=processed.records_late if processed else None,
+        records_duplicate=processed.records_duplicate if processed else None,
         watermark=committed.watermark if committed else None,
         keys_updated=committed.keys_updated if committed else None,
         state_version=committed.state_version if committed else None,

@@ -600,6 +600,34 @@ class EventTimeSpec(_Model):
         return duration_seconds(self.delay)
 
 
+class DedupSpec(_Model):
+    """Duplicates dropped (`spark_jobs.core.dedup`): a record whose `key`
+    was taken before, in an earlier batch of the pipeline's lineage or
+    earlier in its own batch, never reaches the transform; it is counted.
+    The ids taken are remembered in the checkpoint's `dedup` table, each
+    with its event time: `within` forgets an id once the watermark is that
+    far past it (so they stay bounded); without `within` an id is
+    remembered for ever (for a bounded key space)."""
+
+    #: Source fields that identify a record (a producer's retry repeats them).
+    key: list[str] = Field(min_length=1)
+    #: How long after its event time an id is remembered, e.g. ``1 day``:
+    #: it is forgotten once the watermark passes its event time plus this.
+    within: Duration | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _distinct(cls, key: list[str]) -> list[str]:
+        twice = sorted({name for name in key if key.count(name) > 1})
+        if twice:
+            raise ValueError(f"names {', '.join(twice)} twice: list each field of the key once")
+        return key
+
+    @property
+    def within_seconds(self) -> float | None:
+        return duration_seconds(self.within) if self.within is not None else None
+
+
 class BatchLimits(_Model):
     max_files: int | None = Field(default=None, ge=1)
     max_records: int | None = Field(default=None, ge=1)
@@ -676,6 +704,8 @@ class PipelineSpec(_Model):
     quarantine: QuarantineLimits = QuarantineLimits()
     #: Event time and the watermark (`EventTimeSpec`); none by default.
     event_time: EventTimeSpec | None = None
+    #: Duplicates dropped (`DedupSpec`); none by default.
+    dedup: DedupSpec | None = None
     #: Settings for an orchestrator, owned and validated by its plugin (for
     #: Airflow, `microbatch_airflow.airflow_spec`: schedule, connections,
     #: retries, ...). The job never reads them: it does not know Airflow.
@@ -718,6 +748,24 @@ class PipelineSpec(_Model):
             raise ValueError(f"event_time.column {column!r} is not a column of the source's records: declare it in source.schema ({', '.join(types) or 'no columns'})")
         if types[column] not in EVENT_TIME_TYPES:
             raise ValueError(f"event_time.column {column!r} is {types[column]}: an event time is a TIMESTAMP or DATE column (cast it in source.schema)")
+        return self
+
+    @model_validator(mode="after")
+    def _dedup_key(self) -> PipelineSpec:
+        """The key is fields of the source's records; `within` counts from their event time."""
+        dedup = self.dedup
+        if dedup is None:
+            return self
+        if dedup.within is not None and self.event_time is None:
+            raise ValueError("dedup.within counts from each record's event time: declare event_time (its column and delay), or leave within out to remember ids for ever")
+        if isinstance(self.source, DeltaSourceSpec):
+            return self  # (its columns are the upstream table's: checked when a batch is planned)
+        names = [f.name for f in self.source.fields]
+        if isinstance(self.source, KafkaSourceSpec):
+            names += list(KAFKA_COLUMNS)
+        missing = [name for name in dedup.key if name not in names]
+        if missing:
+            raise ValueError(f"dedup.key names {', '.join(map(repr, missing))}, not a column of the source's records: declare it in source.schema ({', '.join(names) or 'no columns'})")
         return self
 
     @model_validator(mode="after")
@@ -797,6 +845,10 @@ class PipelineSpec(_Model):
     @property
     def quarantine_path(self) -> str:
         return self.checkpoint_path.rstrip("/") + "/quarantine"
+
+    @property
+    def dedup_path(self) -> str:
+        return self.checkpoint_path.rstrip("/") + "/dedup"
 
     @property
     def consumed_path(self) -> str:

@@ -94,6 +94,8 @@ class Sink:
     pipeline: str
     epoch: int
     batch_id: int
+    #: The dedup table's folder (`spark_jobs.core.dedup`), with `dedup` only.
+    dedup_root: str | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["LATE", "as_datetime", "check_column", "native", "numbered", "split_terms", "versions"]
+__all__ = ["LATE", "as_datetime", "check_column", "event_moment", "native", "numbered", "split_terms", "versions"]
 
 #: Marks a valid record older than the batch's watermark.
 LATE = "__late"
@@ -53,7 +53,7 @@ def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None, 
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
-    moment = _moment(spec)
+    moment = event_moment(spec)
     valid = F.col(REASON).isNull() if judged is None else F.col(REASON).isNull() & judged
     marked = parsed.withColumn(LATE, valid & _older(moment, watermark))
     reason = F.when(valid & moment.isNull(), F.lit(f"no event time: {spec.event_time.column} is null (event_time.column)"))
@@ -70,7 +70,7 @@ def native(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> D
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
-    moment = _moment(spec)
+    moment = event_moment(spec)
     fine = ~F.col(native_read.SUSPECT)
     marked = rows.withColumn(LATE, fine & _older(moment, watermark))
     suspect = F.col(native_read.SUSPECT) | moment.isNull()
@@ -134,7 +134,7 @@ def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]
         valid = valid & ~F.col(LATE)
     metrics = [
         F.count(F.when(F.col(LATE), F.lit(1))).alias(LATE_METRIC),
-        F.max(F.when(valid, F.unix_micros(_moment(spec)))).alias(NEWEST_METRIC),
+        F.max(F.when(valid, F.unix_micros(event_moment(spec)))).alias(NEWEST_METRIC),
     ]
     return valid, metrics
 
@@ -150,7 +150,7 @@ def as_datetime(micros: int | None) -> datetime | None:
         return datetime.max.replace(tzinfo=UTC)
 
 
-def _moment(spec: PipelineSpec) -> Column:
+def event_moment(spec: PipelineSpec) -> Column:
     """The event time as a TIMESTAMP (a DATE counts from its midnight, UTC: the session's zone)."""
     from pyspark.sql import functions as F
 

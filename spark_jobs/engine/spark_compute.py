@@ -41,7 +41,7 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
-from spark_jobs.engine import event_marks, delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
+from spark_jobs.engine import dedup_rows, event_marks, delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
 from spark_jobs.engine.failures import never_retried
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
@@ -82,6 +82,8 @@ class _Split:
     valid: Column
     metrics: list[Column]
     fields: list[Column]
+    #: The fields' names (duplicates are ordered by them: `dedup_rows`).
+    names: tuple[str, ...] = ()
 
 
 def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tuple[str, ...] = ()) -> _Split:
@@ -102,8 +104,8 @@ def _split(spark: SparkSession, spec: PipelineSpec, *, native: bool, extra: tupl
         if spec.event_time is not None:
             valid, timed = event_marks.split_terms(spec, valid)
             observed += timed
-        fields = [F.col(spark_identifier(f.name)) for f in spec.source.fields] + [F.col(name) for name in extra]
-        return _Split(valid, observed, fields)
+        names = (*[f.name for f in spec.source.fields], *extra)
+        return _Split(valid, observed, [F.col(spark_identifier(name)) for name in names], names)
 
     timed = (spec.event_time.column, spec.event_time.late) if spec.event_time is not None else ()
     key = ("split", "native" if native else "numbered", *[f.name for f in spec.source.fields], "|", *extra, "|", *timed)
@@ -117,6 +119,8 @@ class _Query:
     result: DataFrame
     rows: DataFrame
     metrics: list[Column]
+    #: With `dedup`: the kept records' ids (`dedup_rows.Deduplicated`).
+    ids: DataFrame | None = None
 
 
 @dataclass(frozen=True)
@@ -363,7 +367,7 @@ class SparkCompute:
         from the brokers again for the quarantine pass would cost more than
         keeping them."""
         parsed = _marked(exact_read.kafka_records(self.spark, spec, batch.manifest), spec, batch).cache()
-        return _FirstRead(batch, self._numbered_query(spec, parsed, KAFKA_COLUMNS), parsed=parsed)
+        return _FirstRead(batch, self._numbered_query(spec, parsed, batch, KAFKA_COLUMNS), parsed=parsed)
 
     def _read_files(self, spec: PipelineSpec, batch: BatchRange, alongside: bool) -> _FirstRead:
         """Files: local JSON and CSV files natively, but for those found
@@ -393,7 +397,7 @@ class SparkCompute:
             parsed = _marked(read(self.spark, spec, [f.uri if remote else spark_path(f.uri) for f in entries]), spec, batch)
             # S3 objects are cached for the same reason as Kafka records.
             parsed = parsed.cache() if remote else parsed
-            return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
+            return _FirstRead(batch, self._numbered_query(spec, parsed, batch), parsed=parsed)
         if spec.source.format == "csv":
             # Spark's CSV reader, parsing only the columns a query uses, no
             # longer sees a record with too few or too many columns as
@@ -403,10 +407,10 @@ class SparkCompute:
         clean = [f for f in entries if f not in suspect]
         if not clean:
             parsed = _marked(exact_read.text_records(self.spark, spec, [spark_path(f.uri) for f in suspect]), spec, batch)
-            return _FirstRead(batch, self._numbered_query(spec, parsed), parsed=parsed)
+            return _FirstRead(batch, self._numbered_query(spec, parsed, batch), parsed=parsed)
         one_task = alongside and self._reads_fill_cores() and sum(f.size for f in clean) <= self._split_bytes()
         rows = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean], one_task=one_task)
-        query = self._query(spec, _marked(rows, spec, batch, native=True), _split(self.spark, spec, native=True))
+        query = self._query(spec, _marked(rows, spec, batch, native=True), _split(self.spark, spec, native=True), batch)
         return _FirstRead(batch, query, native=(clean, suspect))
 
     def _reads_fill_cores(self) -> bool:
@@ -427,7 +431,7 @@ class SparkCompute:
         updates, seen = self._execute(first.query, spec, out)
         found = _planned_files(clean, seen["suspect"])
         if not found and not suspect:
-            return self._result(spec, updates, seen, out)
+            return self._result(spec, updates, seen, out, first.query)
         if out is not None:
             # The first read's files hold records of files now read again by line.
             delete_files(out.sink.root, spark_state.written(updates))
@@ -439,11 +443,11 @@ class SparkCompute:
             native = native_read.records(self.spark, spec, [spark_path(f.uri) for f in clean])
             parsed = parsed.unionByName(_numbered_like_exact(spec, native))
         parsed = _marked(parsed, spec, first.batch)
-        return self._numbered_result(spec, self._numbered_query(spec, parsed), parsed, out)
+        return self._numbered_result(spec, self._numbered_query(spec, parsed, first.batch), parsed, out)
 
-    def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, extra: tuple[str, ...] = ()) -> _Query:
+    def _numbered_query(self, spec: PipelineSpec, parsed: DataFrame, batch: BatchRange, extra: tuple[str, ...] = ()) -> _Query:
         """The transform of the valid records of `parsed` (records numbered by line)."""
-        return self._query(spec, parsed, _split(self.spark, spec, native=False, extra=extra))
+        return self._query(spec, parsed, _split(self.spark, spec, native=False, extra=extra), batch)
 
     def _numbered_result(self, spec: PipelineSpec, query: _Query, parsed: DataFrame, out: Out | None) -> ComputeResult:
         """Run `query`; then quarantine the failed records of `parsed`, if any."""
@@ -451,8 +455,9 @@ class SparkCompute:
             updates, seen = self._execute(query, spec, out)
             if out is None:
                 quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
-                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **_event_counts(spec, seen))
-            result = self._result(spec, updates, seen, out)
+                counts = {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
+                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **counts)
+            result = self._result(spec, updates, seen, out, query)
             if seen["bad"]:
                 written = spark_state.quarantine_job(parsed, out).toArrow()
                 result.staged_quarantine = Staged(spark_state.written(written), QUARANTINE_SCHEMA, out.sink.quarantine_root)
@@ -461,19 +466,32 @@ class SparkCompute:
             if parsed.is_cached:
                 parsed.unpersist()
 
-    def _result(self, spec: PipelineSpec, updates: pa.Table, seen: dict[str, Any], out: Out | None) -> ComputeResult:
+    def _result(self, spec: PipelineSpec, updates: pa.Table, seen: dict[str, Any], out: Out | None, query: _Query | None = None) -> ComputeResult:
         """The batch's result: its rows checked (`validate_updates`), or, when
         the executors wrote them, their files checked (`spark_state.checked`)."""
+        counts = {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
         if out is None:
-            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), **_event_counts(spec, seen))
+            return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), **counts)
         staged = spark_state.checked(
             self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink, unique=bool(seen.get(spark_state.UNIQUE_KEYS))
         )
-        return ComputeResult(
-            out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged, **_event_counts(spec, seen)
-        )
+        return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged, **counts)
 
-    def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split) -> _Query:
+    def _dedup_counts(self, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
+        """With `dedup`: the batch's duplicates, and the ids its kept records
+        take, collected here or (with `out`) written by the executors into
+        the dedup table's folder (`spark_jobs.core.dedup`)."""
+        if query is None or query.ids is None:
+            return {}
+        kept = int((seen.get(dedup_rows.METRICS) or {}).get("kept") or 0)
+        ids: pa.Table | Staged | None = None
+        if kept and out is None:
+            ids = query.ids.toArrow()
+        elif kept and out is not None and out.sink.dedup_root is not None:
+            ids = dedup_rows.written(query.ids, out.sink, spark_state.client(out.sink.dedup_root))
+        return {"records_duplicate": dedup_rows.duplicates(seen.get(dedup_rows.METRICS)), "seen_ids": ids}
+
+    def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split, batch: BatchRange) -> _Query:
         """The transform of the valid rows, with the split's metrics observed over all `rows`:
         built and analysed (a bad transform fails here), not run.
 
@@ -484,11 +502,15 @@ class SparkCompute:
         observed node, and the transform's plan holds it only inside the
         `batch` view, so it would wait forever.)
         """
-        batch = rows.observe(_METRICS, *split.metrics).where(split.valid).select(*split.fields)
+        valid, ids = rows.observe(_METRICS, *split.metrics).where(split.valid), None
+        if batch.remembered is not None:
+            found = dedup_rows.deduplicated(self.spark, spec, valid, list(split.names), batch.remembered, spark_state.client(batch.remembered.path))
+            valid, ids = found.kept, found.ids
+        batch_view = valid.select(*split.fields)
         if not _is_connect(self.spark):
-            result = self._transform(spec, batch)
+            result = self._transform(spec, batch_view)
             _check_result(spec, result.schema)
-            return _Query(result, rows, split.metrics)
+            return _Query(result, rows, split.metrics, ids)
         # Through Spark Connect, the server returns the metrics of observed
         # nodes the request holds, not those inside a temporary view: the
         # transform's SQL goes with `batch` as a reference to the observed
@@ -497,13 +519,13 @@ class SparkCompute:
         from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
         from pyspark.sql.connect.plan import SQL, SubqueryAlias
 
-        result = ConnectDataFrame(SQL(spec.transform, None, None, [SubqueryAlias(batch._plan, "batch")]), self.spark)
+        result = ConnectDataFrame(SQL(spec.transform, None, None, [SubqueryAlias(batch_view._plan, "batch")]), self.spark)
         try:
             result.schema  # analyses the SQL: a bad transform fails here, by its own error
         except Exception as exc:
             raise _transform_failed(spec, exc) from exc
         _check_result(spec, result.schema)
-        return _Query(result, rows, split.metrics)
+        return _Query(result, rows, split.metrics, ids)
 
     def _execute(self, query: _Query, spec: PipelineSpec | None = None, out: Out | None = None) -> tuple[pa.Table, dict[str, Any]]:
         """Run `query` (one Spark job): the transform's result, and the metrics.
@@ -522,6 +544,8 @@ class SparkCompute:
             return updates, query.rows.agg(*query.metrics).first().asDict()
         if out is not None:
             found = {**found, **self._written_metrics(job, query.result, spec, out)}
+        if query.ids is not None:
+            found[dedup_rows.METRICS] = self._observed(job, dedup_rows.METRICS)
         return updates, found
 
     def _written_metrics(self, job: DataFrame, result: DataFrame, spec: PipelineSpec, out: Out) -> dict[str, Any]:
@@ -569,6 +593,8 @@ class SparkCompute:
             raise _unreadable_versions(spec, manifest, exc) from exc
         if spec.event_time is not None:
             return self._timed_versions(spec, batch, delta_read.arrow_frame(self.spark, rows), out)
+        if batch.remembered is not None:
+            return self._untimed_versions(spec, batch, delta_read.arrow_frame(self.spark, rows), out)
         result = self._transform(spec, delta_read.arrow_frame(self.spark, rows))
         if out is None:
             return self._result(spec, result.toArrow(), {"records": rows.num_rows}, None)
@@ -579,7 +605,6 @@ class SparkCompute:
     def _versions_by_spark(self, spec: PipelineSpec, batch: BatchRange, out: Out | None) -> ComputeResult:
         """The versions read by delta-spark on the executors, transformed in
         the same job, their rows counted as it runs (observed metrics)."""
-        from pyspark.sql import functions as F
 
         manifest = cast(DeltaManifest, batch.manifest)
         log.info("versions %d..%d of %s read by delta-spark on the executors", manifest.first, manifest.last, manifest.uri)
@@ -587,16 +612,23 @@ class SparkCompute:
             rows = delta_read.spark_versions(self.spark, manifest)
             if spec.event_time is not None:
                 return self._timed_versions(spec, batch, rows, out)
-            split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(f"`{c}`") for c in rows.columns])
-            query = self._query(spec, rows, split)
-            updates, seen = self._execute(query, spec, out)
+            return self._untimed_versions(spec, batch, rows, out)
         except MicrobatchError:
             raise
         except Exception as exc:
             if _no_delta_spark(exc):
                 raise _delta_spark_missing(spec) from exc
             raise _unreadable_versions(spec, manifest, exc) from exc
-        return self._result(spec, updates, seen, out)
+
+    def _untimed_versions(self, spec: PipelineSpec, batch: BatchRange, rows: DataFrame, out: Out | None) -> ComputeResult:
+        """A Delta source's rows, transformed in one job, their rows counted as it runs (observed metrics)."""
+        from pyspark.sql import functions as F
+
+        names = tuple(rows.columns)
+        split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(spark_identifier(c)) for c in names], names)
+        query = self._query(spec, rows, split, batch)
+        updates, seen = self._execute(query, spec, out)
+        return self._result(spec, updates, seen, out, query)
 
     def _timed_versions(self, spec: PipelineSpec, batch: BatchRange, rows: DataFrame, out: Out | None) -> ComputeResult:
         """A Delta source's rows judged by event time (`event_marks.versions`):
@@ -606,11 +638,11 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         manifest = cast(DeltaManifest, batch.manifest)
-        fields = [F.col(spark_identifier(c)) for c in rows.columns]
+        names = tuple(rows.columns)
         marked = event_marks.versions(rows, spec, batch.watermark, manifest.uri, f"{manifest.first}..{manifest.last}")
         valid, timed = event_marks.split_terms(spec, F.col(REASON).isNull())
-        split = _Split(valid, [F.count(F.lit(1)).alias("records"), F.count(REASON).alias("bad"), *timed], fields)
-        return self._numbered_result(spec, self._query(spec, marked, split), marked, out)
+        split = _Split(valid, [F.count(F.lit(1)).alias("records"), F.count(REASON).alias("bad"), *timed], [F.col(spark_identifier(c)) for c in names], names)
+        return self._numbered_result(spec, self._query(spec, marked, split, batch), marked, out)
 
     # -- internals ------------------------------------------------------------
 

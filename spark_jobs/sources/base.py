@@ -30,7 +30,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from spark_jobs.core.dedup import Remembered
 
 __all__ = ["BatchRange", "Caps", "Lag", "Lineage", "Manifest", "Offsets", "Source"]
 
@@ -79,6 +82,9 @@ class BatchRange:
     #: (`spark_jobs.core.event_time.judged_against`): the ledger head's, set
     #: at planning, so that a read made for another watermark is not taken.
     watermark: datetime | None = None
+    #: Duplicates: the ids this batch drops (`spark_jobs.core.dedup.remembered_at`),
+    #: set at planning as the watermark is; None without `dedup`.
+    remembered: Remembered | None = None
 
     def describe(self) -> str:
         return f"{self.manifest.describe()}, offsets {self.start.to_dict()} -> {self.end.to_dict()}"

@@ -227,6 +227,10 @@ function renderBatches(pipeline) {
       : fmt(r.records_quarantined);
     // Late records (event time), whatever became of them: beside the quarantined, which may hold them.
     const late = r.records_late ? el("span", { class: "muted late", title: "records older than the watermark" }, ` · ${fmt(r.records_late)} late`) : "";
+    // Duplicates (dedup): dropped before the transform, counted here; never in the quarantine.
+    const duplicate = r.records_duplicate
+      ? el("span", { class: "muted duplicate", title: "records dropped as duplicates of an id already taken (dedup)" }, ` · ${fmt(r.records_duplicate)} duplicate`)
+      : "";
     if (highlight && !state.openedLinked) {
       // The batch a link named (a task log's, the run's tab): opened once.
       state.openedLinked = true;
@@ -240,7 +244,7 @@ function renderBatches(pipeline) {
       el("td", { class: "mono nowrap" }, el("span", { class: "caret" }, state.open.has(key) ? "▾ " : "▸ "), batchName(r)),
       el("td", {}, phaseBadge(r)),
       el("td", { class: "num", "data-label": "read" }, fmt(r.records_in)),
-      el("td", { class: "num", "data-label": "quarantined" }, quarantined, late),
+      el("td", { class: "num", "data-label": "quarantined" }, quarantined, late, duplicate),
       // (A phone shows each batch as a card: every value with its label.)
       el("td", { class: "num optional", "data-label": "keys updated" }, fmt(r.keys_updated)),
       el("td", { class: "num narrow-hidden", "data-label": "took" }, r.duration_ms === null || r.duration_ms === undefined ? "" : `${(r.duration_ms / 1000).toFixed(1)} s`),

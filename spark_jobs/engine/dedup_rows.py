@@ -1,0 +1,117 @@
+"""Duplicates dropped on the executors, before the transform sees the records.
+
+`spark_jobs.core.dedup` says which records are duplicates; this module
+writes that as Spark columns over a batch's valid records, in the one job
+that transforms them (`spark_jobs.engine.spark_compute`):
+
+* each record's id is the JSON text of its key fields (`ID`; the session's
+  time zone is UTC, so a timestamp's text is the same in every run);
+* the remembered ids (the dedup table's files, read by the executors) mark
+  the records they name, with a left join on the id;
+* a window over the id ranks the batch's records, earliest event time
+  first, then by their fields: the first, if not remembered, is kept;
+* both counts are observed metrics of the same job (`METRICS`);
+* the ids to remember, the kept records' ids with their event times
+  (`Deduplicated.ids`), are a second job over the same plan: the batch's
+  records are read twice (no cache to hold them, or to leak, between the
+  two), and that second job costs what the first does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from spark_jobs.core import dedup
+from spark_jobs.core.sql_text import spark_identifier
+from spark_jobs.core.staged import Sink, Staged
+from spark_jobs.engine import event_marks, spark_files
+from spark_jobs.errors import SpecError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from spark_jobs.core.spec import PipelineSpec
+
+__all__ = ["METRICS", "Deduplicated", "deduplicated", "duplicates"]
+
+#: The columns the marks use (not the transform's: it gets its fields only).
+ID, SEEN, RANK = "__dedup_id", "__dedup_seen", "__dedup_rank"
+#: The name of the observed metrics, and their two counts.
+METRICS = "microbatch_dedup"
+_CONSIDERED, _KEPT = "considered", "kept"
+
+
+@dataclass(frozen=True)
+class Deduplicated:
+    """The batch's records left after the duplicates, and the ids they take."""
+
+    kept: DataFrame
+    #: `dedup.SCHEMA`'s `id` and `event_time` of each kept record.
+    ids: DataFrame
+
+
+def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fields: list[str], remembered: dedup.Remembered, client: dict[str, Any]) -> Deduplicated:
+    """`valid` (the records the transform would get, `fields` among their
+    columns) less the duplicates: their remembered ids read from the
+    dedup table's files (`client`: the store's settings the executors need)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    assert spec.dedup is not None
+    missing = [name for name in spec.dedup.key if name not in fields]
+    if missing:  # (a Delta source's columns are its table's: known only now)
+        named = ", ".join(map(repr, missing))
+        raise SpecError(spec.spec_path, [f"dedup.key names {named}, not a column of the source's records ({', '.join(fields)}): name columns it has"])
+    moment = event_marks.event_moment(spec) if spec.event_time is not None else None
+    marked = valid.withColumn(ID, F.to_json(F.struct(*[F.col(spark_identifier(name)) for name in spec.dedup.key])))
+    files = remembered.files()
+    if files:
+        seen = spark_files.read_files(spark, remembered.path, files, dedup.SCHEMA, client)
+        seen = seen.where((F.col("pipeline") == F.lit(remembered.pipeline)) & F.expr(remembered.where))
+        if remembered.since is not None:
+            seen = seen.where(F.col("event_time") >= F.lit(remembered.since))
+        seen = seen.select(F.col("id").alias(SEEN)).distinct()
+        marked = marked.join(seen, marked[ID] == seen[SEEN], "left")
+    else:
+        marked = marked.withColumn(SEEN, F.lit(None).cast("string"))
+    order = ([moment.asc_nulls_last()] if moment is not None else []) + [F.col(spark_identifier(n)).asc_nulls_first() for n in _orderable(valid, fields)]
+    ranked = marked.withColumn(RANK, F.row_number().over(Window.partitionBy(ID).orderBy(*order)))
+    keep = (F.col(RANK) == 1) & F.col(SEEN).isNull()
+    observed = ranked.observe(METRICS, F.count(F.lit(1)).alias(_CONSIDERED), F.count(F.when(keep, F.lit(1))).alias(_KEPT))
+    kept = observed.where(keep)
+    stamp = moment if moment is not None and spec.dedup.within is not None else F.lit(None).cast("timestamp")
+    return Deduplicated(kept, kept.select(F.col(ID).alias("id"), stamp.alias("event_time")))
+
+
+def written(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> Staged:
+    """The job writing a batch's `ids` into the dedup table's folder, each
+    with the batch's position (as `dedup.SeenIds.write` does), run: the
+    files it wrote, for the table's fenced commit."""
+    from pyspark.sql import functions as F
+
+    assert sink.dedup_root is not None
+    rows = ids.select(
+        F.lit(sink.pipeline).alias("pipeline"),
+        F.lit(sink.epoch).cast("long").alias("epoch"),
+        F.lit(sink.batch_id).cast("long").alias("batch_id"),
+        F.col("id"),
+        F.col("event_time"),
+    )
+    files = spark_files.written(spark_files.writing(rows, sink.dedup_root, dedup.SCHEMA, client).toArrow())
+    return Staged(files, dedup.SCHEMA, sink.dedup_root)
+
+
+def duplicates(seen: dict[str, Any] | None) -> int:
+    """The records a batch dropped as duplicates, from its `METRICS`."""
+    if not seen:
+        return 0
+    return int(seen.get(_CONSIDERED) or 0) - int(seen.get(_KEPT) or 0)
+
+
+def _orderable(frame: DataFrame, fields: list[str]) -> list[str]:
+    """The `fields` a row can be ordered by (a MAP cannot)."""
+    from pyspark.sql.types import MapType
+
+    types = {f.name: f.dataType for f in frame.schema.fields}
+    return [name for name in fields if name in types and not isinstance(types[name], MapType)]

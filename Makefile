@@ -146,6 +146,7 @@ bench-full: setup jars $(FLINK_STAMP)
 	$(BIN)/python bench/continuous.py
 	$(BIN)/python bench/state_vs_ss.py
 	$(BIN)/python bench/windows_vs_ss.py
+	$(BIN)/python bench/windows_vs_ss.py --dedup
 	$(BIN)/python bench/idle_fleet.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/fleet.py --sizes 100 --engines celery,connect --drain 400 \

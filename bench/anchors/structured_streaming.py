@@ -27,7 +27,9 @@ runs, as the project can use one).
 
 `--windowed SIZE [--delay D]` runs bench/windows_vs_ss.py's query instead:
 `withWatermark("ts", D)`, per user and `window(ts, SIZE)` count and sum, in
-append mode (each window's row once, when the watermark passes its end).
+append mode (each window's row once, when the watermark passes its end);
+with `--dedup`, after `dropDuplicatesWithinWatermark(["event_id"])` (a
+click's id is remembered until the watermark passes its time plus D).
 
 `--landings DIR --stop-file F` is bench/fleet.py's anchor instead: each
 subfolder of DIR a pipeline's landing folder, read by a query of its own,
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--stop-file", help="--landings: stop once this file exists")
     parser.add_argument("--windowed", help="a window size (`1 hour`): bench/windows_vs_ss.py's query instead")
     parser.add_argument("--delay", default="10 minutes", help="--windowed: the watermark's delay")
+    parser.add_argument("--dedup", action="store_true", help="--windowed: drop duplicate event ids within the watermark first")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -124,7 +127,7 @@ def main() -> None:
         clicks = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", args.max_files).json(args.landing)
         if args.seed:
             clicks = clicks.unionByName(spark.readStream.schema(SCHEMA).parquet(args.seed))
-    result, mode = (windowed(clicks, args.windowed, args.delay), "append") if args.windowed else (totals(clicks), "update")
+    result, mode = (windowed(clicks, args.windowed, args.delay, args.dedup), "append") if args.windowed else (totals(clicks), "update")
     query = (
         result
         .writeStream.outputMode(mode)
@@ -164,14 +167,18 @@ def totals(clicks: Any) -> Any:
     )
 
 
-def windowed(clicks: Any, size: str, delay: str) -> Any:
+def windowed(clicks: Any, size: str, delay: str, dedup: bool = False) -> Any:
     """bench/windows_vs_ss.py's aggregation: per user and event-time window,
     count and sum, behind a watermark (`withWatermark`): append mode emits a
-    window's row once the watermark passes its end, and evicts its state."""
+    window's row once the watermark passes its end, and evicts its state.
+    `dedup`: duplicate event ids dropped first, within the watermark."""
     from pyspark.sql import functions as F
 
+    timed = clicks.withWatermark("ts", delay)
+    if dedup:
+        timed = timed.dropDuplicatesWithinWatermark(["event_id"])
     return (
-        clicks.withWatermark("ts", delay)
+        timed
         .groupBy("user_id", F.window("ts", size))
         .agg(F.count("*").alias("clicks"), F.sum("amount").alias("amount"))
     )

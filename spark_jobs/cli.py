@@ -365,6 +365,8 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
         print(f"  {table}: compacted, {removed} unneeded file(s) removed{extra}, checkpoint written")
     if report.removed_files.get("change data"):
         print(f"  change data: {report.removed_files['change data']} file(s) every reader has read removed")
+    if report.forgotten_ids:
+        print(f"  dedup: {report.forgotten_ids:,} id(s) no batch a rewind can reach reads deleted")
     return EXIT_OK
 
 

@@ -66,9 +66,14 @@ class MaintenanceReport:
     removed_files: dict[str, int]
     #: Downstream pipelines reading the state, and the last version each consumed (kept after it).
     readers: dict[str, int] = field(default_factory=dict)
+    #: With `dedup`: the ids deleted, read by no batch a rewind can reach.
+    forgotten_ids: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files, "readers": self.readers}
+        return {
+            "pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files,
+            "readers": self.readers, "forgotten_ids": self.forgotten_ids,
+        }
 
 
 def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factory: Callable[[], Compute] | None = None) -> MaintenanceReport:
@@ -103,16 +108,13 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
         "consumed": [pipeline.consumed.fence(lineage.ledger)] if lineage.ledger is not None else [],
         "dedup": [pipeline.dedup.fence],
     }
+    forgotten = _forget_ids(pipeline, view)
     tables = (("ledger", pipeline.ledger.path), ("quarantine", pipeline.quarantine.path), ("consumed", pipeline.consumed.path), ("dedup", pipeline.dedup.path))
     for name, path in tables:
         table = open_table(path)
         if table is None:
             continue
         with _racing(spec, path):
-            if name == "dedup" and spec.dedup is not None:
-                # The ids no batch a rewind can reach reads any more (`SeenIds.forget`).
-                removed["dedup rows"] = pipeline.dedup.forget(view, kept_rows[0] if kept_rows else None, spec.dedup.within_seconds)
-                table.update_incremental()
             # VACUUM first, then compact: what this compaction replaces stays for
             # readers of older snapshots until the next maintenance removes it.
             removed[name] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False))
@@ -127,7 +129,20 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
             # 30 days) and behind the checkpoint go, so the log stays bounded too.
             table.cleanup_metadata()
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
-    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers)
+    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten)
+
+
+def _forget_ids(pipeline: Pipeline, view: LedgerView) -> int:
+    """With `dedup`: delete the ids no batch a rewind can reach reads
+    (`SeenIds.forget`), by the oldest batch a rewind still accepts, found
+    after the state's VACUUM; how many went."""
+    spec = pipeline.spec
+    if spec.dedup is None:
+        return 0
+    with _racing(spec, pipeline.dedup.path):
+        oldest = oldest_rewindable(pipeline, view, pipeline.state.open())
+        row = next((r for r in view.lineage() if r.batch_id == oldest), None)
+        return pipeline.dedup.forget(view, row, spec.dedup.within_seconds)
 
 
 def _maintain_state(

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from spark_jobs.core import dedup
-from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.staged import Sink, Staged
 from spark_jobs.engine import event_marks, spark_files
 from spark_jobs.errors import SpecError
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import DataType
 
     from spark_jobs.core.spec import PipelineSpec
 
@@ -49,6 +49,9 @@ class Deduplicated:
     kept: DataFrame
     #: `dedup.SCHEMA`'s `id` and `event_time` of each kept record.
     ids: DataFrame
+    #: The two counts, as a job of their own: for a batch whose observed
+    #: metrics adaptive execution dropped with a stage that came out empty.
+    counts: DataFrame
 
 
 def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fields: list[str], remembered: dedup.Remembered, client: dict[str, Any]) -> Deduplicated:
@@ -64,24 +67,28 @@ def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fiel
         named = ", ".join(map(repr, missing))
         raise SpecError(spec.spec_path, [f"dedup.key names {named}, not a column of the source's records ({', '.join(fields)}): name columns it has"])
     moment = event_marks.event_moment(spec) if spec.event_time is not None else None
-    marked = valid.withColumn(ID, F.to_json(F.struct(*[F.col(spark_identifier(name)) for name in spec.dedup.key])))
+    types = {f.name: f.dataType for f in valid.schema.fields}
+    marked = valid.withColumn(ID, F.to_json(F.struct(*[_id_part(name, types[name]) for name in spec.dedup.key])))
     files = remembered.files()
     if files:
         seen = spark_files.read_files(spark, remembered.path, files, dedup.SCHEMA, client)
         seen = seen.where((F.col("pipeline") == F.lit(remembered.pipeline)) & F.expr(remembered.where))
         if remembered.since is not None:
-            seen = seen.where(F.col("event_time") >= F.lit(remembered.since))
+            # (An id taken before `event_time` was declared has no event time: remembered.)
+            seen = seen.where(F.col("event_time").isNull() | (F.col("event_time") >= F.lit(remembered.since)))
         seen = seen.select(F.col("id").alias(SEEN)).distinct()
         marked = marked.join(seen, marked[ID] == seen[SEEN], "left")
     else:
         marked = marked.withColumn(SEEN, F.lit(None).cast("string"))
-    order = ([moment.asc_nulls_last()] if moment is not None else []) + [F.col(spark_identifier(n)).asc_nulls_first() for n in _orderable(valid, fields)]
+    order = ([moment.asc_nulls_last()] if moment is not None else []) + [_column(n).asc_nulls_first() for n in fields if _orderable(types.get(n))]
     ranked = marked.withColumn(RANK, F.row_number().over(Window.partitionBy(ID).orderBy(*order)))
     keep = (F.col(RANK) == 1) & F.col(SEEN).isNull()
-    observed = ranked.observe(METRICS, F.count(F.lit(1)).alias(_CONSIDERED), F.count(F.when(keep, F.lit(1))).alias(_KEPT))
-    kept = observed.where(keep)
-    stamp = moment if moment is not None and spec.dedup.within is not None else F.lit(None).cast("timestamp")
-    return Deduplicated(kept, kept.select(F.col(ID).alias("id"), stamp.alias("event_time")))
+    counts = [F.count(F.lit(1)).alias(_CONSIDERED), F.count(F.when(keep, F.lit(1))).alias(_KEPT)]
+    kept = ranked.observe(METRICS, *counts).where(keep)
+    # Every id is stamped with its event time when there is one, `within` or
+    # not: `within` added later then forgets by it.
+    stamp = moment if moment is not None else F.lit(None).cast("timestamp")
+    return Deduplicated(kept, kept.select(F.col(ID).alias("id"), stamp.alias("event_time")), ranked.agg(*counts))
 
 
 def written(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> Staged:
@@ -102,16 +109,34 @@ def written(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> Staged:
     return Staged(files, dedup.SCHEMA, sink.dedup_root)
 
 
-def duplicates(seen: dict[str, Any] | None) -> int:
-    """The records a batch dropped as duplicates, from its `METRICS`."""
-    if not seen:
-        return 0
-    return int(seen.get(_CONSIDERED) or 0) - int(seen.get(_KEPT) or 0)
+def duplicates(seen: dict[str, Any] | None, kept: int) -> int:
+    """The records a batch dropped as duplicates: those its `METRICS` saw
+    less the `kept` ones (counted from the ids the batch took)."""
+    return int((seen or {}).get(_CONSIDERED) or 0) - kept
 
 
-def _orderable(frame: DataFrame, fields: list[str]) -> list[str]:
-    """The `fields` a row can be ordered by (a MAP cannot)."""
-    from pyspark.sql.types import MapType
+def _id_part(name: str, kind: DataType) -> Column:
+    """A key field as its id holds it: a timestamp as text to the
+    microsecond (JSON's default format stops at the millisecond), a float's
+    -0.0 as 0.0 (equal, as `dropDuplicates` has them)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import DoubleType, FloatType, TimestampNTZType, TimestampType
 
-    types = {f.name: f.dataType for f in frame.schema.fields}
-    return [name for name in fields if name in types and not isinstance(types[name], MapType)]
+    column = _column(name)
+    if isinstance(kind, (TimestampType, TimestampNTZType)):
+        column = F.date_format(column, "yyyy-MM-dd HH:mm:ss.SSSSSS")
+    elif isinstance(kind, (DoubleType, FloatType)):
+        column = column + F.lit(0.0).cast(kind)
+    return column.alias(name)
+
+
+def _column(name: str) -> Column:
+    """A column by its name as the records have it (a Delta source's may hold any character)."""
+    from pyspark.sql import functions as F
+
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+def _orderable(kind: DataType | None) -> bool:
+    """Whether rows can be ordered by a column of `kind` (nothing holding a MAP can)."""
+    return kind is not None and "map<" not in kind.simpleString()

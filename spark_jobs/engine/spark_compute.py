@@ -119,8 +119,8 @@ class _Query:
     result: DataFrame
     rows: DataFrame
     metrics: list[Column]
-    #: With `dedup`: the kept records' ids (`dedup_rows.Deduplicated`).
-    ids: DataFrame | None = None
+    #: With `dedup`: the kept records' ids and the counts (`dedup_rows.Deduplicated`).
+    dedup: dedup_rows.Deduplicated | None = None
 
 
 @dataclass(frozen=True)
@@ -481,15 +481,21 @@ class SparkCompute:
         """With `dedup`: the batch's duplicates, and the ids its kept records
         take, collected here or (with `out`) written by the executors into
         the dedup table's folder (`spark_jobs.core.dedup`)."""
-        if query is None or query.ids is None:
+        if query is None or query.dedup is None:
             return {}
-        kept = int((seen.get(dedup_rows.METRICS) or {}).get("kept") or 0)
-        ids: pa.Table | Staged | None = None
-        if kept and out is None:
-            ids = query.ids.toArrow()
-        elif kept and out is not None and out.sink.dedup_root is not None:
-            ids = dedup_rows.written(query.ids, out.sink, spark_state.client(out.sink.dedup_root))
-        return {"records_duplicate": dedup_rows.duplicates(seen.get(dedup_rows.METRICS)), "seen_ids": ids}
+        # The ids are taken whatever the metrics say: an observation can be
+        # missing (below), never an id the batch took.
+        ids: pa.Table | Staged
+        if out is None or out.sink.dedup_root is None:
+            ids = query.dedup.ids.toArrow()
+        else:
+            ids = dedup_rows.written(query.dedup.ids, out.sink, spark_state.client(out.sink.dedup_root))
+        # Adaptive execution drops the observed metrics of a stage that came
+        # out empty (a transform that filtered out every kept record, say):
+        # counted apart then.
+        counts = seen.get(dedup_rows.METRICS) or query.dedup.counts.first().asDict()
+        kept = ids.num_rows if isinstance(ids, pa.Table) else ids.rows
+        return {"records_duplicate": dedup_rows.duplicates(counts, kept), "seen_ids": ids}
 
     def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split, batch: BatchRange) -> _Query:
         """The transform of the valid rows, with the split's metrics observed over all `rows`:
@@ -502,15 +508,15 @@ class SparkCompute:
         observed node, and the transform's plan holds it only inside the
         `batch` view, so it would wait forever.)
         """
-        valid, ids = rows.observe(_METRICS, *split.metrics).where(split.valid), None
+        valid, dedup = rows.observe(_METRICS, *split.metrics).where(split.valid), None
         if batch.remembered is not None:
-            found = dedup_rows.deduplicated(self.spark, spec, valid, list(split.names), batch.remembered, spark_state.client(batch.remembered.path))
-            valid, ids = found.kept, found.ids
+            dedup = dedup_rows.deduplicated(self.spark, spec, valid, list(split.names), batch.remembered, spark_state.client(batch.remembered.path))
+            valid = dedup.kept
         batch_view = valid.select(*split.fields)
         if not _is_connect(self.spark):
             result = self._transform(spec, batch_view)
             _check_result(spec, result.schema)
-            return _Query(result, rows, split.metrics, ids)
+            return _Query(result, rows, split.metrics, dedup)
         # Through Spark Connect, the server returns the metrics of observed
         # nodes the request holds, not those inside a temporary view: the
         # transform's SQL goes with `batch` as a reference to the observed
@@ -525,7 +531,7 @@ class SparkCompute:
         except Exception as exc:
             raise _transform_failed(spec, exc) from exc
         _check_result(spec, result.schema)
-        return _Query(result, rows, split.metrics, ids)
+        return _Query(result, rows, split.metrics, dedup)
 
     def _execute(self, query: _Query, spec: PipelineSpec | None = None, out: Out | None = None) -> tuple[pa.Table, dict[str, Any]]:
         """Run `query` (one Spark job): the transform's result, and the metrics.
@@ -544,7 +550,7 @@ class SparkCompute:
             return updates, query.rows.agg(*query.metrics).first().asDict()
         if out is not None:
             found = {**found, **self._written_metrics(job, query.result, spec, out)}
-        if query.ids is not None:
+        if query.dedup is not None:
             found[dedup_rows.METRICS] = self._observed(job, dedup_rows.METRICS)
         return updates, found
 
@@ -625,7 +631,7 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         names = tuple(rows.columns)
-        split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col(spark_identifier(c)) for c in names], names)
+        split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col("`" + c.replace("`", "``") + "`") for c in names], names)
         query = self._query(spec, rows, split, batch)
         updates, seen = self._execute(query, spec, out)
         return self._result(spec, updates, seen, out, query)

@@ -31,11 +31,14 @@ T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
 DELAY = timedelta(minutes=10)
 
 
-def _spec(tmp_path: Path, *, within: str | None = None, event_time: bool = True, layout: str = "merged", state_write: str = "auto") -> Path:
+def _spec(
+    tmp_path: Path, *, within: str | None = None, event_time: bool = True, layout: str = "merged", state_write: str = "auto",
+    transform: str = "SELECT user_id, count(*) AS clicks FROM batch GROUP BY user_id",
+) -> Path:
     spec = {
         "name": "deduped",
         "source": {"type": "files", "path": "landing", "format": "json", "schema": "event_id STRING, user_id STRING, ts TIMESTAMP"},
-        "transform": "SELECT user_id, count(*) AS clicks FROM batch GROUP BY user_id",
+        "transform": transform,
         "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"clicks": "sum"}, "layout": layout},
         "checkpoint": "lake/_checkpoints/deduped",
         "engine": {"state_write": state_write},
@@ -208,7 +211,7 @@ def test_a_rewind_forgets_the_ids_of_the_batches_it_takes_back_and_maintain_dele
     rows = read_all(open_table(ids)).to_pylist()
     # The abandoned batches' ids went; with the oldest rewindable batch (2,
     # watermark 50 in the new epoch), so did the ids older than 50 - 30.
-    assert report.removed_files["dedup rows"] == before - len(rows)
+    assert report.forgotten_ids == before - len(rows)
     assert sorted(r["id"] for r in rows) == ['{"event_id":"e3"}', '{"event_id":"e4"}']
     # What is left still drops what it should: e4 again is a duplicate.
     _land(spec_path, "b9", [("e4", "u2", 60), ("e7", "u1", 61)])
@@ -248,12 +251,18 @@ def test_the_cli_on_spark_connect_drops_duplicates_as_the_oracle_says(tmp_path, 
 @pytest.mark.parametrize("reader", ["driver", pytest.param("spark", marks=pytest.mark.slow)])
 def test_a_delta_source_s_rows_are_deduplicated_by_either_reader(tmp_path, compute, reader):
     """An upstream Delta table's appends (the driver's reader, or delta-spark's
-    on the executors), a retry of a row in a later version; and a key the
-    table does not have is refused naming `dedup.key`, before any write."""
+    on the executors), a retry of a row in a later version, beside a column
+    no row can be ordered by (a MAP in a STRUCT); and a key the table does
+    not have is refused naming `dedup.key`."""
     import pyarrow as pa
     from deltalake import DeltaTable, write_deltalake
 
-    schema = pa.schema([("event_id", pa.string()), ("user_id", pa.string())])
+    tags = pa.struct([("m", pa.map_(pa.string(), pa.string()))])
+    schema = pa.schema([("event_id", pa.string()), ("user_id", pa.string()), ("tags", tags)])
+
+    def rows(events: list[str], users: list[str]) -> pa.Table:
+        return pa.table({"event_id": events, "user_id": users, "tags": [{"m": [("k", "v")]}] * len(events)}, schema=schema)
+
     upstream = str(tmp_path / "upstream")
     DeltaTable.create(upstream, schema)
     spec = {
@@ -267,14 +276,71 @@ def test_a_delta_source_s_rows_are_deduplicated_by_either_reader(tmp_path, compu
     (tmp_path / "spec").mkdir()
     spec_path = tmp_path / "spec" / "pipeline.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
-    write_deltalake(upstream, pa.table({"event_id": ["e1", "e2", "e2"], "user_id": ["u1", "u2", "u2"]}, schema=schema), mode="append")
+    write_deltalake(upstream, rows(["e1", "e2", "e2"], ["u1", "u2", "u2"]), mode="append")
     assert _run(spec_path, compute).records_duplicate == 1
-    write_deltalake(upstream, pa.table({"event_id": ["e1", "e3"], "user_id": ["u1", "u1"]}, schema=schema), mode="append")
+    write_deltalake(upstream, rows(["e1", "e3"], ["u1", "u1"]), mode="append")
     assert _run(spec_path, compute).records_duplicate == 1
     assert _state(spec_path) == {"u1": 2, "u2": 1}
     spec["dedup"] = {"key": ["click_id"]}
     spec_path.write_text(yaml.safe_dump(spec))
-    write_deltalake(upstream, pa.table({"event_id": ["e4"], "user_id": ["u1"]}, schema=schema), mode="append")
-    with pytest.raises(SpecError, match=r"dedup\.key names 'click_id', not a column of the source's records \(event_id, user_id"):
+    write_deltalake(upstream, rows(["e4"], ["u1"]), mode="append")
+    with pytest.raises(SpecError, match=r"dedup\.key names 'click_id', not a column of the source's records \(event_id, user_id, tags"):
         _run(spec_path, compute)
     assert len(_committed(spec_path)) == 2
+
+
+def test_a_batch_of_duplicates_only_counts_them_and_a_transform_that_keeps_nothing_still_records_its_ids(tmp_path, compute):
+    """Stages that come out empty (adaptive execution drops their observed
+    metrics): every record a duplicate; then every kept record filtered out
+    by the transform, whose ids a later retry must still find."""
+    spec_path = _spec(tmp_path, transform="SELECT user_id, count(*) AS clicks FROM batch WHERE user_id <> 'u9' GROUP BY user_id")
+    _land(spec_path, "b0", [("e1", "u1", 0), ("e2", "u2", 1)])
+    assert _run(spec_path, compute).records_duplicate == 0
+    _land(spec_path, "b1", [("e1", "u1", 0), ("e2", "u2", 1), ("e2", "u2", 1)])
+    assert _run(spec_path, compute).records_duplicate == 3
+    _land(spec_path, "b2", [("e9", "u9", 5)])  # taken, then filtered out by the transform
+    assert _run(spec_path, compute).records_duplicate == 0
+    _land(spec_path, "b3", [("e9", "u9", 5), ("e3", "u3", 6)])
+    assert _run(spec_path, compute).records_duplicate == 1
+    assert _state(spec_path) == {"u1": 1, "u2": 1, "u3": 1}
+
+
+def test_a_key_of_a_timestamp_and_a_double_is_exact_to_the_microsecond_and_takes_minus_zero_as_zero(tmp_path, compute):
+    spec = yaml.safe_load(_spec(tmp_path).read_text())
+    spec["source"]["schema"] = "event_id STRING, user_id STRING, ts TIMESTAMP, score DOUBLE"
+    spec["dedup"] = {"key": ["ts", "score"]}
+    spec_path = write_spec(tmp_path, spec)
+    at = "2026-12-01T10:00:00.00000{}Z"
+    lines = [{"event_id": "a", "user_id": "u1", "ts": at.format(1), "score": 0.0}, {"event_id": "b", "user_id": "u1", "ts": at.format(2), "score": 0.0},
+             {"event_id": "c", "user_id": "u1", "ts": at.format(1), "score": -0.0}]
+    (spec_path.parent / "landing" / "b0.json").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert _run(spec_path, compute).records_duplicate == 1
+    assert _state(spec_path) == {"u1": 2}
+
+
+def test_within_added_to_a_running_dedup_still_knows_the_ids_taken_before(tmp_path, compute):
+    spec_path = _spec(tmp_path)
+    _land(spec_path, "b0", [("e1", "u1", 0)])
+    assert _run(spec_path, compute).records_duplicate == 0
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["dedup"]["within"] = "1 day"
+    spec_path.write_text(yaml.safe_dump(spec))
+    _land(spec_path, "b1", [("e1", "u1", 0)])
+    assert _run(spec_path, compute).records_duplicate == 1
+
+
+def test_maintain_keeps_the_ids_of_every_batch_a_rewind_still_accepts(tmp_path, compute):
+    """`keep_batches: 1` keeps one batch's state version, but a rewind accepts
+    any batch whose state it can still restore: the ids that batch's replay
+    reads stay."""
+    from spark_jobs.core.maintain import maintain
+
+    spec_path = _spec(tmp_path, within="30 minutes")
+    for i, clicks in enumerate([[("e1", "u1", 0)], [("e2", "u2", 50)], [("e3", "u3", 55), ("e1", "u1", 0)]]):
+        _land(spec_path, f"b{i}", clicks)
+        assert _run(spec_path, compute).status == "committed"
+    maintain(load_spec(spec_path), keep_batches=1)
+    assert rewind(load_spec(spec_path), 1, "test").status == "rewound"
+    # The replay reads b1 and b2 by batch 1's watermark: e1 (late before) is a duplicate now.
+    assert _run(spec_path, compute).records_duplicate == 1
+    assert _state(spec_path) == {"u1": 1, "u2": 1, "u3": 1}

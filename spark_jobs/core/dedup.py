@@ -13,7 +13,7 @@ valid records (parsed, not late) whose id
 
 The ids a batch takes are appended to the checkpoint's ``dedup`` table in
 step 3, each with the batch's position and its event time, fenced per
-batch like the quarantine (`SeenIds.write`): an attempt that dies after it
+batch like the quarantine (`spark_jobs.core.batch_append`): an attempt that dies after it
 leaves the ids of N written, and the replay of N writes nothing. The replay
 reads the ids of H's lineage only (never N's own), so it drops exactly what
 the first attempt dropped. A rewind to K needs no write: the ids of the
@@ -33,15 +33,14 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-from deltalake import write_deltalake
 
-from spark_jobs.core.delta_io import arrow, ensure_table, is_commit_conflict, open_table, storage_errors
+from spark_jobs.core.batch_append import BatchAppend
+from spark_jobs.core.delta_io import arrow, open_table, storage_errors
 from spark_jobs.core.event_time import judged_against, less, stamp
-from spark_jobs.core.fencing import Position, commit_properties, transaction_position
-from spark_jobs.core.ledger import POSITION_COLUMNS, LedgerRow, LedgerView, scoped
+from spark_jobs.core.fencing import Position
+from spark_jobs.core.ledger import POSITION_COLUMNS, LedgerRow, LedgerView
 from spark_jobs.core.sql_text import pipeline_literal
-from spark_jobs.core.staged import Staged, commit_files, require_written
-from spark_jobs.errors import ConcurrentRunError
+from spark_jobs.core.staged import Staged
 
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
@@ -61,10 +60,6 @@ SCHEMA = pa.schema(
         ("event_time", pa.timestamp("us", tz="UTC")),
     ]
 )
-
-#: As the quarantine's: a racing run's append of the same batch is the likely winner.
-APPEND_TRIES = 3
-
 
 @dataclass(frozen=True)
 class Remembered:
@@ -105,49 +100,27 @@ def remembered_at(spec: PipelineSpec, view: LedgerView) -> Remembered | None:
     return Remembered(spec.dedup_path, spec.name, view.live().where(), since)
 
 
-class SeenIds:
-    """The dedup table of one pipeline (`spec.dedup_path`)."""
+class SeenIds(BatchAppend):
+    """The dedup table of one pipeline (`spec.dedup_path`): the ids one batch
+    took appended once (`BatchAppend.write`)."""
+
+    what = "dedup"
+    schema = SCHEMA
 
     def __init__(self, path: str, pipeline: str, untracked_hours: float) -> None:
-        self.path = path
-        self.pipeline = pipeline
-        self.fence = scoped(DEDUP_FENCE, pipeline)
-        self.untracked_hours = untracked_hours
+        super().__init__(path, pipeline, untracked_hours, DEDUP_FENCE)
 
     def write(self, ids: pa.Table | Staged | None, position: Position) -> bool:
-        """Append the ids batch `position` took, once. True if we wrote them.
+        """Append the ids batch `position` took, once (none: nothing to write).
+        True if we wrote them. Committing the state without them would count
+        their records again in the next batch: a failure here fails the run.
 
         `ids`: the `ID` and event time of each record the batch kept, or
         files the executors wrote into the table's folder in `SCHEMA`."""
         if ids is None or (isinstance(ids, Staged) and not ids.files) or (isinstance(ids, pa.Table) and not ids.num_rows):
             return False
         with storage_errors(f"pipeline {self.pipeline}: could not record the ids {position} took", self.path):
-            return self._append(ids, position)
-
-    def _append(self, ids: pa.Table | Staged, position: Position) -> bool:
-        for _ in range(APPEND_TRIES):
-            table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} dedup")
-            if transaction_position(table, self.fence) >= position:
-                return False  # an earlier attempt at this batch wrote them
-            props = commit_properties(self.fence, position, {"microbatch.event": "dedup"})
-            try:
-                if isinstance(ids, Staged):
-                    require_written(ids.root, ids.files, self.untracked_hours, f"pipeline {self.pipeline}: dedup ids of {position}")
-                    commit_files(table, ids.files, table.schema(), props)
-                else:
-                    write_deltalake(table, self._rows(ids, position), mode="append", commit_properties=props)
-                return True
-            except Exception as exc:
-                if not is_commit_conflict(exc):
-                    raise
-        # Committing the state without them would count their records again next batch.
-        raise ConcurrentRunError(
-            f"pipeline {self.pipeline}: could not record the ids {position} took (the table kept changing); "
-            "nothing was committed, run again",
-            pipeline=self.pipeline,
-            path=self.path,
-            position=position,
-        )
+            return super().write(ids, position)
 
     def forget(self, view: LedgerView, oldest: LedgerRow | None, within_seconds: float | None) -> int:
         """`maintain`: delete the rows no batch that can still run or be
@@ -171,15 +144,6 @@ class SeenIds:
         where = f"pipeline = {pipeline_literal(self.pipeline)} AND ({' OR '.join(gone)})"
         return int(table.delete(where).get("num_deleted_rows") or 0)
 
-    def _rows(self, ids: pa.Table, position: Position) -> pa.Table:
-        n = ids.num_rows
-        return pa.table(
-            {
-                "pipeline": pa.array([self.pipeline] * n, pa.string()),
-                "epoch": pa.array([position.epoch] * n, pa.int64()),
-                "batch_id": pa.array([position.batch_id] * n, pa.int64()),
-                "id": ids.column("id").cast(pa.string()),
-                "event_time": ids.column("event_time").cast(pa.timestamp("us", tz="UTC")),
-            },
-            schema=SCHEMA,
-        )
+    def rows(self, data: pa.Table, position: Position) -> pa.Table:
+        stamps = data.column("event_time").cast(pa.timestamp("us", tz="UTC"))
+        return pa.table({**self.positioned(data.num_rows, position), "id": data.column("id").cast(pa.string()), "event_time": stamps}, schema=SCHEMA)

@@ -1,10 +1,11 @@
 """The quarantine table: records that failed parsing or validation.
 
 One append per batch, fenced so that a replay of the same batch (a retry, or
-a second run racing the first) does not write its records twice. Rows carry
-the epoch and batch id: after a rewind, the records quarantined by the
-abandoned batches stay for audit, and the live ones are those whose
-(epoch, batch_id) is in the ledger's lineage.
+a second run racing the first) does not write its records twice
+(`spark_jobs.core.batch_append`). Rows carry the epoch and batch id: after a
+rewind, the records quarantined by the abandoned batches stay for audit,
+and the live ones are those whose (epoch, batch_id) is in the ledger's
+lineage.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-from deltalake import write_deltalake
 
-from spark_jobs.core.delta_io import ensure_table, is_commit_conflict
-from spark_jobs.core.fencing import QUARANTINE_FENCE, Position, commit_properties, transaction_position
-from spark_jobs.core.ledger import POSITION_COLUMNS, scoped, utcnow
-from spark_jobs.core.staged import Staged, commit_files, require_written
-from spark_jobs.errors import ConcurrentRunError, QuarantineLimitError
+from spark_jobs.core.batch_append import BatchAppend
+from spark_jobs.core.fencing import QUARANTINE_FENCE, Position
+from spark_jobs.core.ledger import POSITION_COLUMNS, utcnow
+from spark_jobs.errors import QuarantineLimitError
 
 if TYPE_CHECKING:
     from spark_jobs.core.commits import BatchRecord
@@ -38,73 +37,23 @@ SCHEMA = pa.schema(
     ]
 )
 
-#: How often a batch's append is tried again after another commit with the
-#: quarantine fence landed first (most likely the same batch's, by a racing
-#: run: the next try sees it and writes nothing).
-APPEND_TRIES = 3
 
+class Quarantine(BatchAppend):
+    """The quarantine table of one pipeline (`spec.quarantine_path`): one
+    batch's records (QUARANTINE_COLUMNS, or the files the executors wrote
+    with their positions) appended once (`BatchAppend.write`)."""
 
-class Quarantine:
+    what = "quarantine"
+    schema = SCHEMA
+
     def __init__(self, path: str, pipeline: str, untracked_hours: float) -> None:
-        self.path = path
-        self.pipeline = pipeline
-        self.fence = scoped(QUARANTINE_FENCE, pipeline)
-        #: `maintenance.untracked_files_hours`: how old the executors' files may be when committed (`require_written`).
-        self.untracked_hours = untracked_hours
+        super().__init__(path, pipeline, untracked_hours, QUARANTINE_FENCE)
 
-    def write(self, records: pa.Table | Staged, position: Position) -> bool:
-        """Append one batch's quarantined records, once. True if we wrote them.
-
-        `records` may be files the executors wrote into the table's folder
-        (bookkeeping columns included): then they are committed as they are."""
-        for _ in range(APPEND_TRIES):
-            table = ensure_table(self.path, SCHEMA, name=f"{self.pipeline} quarantine")
-            if transaction_position(table, self.fence) >= position:
-                # An earlier attempt at this batch wrote them. (Files of ours
-                # stay: a store may report a failure for a commit of ours that
-                # landed; `maintain` removes them if no commit names them.)
-                return False
-            props = commit_properties(self.fence, position, {"microbatch.event": "quarantine"})
-            if isinstance(records, Staged):
-                require_written(records.root, records.files, self.untracked_hours, f"pipeline {self.pipeline}: quarantine of {position}")
-                try:
-                    commit_files(table, records.files, table.schema(), props)
-                    return True
-                except Exception as exc:
-                    if not is_commit_conflict(exc):
-                        raise
-                    continue  # (probably the same batch's, by a racing run: the next try sees it)
-            n = records.num_rows
-            rows = pa.table(
-                {
-                    "pipeline": pa.array([self.pipeline] * n, pa.string()),
-                    "epoch": pa.array([position.epoch] * n, pa.int64()),
-                    "batch_id": pa.array([position.batch_id] * n, pa.int64()),
-                    "file": records.column("file"),
-                    "line": records.column("line"),
-                    "raw": records.column("raw"),
-                    "reason": records.column("reason"),
-                    "quarantined_at": pa.array([utcnow()] * n, pa.timestamp("us", tz="UTC")),
-                },
-                schema=SCHEMA,
-            )
-            try:
-                write_deltalake(table, rows, mode="append", commit_properties=props)
-                return True
-            except Exception as exc:
-                if not is_commit_conflict(exc):
-                    raise
-                # Someone else committed with the quarantine fence since our
-                # snapshot: look again (it was probably the same batch).
-        # Fail closed: committing the state without its quarantined records
-        # would lose them.
-        raise ConcurrentRunError(
-            f"pipeline {self.pipeline}: could not write the quarantine for {position} "
-            "(the table kept changing); nothing was committed, run again",
-            pipeline=self.pipeline,
-            path=self.path,
-            position=position,
-        )
+    def rows(self, data: pa.Table, position: Position) -> pa.Table:
+        n = data.num_rows
+        columns = {name: data.column(name) for name in ("file", "line", "raw", "reason")}
+        stamped = {"quarantined_at": pa.array([utcnow()] * n, pa.timestamp("us", tz="UTC"))}
+        return pa.table({**self.positioned(n, position), **columns, **stamped}, schema=SCHEMA)
 
 
 def over_limit(spec: PipelineSpec, outcome: BatchOutcome | BatchRecord) -> QuarantineLimitError | None:

@@ -11,6 +11,7 @@ match on the command line would miss.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ from dev.redis import RedisServer
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+
+
+#: How often the components start again on another port when the api-server's was taken.
+PORT_TRIES = 3
 
 
 def free_port() -> int:
@@ -157,29 +162,64 @@ class LiveAirflow:
                 self.env["AIRFLOW__SCHEDULER__MP_FORKSERVER_PRELOAD"] += ",airflow.providers.celery.executors.celery_executor"
             migrated = self.airflow("db", "migrate")
             assert migrated.returncode == 0, migrated.stderr[-3000:]
-            for component in self.components:
-                command, env = [component], self.env
-                if component.startswith("celery-worker-"):
-                    # Each worker serves its task logs on a port of its own, under a Celery name of its own.
-                    command = ["celery", "worker", "--celery-hostname", f"{component}@%h"]
-                    env = {**self.env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
-                log = open(self.home / f"{component}.log", "wb")
-                self.procs.append(
-                    subprocess.Popen(
-                        [str(BIN / "airflow"), *command],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-            self.wait(lambda: self._get_or_none("/api/v2/monitor/health", user=None) is not None, 120, "the api-server to answer")
+            for _ in range(PORT_TRIES):
+                self._start_components()
+                if self._api_server_up():
+                    break
+                # Another process bound the port between `free_port` and the
+                # api-server (a JVM's ephemeral port, on a loaded machine):
+                # every component again, on another port.
+                self._stop_components()
+                self._use_port(free_port())
+            else:
+                raise AssertionError(f"the api-server found its port taken {PORT_TRIES} times\n{self.logs()}")
             if self.executor == "celery":
                 self.wait(self._workers_ready, 120, "the Celery workers to be ready")
         except BaseException:
             self.stop()  # nothing left running: the server, its folder, the components started
             raise
         return self
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.env["AIRFLOW__API__PORT"] = str(port)
+        self.env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] = f"http://127.0.0.1:{port}/execution/"
+
+    def _api_server_up(self) -> bool:
+        """Whether the api-server answers on its port: False when something
+        else does (no HTTP answer), or the api-server exited (the port taken)."""
+        api_server = self.procs[self.components.index("api-server")]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                self.api("GET", "/api/v2/monitor/health", user=None)
+                return True
+            except http.client.HTTPException:
+                return False
+            except (AssertionError, OSError):
+                if api_server.poll() is not None:
+                    return False
+            time.sleep(1)
+        raise AssertionError(f"timed out after 120 s waiting for the api-server to answer\n{self.logs()}")
+
+    def _start_components(self) -> None:
+        self.procs = []
+        for component in self.components:
+            command, env = [component], self.env
+            if component.startswith("celery-worker-"):
+                # Each worker serves its task logs on a port of its own, under a Celery name of its own.
+                command = ["celery", "worker", "--celery-hostname", f"{component}@%h"]
+                env = {**self.env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}
+            log = open(self.home / f"{component}.log", "wb")
+            self.procs.append(
+                subprocess.Popen(
+                    [str(BIN / "airflow"), *command],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def _workers_ready(self) -> bool:
         """Whether every Celery worker said it is ready; a worker that exited fails at once, with its log."""
@@ -193,6 +233,13 @@ class LiveAirflow:
         return ready
 
     def stop(self) -> None:
+        self._stop_components()
+        if self.broker is not None:
+            self.broker.stop()
+        if self.database is not None:
+            self.database.stop()
+
+    def _stop_components(self) -> None:
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -208,10 +255,6 @@ class LiveAirflow:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self.broker is not None:
-            self.broker.stop()
-        if self.database is not None:
-            self.database.stop()
 
     def logs(self, dag_id: str | None = None) -> str:
         """The components' logs (their ends), then the whole log of every task

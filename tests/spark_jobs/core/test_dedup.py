@@ -176,6 +176,8 @@ def test_a_kill_at_any_point_counts_each_record_once(tmp_path, compute, point):
     assert _run(spec_path, compute).status == "committed"
     oracle.batch(BATCHES[0])
     _land(spec_path, "b1", BATCHES[1])
+    with (spec_path.parent / "landing" / "b1.json").open("a") as landed:
+        landed.write("{not json\n")  # a bad record, so that the quarantine's write point is reached too
     oracle.batch(BATCHES[1])
     with crash_at(point):
         _run(spec_path, compute)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["METRICS", "Deduplicated", "deduplicated", "duplicates"]
+__all__ = ["METRICS", "Deduplicated", "column", "deduplicated", "duplicates", "written"]
 
 #: The columns the marks use (not the transform's: it gets its fields only).
 ID, SEEN, RANK = "__dedup_id", "__dedup_seen", "__dedup_rank"
@@ -80,7 +80,7 @@ def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fiel
         marked = marked.join(seen, marked[ID] == seen[SEEN], "left")
     else:
         marked = marked.withColumn(SEEN, F.lit(None).cast("string"))
-    order = ([moment.asc_nulls_last()] if moment is not None else []) + [_column(n).asc_nulls_first() for n in fields if _orderable(types.get(n))]
+    order = ([moment.asc_nulls_last()] if moment is not None else []) + [column(n).asc_nulls_first() for n in fields if _orderable(types.get(n))]
     ranked = marked.withColumn(RANK, F.row_number().over(Window.partitionBy(ID).orderBy(*order)))
     keep = (F.col(RANK) == 1) & F.col(SEEN).isNull()
     counts = [F.count(F.lit(1)).alias(_CONSIDERED), F.count(F.when(keep, F.lit(1))).alias(_KEPT)]
@@ -122,15 +122,15 @@ def _id_part(name: str, kind: DataType) -> Column:
     from pyspark.sql import functions as F
     from pyspark.sql.types import DoubleType, FloatType, TimestampNTZType, TimestampType
 
-    column = _column(name)
+    part = column(name)
     if isinstance(kind, (TimestampType, TimestampNTZType)):
-        column = F.date_format(column, "yyyy-MM-dd HH:mm:ss.SSSSSS")
+        part = F.date_format(part, "yyyy-MM-dd HH:mm:ss.SSSSSS")
     elif isinstance(kind, (DoubleType, FloatType)):
-        column = column + F.lit(0.0).cast(kind)
-    return column.alias(name)
+        part = part + F.lit(0.0).cast(kind)
+    return part.alias(name)
 
 
-def _column(name: str) -> Column:
+def column(name: str) -> Column:
     """A column by its name as the records have it (a Delta source's may hold any character)."""
     from pyspark.sql import functions as F
 

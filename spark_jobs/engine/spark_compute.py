@@ -455,8 +455,7 @@ class SparkCompute:
             updates, seen = self._execute(query, spec, out)
             if out is None:
                 quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
-                counts = {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
-                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **counts)
+                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **self._counts(spec, query, seen, out))
             result = self._result(spec, updates, seen, out, query)
             if seen["bad"]:
                 written = spark_state.quarantine_job(parsed, out).toArrow()
@@ -469,13 +468,17 @@ class SparkCompute:
     def _result(self, spec: PipelineSpec, updates: pa.Table, seen: dict[str, Any], out: Out | None, query: _Query | None = None) -> ComputeResult:
         """The batch's result: its rows checked (`validate_updates`), or, when
         the executors wrote them, their files checked (`spark_state.checked`)."""
-        counts = {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
+        counts = self._counts(spec, query, seen, out)
         if out is None:
             return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), **counts)
         staged = spark_state.checked(
             self.spark, spec, updates, seen.get(spark_state.RESULT_METRICS), out.sink, unique=bool(seen.get(spark_state.UNIQUE_KEYS))
         )
         return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged, **counts)
+
+    def _counts(self, spec: PipelineSpec, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
+        """A result's event-time and dedup fields (`ComputeResult`)."""
+        return {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
 
     def _dedup_counts(self, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
         """With `dedup`: the batch's duplicates, and the ids its kept records
@@ -631,7 +634,7 @@ class SparkCompute:
         from pyspark.sql import functions as F
 
         names = tuple(rows.columns)
-        split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [F.col("`" + c.replace("`", "``") + "`") for c in names], names)
+        split = _Split(F.lit(True), [F.count(F.lit(1)).alias("records")], [dedup_rows.column(c) for c in names], names)
         query = self._query(spec, rows, split, batch)
         updates, seen = self._execute(query, spec, out)
         return self._result(spec, updates, seen, out, query)

@@ -1,4 +1,4 @@
-"""The CeleryExecutor profile, live: ten pipelines over two Celery workers
+"""The CeleryExecutor profile, live: six pipelines over two Celery workers
 (Redis as the broker, PostgreSQL for metadata and results), and one worker
 SIGKILLed, whole, while its batches sit between their state commit and their
 ledger commit. Their tasks are retried on the other worker and every
@@ -23,7 +23,7 @@ from tests.plugins.live_airflow import LiveAirflow, kill_session, session_of
 
 pytestmark = pytest.mark.timeout(1500)
 
-PIPELINES = 10  # four held mid-commit (two workers, two slots each), six waiting behind them
+PIPELINES = 6  # four held mid-commit (two workers, two slots each), two waiting behind them
 HELD = re.compile(rf"{MARKER} hold after_state_commit pid=(\d+)")
 
 

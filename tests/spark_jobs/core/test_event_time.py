@@ -230,7 +230,7 @@ def test_a_bad_event_time_block_fails_before_any_write_naming_its_field(tmp_path
     assert not (tmp_path / "lake").exists()
 
 
-def test_the_cli_shows_the_watermark_and_the_late_records(tmp_path):
+def test_the_cli_shows_the_watermark_and_the_late_records(tmp_path, on_connect):
     """What a user sees: each run's late count and watermark, `status`'s
     watermark, `history`'s columns (a new process each, as a user runs them)."""
     spec_path = _spec(tmp_path, late="drop")

@@ -504,7 +504,7 @@ def re_escape(text: str) -> str:
     return re.escape(text)
 
 
-def test_a_float_sum_is_refused_when_a_merged_state_becomes_appended_and_a_double_sum_is_fold_independent(tmp_path, compute):
+def test_a_float_sum_is_refused_when_a_merged_state_becomes_appended_and_a_double_sum_is_fold_independent(tmp_path, compute, on_connect):
     """Issue 46, item 6, through the CLI: FLOAT partials 16777216, 1 and 1
     summed to 16777218 in an appended state without a fold and to 16777216
     with a `maintain` after batch 2 (the merged layout: 16777216). A FLOAT

@@ -87,7 +87,7 @@ def test_rewind_to_zero_empties_state_and_replays_everything(spec_path, compute)
     assert_exact(spec_path)
 
 
-def test_planned_range_is_reused_after_a_crash_before_commit(spec_path, compute):
+def test_planned_range_is_reused_after_a_crash_before_commit(spec_path, compute, on_connect):
     """A replay reads exactly the planned files even if more have landed."""
     spec = load_spec(spec_path)
     landing = spec_path.parent / "landing"
@@ -102,7 +102,7 @@ def test_planned_range_is_reused_after_a_crash_before_commit(spec_path, compute)
     assert_exact(spec_path)
 
 
-def test_ledger_row_repaired_after_crash_between_state_and_ledger(spec_path, compute):
+def test_ledger_row_repaired_after_crash_between_state_and_ledger(spec_path, compute, on_connect):
     spec = load_spec(spec_path)
     write_wave(spec_path.parent / "landing", 0, files=1, records_per_file=20)
     result = run_cli("run", str(spec_path), env={"MICROBATCH_FAULT_POINT": "after_state_commit"})

@@ -209,9 +209,11 @@ def test_engine_master_on_the_command_line_wins_over_the_spec(connect, tmp_path)
     assert_exact(spec_path)
 
 
-# The cluster reads on executors in make test already (the standalone test
-# above); its S3 variant runs in `make soak`.
-@pytest.mark.parametrize("engine", [pytest.param("cluster", marks=pytest.mark.slow), "connect"])
+# Both in `make soak`: the cluster reads on executors in make test already
+# (the standalone test above), and storage/test_s3.py's runs are the shared
+# Connect server's clients, whose objects that server fetches.
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["cluster", "connect"])
 def test_an_s3_pipeline_runs_exact_on_the_cluster_and_over_connect(request, engine, tmp_path, bucket):
     """Source and tables on S3 (moto); the objects are fetched by the executors (cluster) or the server (Connect)."""
     from tests.conftest import upload_folder

@@ -358,13 +358,14 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
     kept = report.kept_batches
     print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
     for table, removed in report.removed_files.items():
-        if table.endswith(" untracked") or table == "change data":
+        if table.endswith((" untracked", "change data")):
             continue
         untracked = report.removed_files.get(f"{table} untracked", 0)
         extra = f", {untracked} file(s) no commit referenced removed" if untracked else ""
         print(f"  {table}: compacted, {removed} unneeded file(s) removed{extra}, checkpoint written")
-    if report.removed_files.get("change data"):
-        print(f"  change data: {report.removed_files['change data']} file(s) every reader has read removed")
+    for table in ("change data", "final change data"):
+        if report.removed_files.get(table):
+            print(f"  {table}: {report.removed_files[table]} file(s) every reader has read removed")
     if report.forgotten_ids:
         print(f"  dedup: {report.forgotten_ids:,} id(s) no batch a rewind can reach reads deleted")
     return EXIT_OK

@@ -16,6 +16,10 @@ before K+1's (an OPTIMIZE rewrites files without changing rows). So an
 OPTIMIZE followed by a VACUUM that dropped K's own files still leaves K
 rewindable through the OPTIMIZE's version.
 
+The table of final rows (`spark_jobs.core.windows`) is compacted and
+VACUUMed keeping what a downstream reading it has yet to read: a rewind
+deletes rows from it and never restores it.
+
 Ledger, quarantine, consumed index and dedup table are never rewound, so
 their old versions are not needed (first, the dedup table loses the rows
 no batch a rewind can reach reads: `spark_jobs.core.dedup`). Their VACUUM
@@ -48,6 +52,7 @@ from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.staged import IN_PROCESS_ROWS
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
 from spark_jobs.core.untracked import remove_untracked
+from spark_jobs.core.windows import FINAL_FENCE, maintenance_properties
 from spark_jobs.sources.delta import version_actions
 from spark_jobs.errors import ConcurrentRunError, first_line
 from spark_jobs.storage.consumers import JOB_FOLDER, consumers, delete_file, write_json
@@ -77,8 +82,8 @@ class MaintenanceReport:
 
 
 def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factory: Callable[[], Compute] | None = None) -> MaintenanceReport:
-    """Compact, VACUUM and checkpoint the state, ledger and quarantine of
-    `spec`, folding an appended state first. `compute_factory`: the engine a
+    """Compact, VACUUM and checkpoint the state, ledger, quarantine, dedup
+    ids and final rows of `spec`, folding an appended state first. `compute_factory`: the engine a
     big state's fold runs on (`folding.fold`), started only for one."""
     pipeline = Pipeline(spec)
     view = reconcile(pipeline)  # the tables must agree first (and a lagging row is recorded)
@@ -128,8 +133,39 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
             # Log entries older than the table's log retention (Delta's default:
             # 30 days) and behind the checkpoint go, so the log stays bounded too.
             table.cleanup_metadata()
+    if spec.final_path is not None:
+        _maintain_final(spec, removed)
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
     return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten)
+
+
+def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> None:
+    """The table of final rows (`spark_jobs.core.windows`): each batch that
+    closes windows appends a small file, so it is compacted; VACUUM keeps
+    the versions a downstream reading it has yet to read (and, with none
+    recorded, only the newest), and its change data is pruned once every
+    downstream has read it, as the state's. No rewind restores an older
+    version of it (a rewind deletes the rows after its batch), so none is
+    kept for one.
+
+    VACUUM runs before the compaction, as for the ledger: what the
+    compaction replaces stays for readers of older snapshots until the next
+    maintenance. The compaction carries the final fence and marker again
+    (`windows.maintenance_properties`). Its log is not cleaned up: the
+    marker saying which watermark the table was brought to lives in a
+    commit's metadata, which a checkpoint does not keep."""
+    path = spec.final_path
+    table = open_table(path) if path is not None else None
+    if path is None or table is None:
+        return
+    with _racing(spec, path):
+        keep, prune_before = _kept({table.version()}, _readers(path, table), table)
+        removed["final"] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep)))
+        removed["final untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours, [scoped(FINAL_FENCE, spec.name)])
+        table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER, commit_properties=maintenance_properties(spec, table))
+        table.update_incremental()
+        table.create_checkpoint()
+        removed["final change data"] = _prune_change_data(path, table, prune_before)
 
 
 def _forget_ids(pipeline: Pipeline, view: LedgerView) -> int:
@@ -248,7 +284,7 @@ def _readers(path: str, state: DeltaTable) -> dict[str, int]:
     names = [c.pipeline for c in recorded]
     found = {c.pipeline if names.count(c.pipeline) == 1 else f"{c.pipeline} ({c.checkpoint})": c.version for c in recorded}
     for name, version in sorted(found.items()):
-        log.info("downstream %s has read this state up to version %d: later versions are kept", name, version)
+        log.info("downstream %s has read %s up to version %d: later versions are kept", name, path, version)
     return found
 
 

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.pipeline import Pipeline
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "FinalSummary", "check_windows", "final_summary", "settle"]
+__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "FinalSummary", "check_windows", "final_summary", "maintenance_properties", "settle"]
 
 log = logging.getLogger("microbatch")
 
@@ -248,6 +248,21 @@ def _through(table: DeltaTable) -> datetime | None:
     """The watermark the final table was last brought to (None: never)."""
     through = (_marker(table) or {}).get("through")
     return _parse(through) if through else None
+
+
+def maintenance_properties(spec: PipelineSpec, table: DeltaTable) -> CommitProperties | None:
+    """What `maintain`'s compaction of the final table commits with: the
+    final fence where `table` has it and the newest marker again (None: the
+    table was never settled). The newest entries of the log then still say
+    which watermark the table was brought to (`_marker` looks back
+    `FINAL_SEARCH` entries), and a settle landing while the compaction runs
+    carries the same fence, so one of the two fails instead of the
+    compaction's commit hiding the settle's marker behind an older one."""
+    fence = scoped(FINAL_FENCE, spec.name)
+    marker = _marker(table)
+    if table.transaction_version(fence) is None or marker is None:
+        return None
+    return commit_properties(fence, transaction_position(table, fence), {FINAL_KEY: json.dumps(marker)})
 
 
 def _marker(table: DeltaTable) -> dict[str, Any] | None:

@@ -465,6 +465,64 @@ def test_a_downstream_reads_the_final_rows_once_and_a_rewind_s_deletes(tmp_path,
     assert closed() == expected(at_two)
 
 
+def test_maintain_compacts_the_final_table_and_keeps_what_a_downstream_has_yet_to_read(tmp_path, compute):
+    """`maintain` on a windowed upstream: its final table's small files are
+    compacted; the change data of a rewind's delete the downstream has read
+    is pruned, while the versions it has not read stay readable; and the
+    batches after it still append each window once (the compaction carries
+    the table's marker of how far it was brought)."""
+    from deltalake import DeltaTable
+
+    from spark_jobs.core.maintain import maintain
+
+    spec_path = _spec(tmp_path)
+    down_path = tmp_path / "closed.yaml"
+    down_path.write_text(yaml.safe_dump({
+        "name": "closed_per_user",
+        "source": {"type": "delta", "path": "lake/final", "read": "changes"},
+        "transform": "SELECT user_id, count(*) AS changes FROM batch GROUP BY user_id",
+        "state": {"path": "lake/closed", "keys": ["user_id"], "merge": {"changes": "sum"}},
+        "checkpoint": "lake/_checkpoints/closed",
+    }, sort_keys=False))
+    oracle, landed = Oracle(), []
+    for n, minutes in enumerate(WAVES[:3]):
+        landed.append(_land(spec_path, f"f{n}", minutes))
+        oracle.batch(landed[-1])
+        assert _run(spec_path, compute).status == "committed"
+    assert rewind(load_spec(spec_path), 1, "test").status == "rewound"  # deletes final rows: change data
+    assert _run(down_path, compute).status == "committed"  # the downstream reads everything so far
+    oracle = Oracle()
+    oracle.batch(landed[0])
+    oracle.batch(landed[1] + landed[2] + _land(spec_path, "f3", WAVES[3]))
+    assert _run(spec_path, compute).status == "committed"  # appends the downstream has not read
+    final = DeltaTable(str(tmp_path / "lake" / "final"))
+    files_before, rows_before = len(final.file_uris()), _final(spec_path)
+    assert files_before > 1 and list((tmp_path / "lake" / "final" / "_change_data").iterdir())
+
+    report = maintain(load_spec(spec_path))
+    final = DeltaTable(str(tmp_path / "lake" / "final"))
+    assert len(final.file_uris()) == 1 and _final(spec_path) == rows_before == oracle.final()
+    assert report.removed_files["final change data"] >= 1, report.removed_files
+    assert not list((tmp_path / "lake" / "final" / "_change_data").iterdir())
+    # The downstream reads the versions it had not read, and counts each change once.
+    changes_before = {r["user_id"]: r["changes"] for r in _table(down_path, "lake/closed")}
+    assert _run(down_path, compute).status == "committed"
+    changes = {r["user_id"]: r["changes"] for r in _table(down_path, "lake/closed")}
+    appended = oracle.final().keys() - _final_after(landed[0]).keys()
+    assert appended and {u: changes[u] - changes_before.get(u, 0) for u in changes} == {u: sum(user == u for user, _ in appended) for u in changes}
+    # The next batch closes windows once, after the compaction's commit.
+    oracle.batch(_land(spec_path, "f4", WAVES[4]))
+    assert _run(spec_path, compute).status == "committed"
+    _check(spec_path, oracle)
+
+
+def _final_after(records: list[dict]) -> dict[tuple[str, datetime], int]:
+    """The final windows after one batch of `records` alone."""
+    oracle = Oracle()
+    oracle.batch(records)
+    return oracle.final()
+
+
 def test_the_cli_on_spark_connect_closes_windows_as_the_oracle_says(tmp_path, on_connect):
     """Every engine: the batches run by `microbatch run` as thin clients of a
     Spark Connect server; final rows and expiry are the job process's own."""

@@ -563,6 +563,28 @@ def test_event_time_judges_kafka_records_by_the_watermark_before_them(kafka, top
         load_spec(path)
 
 
+def test_dedup_counts_a_producer_s_retry_once_across_partitions_and_batches(kafka, topic, tmp_path, compute):
+    """`dedup` over Kafka: a record sent again (its `event_id` again, in
+    another partition, in the same batch or a later one) counts once, and
+    each batch counts the ones it dropped. A Kafka column can be a key too."""
+    path = spec_file(tmp_path, kafka, topic)
+    spec = yaml.safe_load(path.read_text())
+    spec["dedup"] = {"key": ["event_id"]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    sent = events(0, 40)
+    produce(kafka, topic, sent[:30] + sent[:5])  # the retries land in other partitions (index mod 4)
+    assert run(path, compute) == "committed"
+    produce(kafka, topic, sent[5:10] + sent[30:])  # five retries of the first batch's, ten new
+    assert run(path, compute) == "committed"
+    rows = sorted((r for r in OffsetLedger(str(tmp_path / "checkpoint" / "offsets"), "kclicks").load().rows if r.status == "committed"), key=lambda r: r.batch_id)
+    assert [(r.records_in, r.records_duplicate) for r in rows] == [(35, 5), (15, 5)]
+    state = read_all(DeltaTable(str(tmp_path / "state"))).to_pylist()
+    assert sum(r["events"] for r in state) == 40 and sum(r["cents"] for r in state) == sum(range(40))
+    spec["dedup"] = {"key": ["_kafka_key"]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert load_spec(path).dedup is not None
+
+
 def test_a_broker_down_mid_life_fails_retryably_with_nothing_written(tmp_path, topic, compute):
     server, servers = start_cluster()
     produce(servers, topic, events(0, 20))

@@ -75,10 +75,35 @@ class Remembered:
 
     def files(self) -> list[str]:
         """The table's data files now, relative to its folder (none: nothing
-        remembered yet). Rows of a batch written after the head's are left
-        out by `where`, so a listing taken later holds the same remembered ids."""
+        remembered yet), less those whose every id is older than `since` by
+        their statistics: each batch's ids are a file of their own, and
+        without this every batch read every id the pipeline ever took
+        (2.4 million after a day of 100,000 clicks an hour). Rows of a batch
+        written after the head's are left out by `where`, so a listing taken
+        later holds the same remembered ids."""
         table = open_table(self.path)
-        return arrow(table.get_add_actions(flatten=True)).column("path").to_pylist() if table is not None else []
+        if table is None:
+            return []
+        actions = arrow(table.get_add_actions(flatten=True))
+        paths = actions.column("path").to_pylist()
+        if self.since is None or "max.event_time" not in actions.column_names:
+            return paths
+        # A margin for statistics cut short (Parquet's bounds of a timestamp
+        # may lose its microseconds); a file without them, or holding ids
+        # with no event time (remembered for ever), is read.
+        bound = _utc(self.since) - STATS_MARGIN
+        newest = actions.column("max.event_time").to_pylist()
+        nulls = actions.column("null_count.event_time").to_pylist() if "null_count.event_time" in actions.column_names else [None] * len(paths)
+        return [p for p, most, null in zip(paths, newest, nulls) if most is None or null is None or null > 0 or _utc(most) >= bound]
+
+
+#: How far a file's newest event time may be below `since` and still be read
+#: (`Remembered.files`): more than any rounding of a statistic.
+STATS_MARGIN = timedelta(seconds=1)
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def judged(spec: PipelineSpec, batch: BatchRange, view: LedgerView) -> BatchRange:

@@ -148,6 +148,20 @@ def test_ids_are_forgotten_once_the_watermark_passes_them_by_within(tmp_path, co
         assert _state(spec_path) == oracle.clicks, i
     assert [r.records_duplicate for r in _committed(spec_path)] == oracle.duplicates == [0, 1, 1, 0]
     assert oracle.clicks["u1"] == 3  # e1 counted twice: once, and again after it was forgotten
+    # The next batch reads no file of ids all older than `within` allows (batch 1's, by its statistics).
+    import pyarrow.parquet as pq
+
+    from spark_jobs.core.dedup import remembered_at
+
+    spec = load_spec(spec_path)
+    remembered = remembered_at(spec, OffsetLedger(spec.ledger_path, spec.name).load())
+    assert remembered is not None and remembered.since is not None
+    every = open_table(spec.dedup_path).get_add_actions(flatten=True).column("path").to_pylist()
+    skipped = set(every) - set(remembered.files())
+    assert len(skipped) == 1 and len(every) == 4
+    (ids,) = [pq.read_table(f"{spec.dedup_path}/{name}").to_pylist() for name in skipped]
+    assert sorted(r["id"] for r in ids) == ['{"event_id":"e1"}', '{"event_id":"e2"}']
+    assert all(r["event_time"] < remembered.since for r in ids)
 
 
 def test_without_event_time_ids_are_remembered_for_ever(tmp_path, compute):

@@ -52,7 +52,7 @@ from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.staged import IN_PROCESS_ROWS
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
 from spark_jobs.core.untracked import remove_untracked
-from spark_jobs.core.windows import FINAL_FENCE, maintenance_properties
+from spark_jobs.core.windows import FINAL_FENCE, keep_marker_in_reach
 from spark_jobs.sources.delta import version_actions
 from spark_jobs.errors import ConcurrentRunError, first_line
 from spark_jobs.storage.consumers import JOB_FOLDER, consumers, delete_file, write_json
@@ -150,20 +150,27 @@ def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> None:
 
     VACUUM runs before the compaction, as for the ledger: what the
     compaction replaces stays for readers of older snapshots until the next
-    maintenance. The compaction carries the final fence and marker again
-    (`windows.maintenance_properties`). Its log is not cleaned up: the
-    marker saying which watermark the table was brought to lives in a
-    commit's metadata, which a checkpoint does not keep."""
+    maintenance. Once this made any commit, the marker of how far the table
+    was brought is committed again (`windows.keep_marker_in_reach`). Its
+    log is not cleaned up: that marker is a commit's metadata, which a
+    checkpoint does not keep."""
     path = spec.final_path
     table = open_table(path) if path is not None else None
     if path is None or table is None:
         return
     with _racing(spec, path):
+        before = table.version()
         keep, prune_before = _kept({table.version()}, _readers(path, table), table)
-        removed["final"] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=sorted(keep)))
-        removed["final untracked"] = remove_untracked(table, table.version(), spec.maintenance.untracked_files_hours, [scoped(FINAL_FENCE, spec.name)])
-        table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER, commit_properties=maintenance_properties(spec, table))
+        kept = sorted(keep)
+        # (A VACUUM with nothing to delete still commits twice.)
+        doomed = table.vacuum(retention_hours=0, dry_run=True, enforce_retention_duration=False, keep_versions=kept)
+        removed["final"] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=kept)) if doomed else 0
+        # Files the versions kept for a downstream name are not untracked.
+        removed["final untracked"] = remove_untracked(table, min(keep), spec.maintenance.untracked_files_hours, [scoped(FINAL_FENCE, spec.name)])
+        table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
         table.update_incremental()
+        if table.version() != before:
+            keep_marker_in_reach(spec, table)
         table.create_checkpoint()
         removed["final change data"] = _prune_change_data(path, table, prune_before)
 

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.pipeline import Pipeline
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "FinalSummary", "check_windows", "final_summary", "maintenance_properties", "settle"]
+__all__ = ["EXPIRE_KEY", "FINAL_FENCE", "FINAL_KEY", "FinalSummary", "check_windows", "final_summary", "keep_marker_in_reach", "settle"]
 
 log = logging.getLogger("microbatch")
 
@@ -250,19 +250,23 @@ def _through(table: DeltaTable) -> datetime | None:
     return _parse(through) if through else None
 
 
-def maintenance_properties(spec: PipelineSpec, table: DeltaTable) -> CommitProperties | None:
-    """What `maintain`'s compaction of the final table commits with: the
-    final fence where `table` has it and the newest marker again (None: the
-    table was never settled). The newest entries of the log then still say
-    which watermark the table was brought to (`_marker` looks back
-    `FINAL_SEARCH` entries), and a settle landing while the compaction runs
-    carries the same fence, so one of the two fails instead of the
-    compaction's commit hiding the settle's marker behind an older one."""
+def keep_marker_in_reach(spec: PipelineSpec, table: DeltaTable) -> None:
+    """After `maintain`'s commits on the final table (a VACUUM's two, a
+    compaction's, an untracked file's marker: none carries the marker, and
+    delta-rs drops the fence from a compaction's commit), one empty commit
+    carrying the final fence where it is and the newest marker again: else
+    maintenance on a quiet pipeline pushes the marker out of `_marker`'s
+    reach and the next settle appends every final window again.
+
+    From a fresh snapshot, so the marker is the newest settle's; a settle
+    landing between that snapshot and this commit carries the same fence,
+    and delta-rs fails this commit (`maintain` then asks to be run again)."""
+    table.update_incremental()
     fence = scoped(FINAL_FENCE, spec.name)
     marker = _marker(table)
     if table.transaction_version(fence) is None or marker is None:
-        return None
-    return commit_properties(fence, transaction_position(table, fence), {FINAL_KEY: json.dumps(marker)})
+        return
+    _empty_commit(table, commit_properties(fence, transaction_position(table, fence), {FINAL_KEY: json.dumps(marker)}))
 
 
 def _marker(table: DeltaTable) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -500,6 +501,11 @@ def test_maintain_compacts_the_final_table_and_keeps_what_a_downstream_has_yet_t
     assert files_before > 1 and list((tmp_path / "lake" / "final" / "_change_data").iterdir())
 
     report = maintain(load_spec(spec_path))
+    # A second maintain a while later: the files the versions kept for the
+    # downstream name are not taken for untracked ones (a try-to-break found them deleted).
+    _edit(spec_path, lambda spec: spec.update(maintenance={"untracked_files_hours": 0.0001}))
+    time.sleep(1)
+    maintain(load_spec(spec_path))
     final = DeltaTable(str(tmp_path / "lake" / "final"))
     assert len(final.file_uris()) == 1 and _final(spec_path) == rows_before == oracle.final()
     assert report.removed_files["final change data"] >= 1, report.removed_files
@@ -512,6 +518,45 @@ def test_maintain_compacts_the_final_table_and_keeps_what_a_downstream_has_yet_t
     assert appended and {u: changes[u] - changes_before.get(u, 0) for u in changes} == {u: sum(user == u for user, _ in appended) for u in changes}
     # The next batch closes windows once, after the compaction's commit.
     oracle.batch(_land(spec_path, "f4", WAVES[4]))
+    assert _run(spec_path, compute).status == "committed"
+    _check(spec_path, oracle)
+
+
+def test_maintain_on_a_quiet_pipeline_and_a_batch_during_maintain_leave_each_final_row_once(tmp_path, compute, monkeypatch):
+    """The marker of how far the final table was brought stays within
+    `_marker`'s reach however often `maintain` runs between two batches that
+    close windows (its search shortened here to 4 entries, from 100: a
+    try-to-break pass duplicated every window after 52 maintains); and a
+    batch committing while `maintain` works on the final table is not
+    hidden behind an older marker (it was, by the compaction's commit)."""
+    from spark_jobs.core import maintain as maintenance
+    from spark_jobs.core import windows
+
+    monkeypatch.setattr(windows, "FINAL_SEARCH", 4)
+    spec_path = _spec(tmp_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES[:3]):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        assert _run(spec_path, compute).status == "committed"
+    for _ in range(4):  # a quiet stretch
+        maintenance.maintain(load_spec(spec_path))
+    oracle.batch(_land(spec_path, "f3", WAVES[3]))
+    assert _run(spec_path, compute).status == "committed"
+    _check(spec_path, oracle)
+
+    real, ran = maintenance.remove_untracked, []
+
+    def a_batch_meanwhile(table, *args):
+        if table.table_uri.rstrip("/").endswith("lake/final") and not ran:
+            ran.append(True)
+            oracle.batch(_land(spec_path, "f4", WAVES[4]))
+            assert _run(spec_path, compute).status == "committed"
+        return real(table, *args)
+
+    monkeypatch.setattr(maintenance, "remove_untracked", a_batch_meanwhile)
+    maintenance.maintain(load_spec(spec_path))
+    assert ran
+    oracle.batch(_land(spec_path, "f5", [260]))
     assert _run(spec_path, compute).status == "committed"
     _check(spec_path, oracle)
 

@@ -86,12 +86,12 @@ class Remembered:
             return []
         actions = arrow(table.get_add_actions(flatten=True))
         paths = actions.column("path").to_pylist()
-        if self.since is None or "max.event_time" not in actions.column_names:
-            return paths
         # A margin for statistics cut short (Parquet's bounds of a timestamp
         # may lose its microseconds); a file without them, or holding ids
         # with no event time (remembered for ever), is read.
-        bound = _utc(self.since) - STATS_MARGIN
+        bound = less(_utc(self.since), STATS_MARGIN) if self.since is not None else None
+        if bound is None or "max.event_time" not in actions.column_names:
+            return paths
         newest = actions.column("max.event_time").to_pylist()
         nulls = actions.column("null_count.event_time").to_pylist() if "null_count.event_time" in actions.column_names else [None] * len(paths)
         return [p for p, most, null in zip(paths, newest, nulls) if most is None or null is None or null > 0 or _utc(most) >= bound]

@@ -75,7 +75,7 @@ def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fiel
         seen = seen.where((F.col("pipeline") == F.lit(remembered.pipeline)) & F.expr(remembered.where))
         if remembered.since is not None:
             # (An id taken before `event_time` was declared has no event time: remembered.)
-            seen = seen.where(F.col("event_time").isNull() | (F.col("event_time") >= F.lit(remembered.since)))
+            seen = seen.where(F.col("event_time").isNull() | (F.col("event_time") >= event_marks.instant(remembered.since)))
         seen = seen.select(F.col("id").alias(SEEN)).distinct()
         marked = marked.join(seen, marked[ID] == seen[SEEN], "left")
     else:

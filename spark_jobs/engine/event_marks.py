@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["LATE", "as_datetime", "check_column", "event_moment", "native", "numbered", "split_terms", "versions"]
+__all__ = ["LATE", "as_datetime", "check_column", "event_moment", "instant", "native", "numbered", "split_terms", "versions"]
 
 #: Marks a valid record older than the batch's watermark.
 LATE = "__late"
@@ -164,8 +164,17 @@ def _older(moment: Column, watermark: datetime | None) -> Column:
 
     if watermark is None:
         return F.lit(False)
-    micros = (watermark.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)
-    return F.coalesce(moment < F.expr(f"timestamp_micros({micros})"), F.lit(False))
+    return F.coalesce(moment < instant(watermark), F.lit(False))
+
+
+def instant(moment: datetime) -> Column:
+    """`moment` as a Spark timestamp, exactly: by its microseconds since
+    1970 (`F.lit` of a datetime before 1582 is shifted by Spark's change of
+    calendar, by days)."""
+    from pyspark.sql import functions as F
+
+    micros = (moment.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)
+    return F.expr(f"timestamp_micros({micros})")
 
 
 def _iso(moment: Column) -> Column:

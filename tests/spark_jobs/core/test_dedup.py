@@ -360,3 +360,27 @@ def test_maintain_keeps_the_ids_of_every_batch_a_rewind_still_accepts(tmp_path, 
     # The replay reads b1 and b2 by batch 1's watermark: e1 (late before) is a duplicate now.
     assert _run(spec_path, compute).records_duplicate == 1
     assert _state(spec_path) == {"u1": 1, "u2": 1, "u3": 1}
+
+
+def test_a_bound_in_year_one_reads_every_file_and_an_old_bound_is_exact_in_spark(tmp_path, spark):
+    """`within` behind a watermark in the first second of year 1: no file
+    is skipped (the bound less its margin is before year 1) rather than a
+    failure every run (found by a try-to-break pass); and the bound Spark
+    filters by is the same instant before 1582 too (`F.lit` of a datetime
+    moves it by days there, through Spark's change of calendar)."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+    from pyspark.sql import functions as F
+
+    from spark_jobs.core.dedup import SCHEMA, Remembered
+    from spark_jobs.engine.event_marks import instant
+
+    table = str(tmp_path / "dedup")
+    ids = pa.table({"pipeline": ["p"], "epoch": [0], "batch_id": [1], "id": ['{"k":"a"}'],
+                    "event_time": pa.array([datetime(1, 1, 1, tzinfo=UTC)], pa.timestamp("us", tz="UTC"))}, schema=SCHEMA)
+    write_deltalake(table, ids)
+    since = datetime(1, 1, 1, 0, 0, 0, 500000, tzinfo=UTC)
+    assert len(Remembered(table, "p", "true", since).files()) == 1
+    for moment in (since, datetime(1000, 1, 1, tzinfo=UTC), datetime(1582, 10, 10, 12, tzinfo=UTC)):
+        micros = (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+        assert spark.range(1).select(F.unix_micros(instant(moment)).alias("m")).first()["m"] == micros, moment

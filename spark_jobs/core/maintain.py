@@ -73,11 +73,13 @@ class MaintenanceReport:
     readers: dict[str, int] = field(default_factory=dict)
     #: With `dedup`: the ids deleted, read by no batch a rewind can reach.
     forgotten_ids: int = 0
+    #: With `event_time.final`: the downstreams reading the final rows, as `readers`.
+    final_readers: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files,
-            "readers": self.readers, "forgotten_ids": self.forgotten_ids,
+            "readers": self.readers, "forgotten_ids": self.forgotten_ids, "final_readers": self.final_readers,
         }
 
 
@@ -133,13 +135,12 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
             # Log entries older than the table's log retention (Delta's default:
             # 30 days) and behind the checkpoint go, so the log stays bounded too.
             table.cleanup_metadata()
-    if spec.final_path is not None:
-        _maintain_final(spec, removed)
+    final_readers = _maintain_final(spec, removed) if spec.final_path is not None else {}
     log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
-    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten)
+    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten, final_readers)
 
 
-def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> None:
+def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> dict[str, int]:
     """The table of final rows (`spark_jobs.core.windows`): each batch that
     closes windows appends a small file, so it is compacted; VACUUM keeps
     the versions a downstream reading it has yet to read (and, with none
@@ -153,14 +154,15 @@ def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> None:
     maintenance. Once this made any commit, the marker of how far the table
     was brought is committed again (`windows.keep_marker_in_reach`). Its
     log is not cleaned up: that marker is a commit's metadata, which a
-    checkpoint does not keep."""
+    checkpoint does not keep. Returns the downstream readers."""
     path = spec.final_path
     table = open_table(path) if path is not None else None
     if path is None or table is None:
-        return
+        return {}
     with _racing(spec, path):
         before = table.version()
-        keep, prune_before = _kept({table.version()}, _readers(path, table), table)
+        readers = _readers(path, table)
+        keep, prune_before = _kept({table.version()}, readers, table)
         kept = sorted(keep)
         # (A VACUUM with nothing to delete still commits twice.)
         doomed = table.vacuum(retention_hours=0, dry_run=True, enforce_retention_duration=False, keep_versions=kept)
@@ -173,6 +175,7 @@ def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> None:
             keep_marker_in_reach(spec, table)
         table.create_checkpoint()
         removed["final change data"] = _prune_change_data(path, table, prune_before)
+    return readers
 
 
 def _forget_ids(pipeline: Pipeline, view: LedgerView) -> int:

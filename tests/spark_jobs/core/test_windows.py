@@ -509,6 +509,7 @@ def test_maintain_compacts_the_final_table_and_keeps_what_a_downstream_has_yet_t
     final = DeltaTable(str(tmp_path / "lake" / "final"))
     assert len(final.file_uris()) == 1 and _final(spec_path) == rows_before == oracle.final()
     assert report.removed_files["final change data"] >= 1, report.removed_files
+    assert list(report.final_readers) == ["closed_per_user"] and report.to_dict()["final_readers"] == report.final_readers
     assert not list((tmp_path / "lake" / "final" / "_change_data").iterdir())
     # The downstream reads the versions it had not read, and counts each change once.
     changes_before = {r["user_id"]: r["changes"] for r in _table(down_path, "lake/closed")}

@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from spark_jobs.core.batch_append import BatchAppend
 from spark_jobs.core.delta_io import arrow, open_table, storage_errors
-from spark_jobs.core.event_time import judged_against, less, stamp
+from spark_jobs.core.event_time import judged_against, less, stamp, utc
 from spark_jobs.core.fencing import Position
 from spark_jobs.core.ledger import POSITION_COLUMNS, LedgerRow, LedgerView
 from spark_jobs.core.sql_text import pipeline_literal
@@ -89,21 +89,17 @@ class Remembered:
         # A margin for statistics cut short (Parquet's bounds of a timestamp
         # may lose its microseconds); a file without them, or holding ids
         # with no event time (remembered for ever), is read.
-        bound = less(_utc(self.since), STATS_MARGIN) if self.since is not None else None
+        bound = less(utc(self.since), STATS_MARGIN) if self.since is not None else None
         if bound is None or "max.event_time" not in actions.column_names:
             return paths
         newest = actions.column("max.event_time").to_pylist()
         nulls = actions.column("null_count.event_time").to_pylist() if "null_count.event_time" in actions.column_names else [None] * len(paths)
-        return [p for p, most, null in zip(paths, newest, nulls) if most is None or null is None or null > 0 or _utc(most) >= bound]
+        return [p for p, most, null in zip(paths, newest, nulls) if most is None or null is None or null > 0 or utc(most) >= bound]
 
 
 #: How far a file's newest event time may be below `since` and still be read
 #: (`Remembered.files`): more than any rounding of a statistic.
 STATS_MARGIN = timedelta(seconds=1)
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def judged(spec: PipelineSpec, batch: BatchRange, view: LedgerView) -> BatchRange:

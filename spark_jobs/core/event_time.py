@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange, Source
 
-__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "stamp", "quiet_batch", "quiet_updates", "watermark_after"]
+__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "stamp", "quiet_batch", "quiet_updates", "utc", "watermark_after"]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -72,7 +72,7 @@ def watermark_after(spec: PipelineSpec, watermark_in: datetime | None, newest: d
     delay = timedelta(seconds=spec.event_time.delay_seconds)
     candidates = [watermark_in, less(newest, delay)]
     if spec.event_time.advance_with_schedule and plan.interval_end is not None and plan.waiting_after == 0:
-        candidates.append(less(_utc(plan.interval_end), delay))
+        candidates.append(less(utc(plan.interval_end), delay))
     found = [w for w in candidates if w is not None]
     return max(found) if found else None
 
@@ -87,8 +87,8 @@ def quiet_batch(spec: PipelineSpec, source: Source, head: LedgerRow | None, inte
     event_time = spec.event_time
     if event_time is None or not event_time.advance_with_schedule or head is None or head.state_version is None or interval_end is None:
         return None
-    moved = less(_utc(interval_end), timedelta(seconds=event_time.delay_seconds))
-    if moved is None or (head.watermark is not None and moved <= _utc(head.watermark)):
+    moved = less(utc(interval_end), timedelta(seconds=event_time.delay_seconds))
+    if moved is None or (head.watermark is not None and moved <= utc(head.watermark)):
         return None
     return replace(source.decode(head.end_offsets, head.end_offsets, {}), waiting_after=0)
 
@@ -139,7 +139,7 @@ def less(moment: datetime | None, delay: timedelta) -> datetime | None:
 
 def iso(moment: datetime) -> str:
     """A watermark as reasons and the console spell it: UTC, to the microsecond when it has any."""
-    return stamp(_utc(moment)).removesuffix(".000000") + "Z"
+    return stamp(utc(moment)).removesuffix(".000000") + "Z"
 
 
 def stamp(moment: datetime) -> str:
@@ -149,5 +149,6 @@ def stamp(moment: datetime) -> str:
     return f"{m.year:04d}-{m.month:02d}-{m.day:02d}T{m.hour:02d}:{m.minute:02d}:{m.second:02d}.{m.microsecond:06d}"
 
 
-def _utc(moment: datetime) -> datetime:
+def utc(moment: datetime) -> datetime:
+    """`moment` in UTC (a naive one is taken as UTC, as Delta and Spark store them)."""
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

@@ -55,7 +55,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from spark_jobs.core.delta_io import arrow, commit_infos, ensure_table, is_commit_conflict, open_table, storage_errors
-from spark_jobs.core.event_time import iso, less, stamp
+from spark_jobs.core.event_time import iso, less, stamp, utc
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import is_appended, state_sql
@@ -120,7 +120,7 @@ def check_windows(spec: PipelineSpec, updates: pa.Table | Staged, watermark_in: 
         end = _moment(earliest) + timedelta(seconds=event_time.window.size_seconds)
     except OverflowError:
         return  # it ends after year 9999: not final
-    if end <= _utc(watermark_in):
+    if end <= utc(watermark_in):
         raise TransformError(
             f"pipeline {spec.name}: the transform returned a row for the window {key} = {iso(_moment(earliest))}, "
             f"which ended at {iso(end)}, at or before the watermark {iso(watermark_in)}: its final row is "
@@ -218,7 +218,7 @@ def _bring_to(spec: PipelineSpec, table: DeltaTable, fence: str, position: Posit
         log.info("final rows: taken back to batch %d", head.batch_id)
         return
     through = _through(table)
-    watermark = _utc(watermark) if watermark is not None else None
+    watermark = utc(watermark) if watermark is not None else None
     if watermark is None or (through is not None and watermark <= through):
         return  # nothing closed
     size = timedelta(seconds=window.size_seconds)
@@ -339,7 +339,7 @@ def _expire(pipeline: Pipeline, view: LedgerView) -> None:
         return
     column = expire.column or event_time.window.key  # type: ignore[union-attr]
     behind = expire.after_seconds + (event_time.window.size_seconds if expire.column is None else 0)  # type: ignore[union-attr]
-    cutoff = less(_utc(head.watermark), timedelta(seconds=behind))
+    cutoff = less(utc(head.watermark), timedelta(seconds=behind))
     if cutoff is None:
         return  # before year 1: nothing is that old
     kind = pa.schema(table.schema().to_arrow()).field(column).type
@@ -370,7 +370,7 @@ def _compare(column: str, kind: pa.DataType, op: str, moment: datetime) -> str:
     """SQL comparing a TIMESTAMP, TIMESTAMP_NTZ (read as UTC) or DATE (its
     midnight, UTC) column with `moment`, exactly, for delta-rs's delete and
     queries (a literal of the column's own type, so that files are pruned)."""
-    moment = _utc(moment)
+    moment = utc(moment)
     name = f'"{column}"'
     if pa.types.is_date32(kind):
         day = moment.date()
@@ -388,8 +388,4 @@ def _moment(value: datetime | date) -> datetime:
     """A window's start as a UTC moment (a DATE: its midnight)."""
     if not isinstance(value, datetime):
         return datetime(value.year, value.month, value.day, tzinfo=UTC)
-    return _utc(value)
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    return utc(value)

@@ -15,6 +15,7 @@ with it: those runs start Spark themselves, as on `local[*]`.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -62,8 +63,12 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, 
     engine meets), but at `mid_executor_write`. There, and in `make soak`'s
     other seeds at every point, the run starts Spark itself: its death takes
     its driver JVM, and the local executors at work, with it."""
-    if point != "mid_executor_write" and not request.node.get_closest_marker("slow"):
+    fast = not request.node.get_closest_marker("slow")
+    if point != "mid_executor_write" and fast:
         request.getfixturevalue("on_connect")
+    # At `mid_executor_write` the crashed run is the subject; the run that
+    # recovers is the shared server's client, as at every other point.
+    recovery_env = {**os.environ, "MICROBATCH_SPARK_MASTER": request.getfixturevalue("shared_connect")} if fast else None
     landing = spec_path.parent / "landing"
     files = 1 + seed % 3
     reach(point, spec_path)
@@ -77,7 +82,7 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, 
     write_wave(landing, 2, files=1, records_per_file=150, users=30, seed=seed)
 
     # Recovery in a new process, as the Airflow retry or the next run would do it.
-    recovered = run_cli("run", str(spec_path), "--json")
+    recovered = run_cli("run", str(spec_path), "--json", env=recovery_env)
     assert recovered.returncode == 0, recovered.stderr[-2000:]
     assert json.loads(recovered.stdout)["status"] == "committed"  # redoes or completes the batch
     while run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status != "no_new_data":
@@ -93,7 +98,9 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, 
 #: `make test` keeps the first two; the third, a later moment of the same
 #: batch, is in `make soak`.
 @pytest.mark.parametrize("delay", [0.3, 2.5, pytest.param(6.0, marks=pytest.mark.slow)])
-def test_sigterm_either_finishes_or_leaves_nothing_half_done(spec_path, delay):
+def test_sigterm_either_finishes_or_leaves_nothing_half_done(spec_path, compute, delay):
+    """The terminated run starts Spark itself: SIGTERM reaches its driver JVM
+    too. The runs after it, whose subject is what it left, run in process."""
     landing = spec_path.parent / "landing"
     write_wave(landing, 0, files=2, records_per_file=400, users=40, bad_every=50)
     proc = start_cli("run", str(spec_path), "--json")
@@ -108,7 +115,10 @@ def test_sigterm_either_finishes_or_leaves_nothing_half_done(spec_path, delay):
         assert proc.returncode == 1, err[-2000:]
         assert "terminated (SIGTERM)" in err, err[-2000:]
         assert "Traceback" not in err
-    _drain(spec_path)
+    outcomes = [run_batch(load_spec(spec_path), RunOptions(run_id=f"after-{n}"), compute_factory=compute).status for n in range(3)]
+    # A run that finished left nothing to do; else the next run does (or completes) the batch, once.
+    assert outcomes[1:] == ["no_new_data", "no_new_data"], outcomes
+    assert proc.returncode != 0 or outcomes[0] == "no_new_data", outcomes
     assert len(assert_exact(spec_path)) == 1
 
 

@@ -124,8 +124,8 @@ def _assert_tables_intact(spec: PipelineSpec) -> dict[str, int]:
     return versions
 
 
-def _assert_next_run_exact(spec_path: Path, spec: PipelineSpec, *, bad_lines: bool) -> None:
-    result = run_cli("run", str(spec_path), "--json")
+def _assert_next_run_exact(spec_path: Path, spec: PipelineSpec, *, bad_lines: bool, env: dict[str, str] | None = None) -> None:
+    result = run_cli("run", str(spec_path), "--json", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     lineage = assert_exact(spec_path)
     assert len(lineage) == 1 and lineage[0].records_in == RECORDS
@@ -169,10 +169,12 @@ def test_fault_on_a_delta_log_entry(spec_path, tmp_path, on_connect, case, sysca
 
 
 @needs_strace
-def test_disk_full_on_the_state_data_file(spec_path, tmp_path):
+def test_disk_full_on_the_state_data_file(spec_path, tmp_path, shared_connect):
     """The state's data file written by delta-rs in the job's process
     (`engine.state_write: driver`; the executors' writes happen in Spark's
-    workers, which the attached strace does not follow)."""
+    workers, which the attached strace does not follow). The faulted run
+    starts Spark itself (strace attaches once it has); the run after it,
+    whose subject is the protocol's recovery, is the shared server's client."""
     from tests.conftest import oracle_spec_dict, write_spec
 
     spec_path = write_spec(spec_path.parent, oracle_spec_dict(engine={"state_write": "driver"}))
@@ -203,7 +205,7 @@ def test_disk_full_on_the_state_data_file(spec_path, tmp_path):
     assert len(injected) == 1 and f"{spec.state_path}/part-" in injected[0], log.read_text()[-2000:]
     _assert_failed_clearly(subprocess.CompletedProcess(cli.args, cli.returncode, out, err), "No space left on device", spec.state_path)
     assert _assert_tables_intact(spec)["state"] == 0
-    _assert_next_run_exact(spec_path, spec, bad_lines=False)
+    _assert_next_run_exact(spec_path, spec, bad_lines=False, env={**os.environ, "MICROBATCH_SPARK_MASTER": shared_connect})
 
 
 class _Crash(BaseException):

@@ -174,30 +174,38 @@ def test_a_connect_server_starts_from_a_process_that_was_a_connect_client(connec
         server.stop()
 
 
-def test_a_batch_of_bad_records_only_is_quarantined_over_connect_as_locally(connect, tmp_path):
+def test_a_batch_of_bad_records_only_is_quarantined_over_connect_as_locally(connect, compute, tmp_path):
     """A CSV file whose every line has too few or too many columns: no valid
     record, so adaptive execution drops the transform's stage, and a Connect
     server reports the observed metrics with no values where a local session
     reports none (a break-it review found such a batch failing, every retry
-    alike). The records are counted apart, and the batch ends as on `local[*]`."""
+    alike). The records are counted apart, and the batch ends as on a local
+    session (the test process's, `local[2]` with adaptive execution on)."""
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.spec import load_spec
+
     schema = "event_id STRING, user_id STRING NOT NULL, amount DOUBLE, n BIGINT"
     outcomes = {}
-    for engine in ("local[2]", connect):
-        folder = tmp_path / ("local" if engine.startswith("local") else "connect")
+    for engine in ("local", "connect"):
+        folder = tmp_path / engine
         spec_path = write_spec(folder, oracle_spec_dict(
-            name="csv_bad", engine={"master": engine},
+            name="csv_bad", engine={"master": connect if engine == "connect" else "local[2]"},
             source={"type": "files", "path": "landing", "format": "csv", "schema": schema},
             transform="SELECT user_id, count(*) AS events, sum(amount) AS amount FROM batch GROUP BY user_id",
             state={"path": "lake/state", "keys": ["user_id"], "merge": {"events": "sum", "amount": "sum"}},
         ))
         (folder / "landing").mkdir(exist_ok=True)
         (folder / "landing" / "a.csv").write_text("event_id,user_id,amount,n\nb,u1\nc,u1,1,2,extra\nd\n")
+        if engine == "local":
+            done = run_batch(load_spec(spec_path), RunOptions(run_id="local"), compute_factory=compute)
+            outcomes[engine] = {"status": str(done.status), "records_in": done.records_in, "records_quarantined": done.records_quarantined}
+            continue
         result = run_cli("run", str(spec_path), "--json")
         assert result.returncode == 0, result.stderr[-3000:]
         outcome = json.loads(result.stdout)
         outcomes[engine] = {k: outcome[k] for k in ("status", "records_in", "records_quarantined")}
-    assert outcomes[connect] == outcomes["local[2]"], outcomes
-    assert outcomes[connect] == {"status": "committed", "records_in": 3, "records_quarantined": 3}, outcomes
+    assert outcomes["connect"] == outcomes["local"], outcomes
+    assert outcomes["connect"] == {"status": "committed", "records_in": 3, "records_quarantined": 3}, outcomes
 
 
 def test_engine_master_on_the_command_line_wins_over_the_spec(connect, tmp_path):

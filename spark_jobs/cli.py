@@ -362,7 +362,10 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
             continue
         untracked = report.removed_files.get(f"{table} untracked", 0)
         extra = f", {untracked} file(s) no commit referenced removed" if untracked else ""
-        print(f"  {table}: compacted, {removed} unneeded file(s) removed{extra}, checkpoint written")
+        compacted = report.compacted_files.get(table)
+        # (The consumed index is sorted, not compacted: no count.)
+        done = "" if compacted is None else f"{compacted} small file(s) compacted, " if compacted else "nothing to compact, "
+        print(f"  {table}: {done}{removed} unneeded file(s) removed{extra}, checkpoint written")
     for table in ("change data", "final change data"):
         if report.removed_files.get(table):
             print(f"  {table}: {report.removed_files[table]} file(s) every reader has read removed")

@@ -75,11 +75,14 @@ class MaintenanceReport:
     forgotten_ids: int = 0
     #: With `event_time.final`: the downstreams reading the final rows, as `readers`.
     final_readers: dict[str, int] = field(default_factory=dict)
+    #: Files each table's compaction replaced, by table (0: nothing to compact).
+    compacted_files: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "pipeline": self.pipeline, "kept_batches": self.kept_batches, "removed_files": self.removed_files,
             "readers": self.readers, "forgotten_ids": self.forgotten_ids, "final_readers": self.final_readers,
+            "compacted_files": self.compacted_files,
         }
 
 
@@ -95,13 +98,14 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
     if view.head is not None and view.head.state_version is not None:
         keep_versions.add(view.head.state_version)
     removed: dict[str, int] = {}
+    compacted: dict[str, int] = {}
     readers: dict[str, int] = {}
     state = pipeline.state.open()
     if state is not None:
         engine = Engine(compute_factory or _no_engine)
         try:
             with _racing(spec, pipeline.state.path):
-                readers = _maintain_state(pipeline, view, state, keep_versions, removed, engine if compute_factory else None)
+                readers = _maintain_state(pipeline, view, state, keep_versions, (removed, compacted), engine if compute_factory else None)
         finally:
             engine.close()
     # The consumed index follows the ledger's head (and is built here for a
@@ -129,18 +133,23 @@ def maintain(spec: PipelineSpec, keep_batches: int | None = None, compute_factor
             if name == "consumed":
                 lineage.sort()
             else:
-                table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
+                compacted[name] = _compact(table, target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
             table.update_incremental()
             table.create_checkpoint()
             # Log entries older than the table's log retention (Delta's default:
             # 30 days) and behind the checkpoint go, so the log stays bounded too.
             table.cleanup_metadata()
-    final_readers = _maintain_final(spec, removed) if spec.final_path is not None else {}
-    log.info("maintained %s: kept batches %s rewindable; removed %s files", spec.name, [r.batch_id for r in kept_rows], removed)
-    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten, final_readers)
+    final_readers = _maintain_final(spec, removed, compacted) if spec.final_path is not None else {}
+    log.info("maintained %s: kept batches %s rewindable; removed %s files, compacted %s", spec.name, [r.batch_id for r in kept_rows], removed, compacted)
+    return MaintenanceReport(spec.name, [r.batch_id for r in kept_rows], removed, readers, forgotten, final_readers, compacted)
 
 
-def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> dict[str, int]:
+def _compact(table: DeltaTable, **options: Any) -> int:
+    """Compact `table`'s small files; how many it replaced (0: it had none to, and committed nothing)."""
+    return int(table.optimize.compact(**options).get("numFilesRemoved", 0))
+
+
+def _maintain_final(spec: PipelineSpec, removed: dict[str, int], compacted: dict[str, int]) -> dict[str, int]:
     """The table of final rows (`spark_jobs.core.windows`): each batch that
     closes windows appends a small file, so it is compacted; VACUUM keeps
     the versions a downstream reading it has yet to read (and, with none
@@ -169,7 +178,7 @@ def _maintain_final(spec: PipelineSpec, removed: dict[str, int]) -> dict[str, in
         removed["final"] = len(table.vacuum(retention_hours=0, dry_run=False, enforce_retention_duration=False, keep_versions=kept)) if doomed else 0
         # Files the versions kept for a downstream name are not untracked.
         removed["final untracked"] = remove_untracked(table, min(keep), spec.maintenance.untracked_files_hours, [scoped(FINAL_FENCE, spec.name)])
-        table.optimize.compact(target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
+        compacted["final"] = _compact(table, target_size=SMALL_FILE_BYTES, writer_properties=COMPACTION_WRITER)
         table.update_incremental()
         if table.version() != before:
             keep_marker_in_reach(spec, table)
@@ -192,12 +201,15 @@ def _forget_ids(pipeline: Pipeline, view: LedgerView) -> int:
 
 
 def _maintain_state(
-    pipeline: Pipeline, view: LedgerView, state: DeltaTable, keep_versions: set[int], removed: dict[str, int], engine: Engine | None
+    pipeline: Pipeline, view: LedgerView, state: DeltaTable, keep_versions: set[int],
+    counts: tuple[dict[str, int], dict[str, int]], engine: Engine | None,
 ) -> dict[str, int]:
     """Fold (an appended state), compact, VACUUM and checkpoint the state,
     keeping `keep_versions` and every version a downstream has yet to read
-    restorable; counts what went in `removed`. Returns the downstream readers."""
+    restorable; counts the files removed and compacted in `counts`. Returns
+    the downstream readers."""
     spec = pipeline.spec
+    removed, compacted = counts
     if is_appended(spec) and row_counts(state).appended:
         # An appended state is folded first: one row per key again, and the
         # VACUUM below removes the partial rows' files once no kept version needs them.
@@ -209,7 +221,7 @@ def _maintain_state(
     # Compact first, so that the VACUUM removes what the compaction replaced;
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
-    state.optimize.compact()
+    compacted["state"] = _compact(state)
     # The downstream readers are read just before the deletions, not before
     # the fold and compaction (a minute, at scale): a downstream rewound
     # meanwhile has moved its position back, and its replay needs the

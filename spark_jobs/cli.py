@@ -357,15 +357,18 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
         return EXIT_OK
     kept = report.kept_batches
     print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
-    for table, removed in report.removed_files.items():
-        if table.endswith((" untracked", "change data")):
-            continue
+    tables = [t for t in report.removed_files if not t.endswith((" untracked", "change data"))]
+    for table in tables + [t for t in report.compacted_files if t not in tables]:
         untracked = report.removed_files.get(f"{table} untracked", 0)
         extra = f", {untracked} file(s) no commit referenced removed" if untracked else ""
         compacted = report.compacted_files.get(table)
         # (The consumed index is sorted, not compacted: no count.)
-        done = "" if compacted is None else f"{compacted} small file(s) compacted, " if compacted else "nothing to compact, "
-        print(f"  {table}: {done}{removed} unneeded file(s) removed{extra}, checkpoint written")
+        done = "" if compacted is None else f"{compacted} file(s) compacted, " if compacted else "nothing to compact, "
+        # No VACUUM count: the state moved while maintain ran (a batch
+        # committed), so its VACUUM waits for the next maintenance.
+        removed = report.removed_files.get(table)
+        vacuum = "VACUUM skipped (the table moved meanwhile)" if removed is None else f"{removed} unneeded file(s) removed"
+        print(f"  {table}: {done}{vacuum}{extra}, checkpoint written")
     for table in ("change data", "final change data"):
         if report.removed_files.get(table):
             print(f"  {table}: {report.removed_files[table]} file(s) every reader has read removed")

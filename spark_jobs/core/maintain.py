@@ -217,11 +217,15 @@ def _maintain_state(
         # under an edited spec a run would refuse (the fold would bake the
         # new rules into every key's value).
         check_spec(pipeline, view)
-        fold(spec, state, _fold_engine(spec, state, engine))
+        files_before = len(state.file_uris())
+        # The fold replaces every file of the snapshot it read: that is
+        # this layout's compaction (the one below then finds nothing left).
+        folded = fold(spec, state, _fold_engine(spec, state, engine)) is not None
+        compacted["state"] = files_before if folded else 0
     # Compact first, so that the VACUUM removes what the compaction replaced;
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
-    compacted["state"] = _compact(state)
+    compacted["state"] = compacted.get("state", 0) + _compact(state)
     # The downstream readers are read just before the deletions, not before
     # the fold and compaction (a minute, at scale): a downstream rewound
     # meanwhile has moved its position back, and its replay needs the

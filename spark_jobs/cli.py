@@ -357,8 +357,9 @@ def _maintain(spec: PipelineSpec, args: argparse.Namespace) -> int:
         return EXIT_OK
     kept = report.kept_batches
     print(f"maintained {spec.name}: batches {kept[0]}..{kept[-1]} stay rewindable" if kept else f"maintained {spec.name}")
-    tables = [t for t in report.removed_files if not t.endswith((" untracked", "change data"))]
-    for table in tables + [t for t in report.compacted_files if t not in tables]:
+    for table in dict.fromkeys([*report.removed_files, *report.compacted_files]):
+        if table.endswith((" untracked", "change data")):
+            continue
         untracked = report.removed_files.get(f"{table} untracked", 0)
         extra = f", {untracked} file(s) no commit referenced removed" if untracked else ""
         compacted = report.compacted_files.get(table)

@@ -210,6 +210,7 @@ def _maintain_state(
     the downstream readers."""
     spec = pipeline.spec
     removed, compacted = counts
+    folded = 0
     if is_appended(spec) and row_counts(state).appended:
         # An appended state is folded first: one row per key again, and the
         # VACUUM below removes the partial rows' files once no kept version needs them.
@@ -220,12 +221,12 @@ def _maintain_state(
         files_before = len(state.file_uris())
         # The fold replaces every file of the snapshot it read: that is
         # this layout's compaction (the one below then finds nothing left).
-        folded = fold(spec, state, _fold_engine(spec, state, engine)) is not None
-        compacted["state"] = files_before if folded else 0
+        if fold(spec, state, _fold_engine(spec, state, engine)) is not None:
+            folded = files_before
     # Compact first, so that the VACUUM removes what the compaction replaced;
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
-    compacted["state"] = compacted.get("state", 0) + _compact(state)
+    compacted["state"] = folded + _compact(state)
     # The downstream readers are read just before the deletions, not before
     # the fold and compaction (a minute, at scale): a downstream rewound
     # meanwhile has moved its position back, and its replay needs the

@@ -15,7 +15,6 @@ with it: those runs start Spark themselves, as on `local[*]`.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -68,7 +67,7 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, 
         request.getfixturevalue("on_connect")
     # At `mid_executor_write` the crashed run is the subject; the run that
     # recovers is the shared server's client, as at every other point.
-    recovery_env = {**os.environ, "MICROBATCH_SPARK_MASTER": request.getfixturevalue("shared_connect")} if fast else None
+    recovery_env = {"MICROBATCH_SPARK_MASTER": request.getfixturevalue("shared_connect")} if fast else None
     landing = spec_path.parent / "landing"
     files = 1 + seed % 3
     reach(point, spec_path)

@@ -205,7 +205,7 @@ def test_disk_full_on_the_state_data_file(spec_path, tmp_path, shared_connect):
     assert len(injected) == 1 and f"{spec.state_path}/part-" in injected[0], log.read_text()[-2000:]
     _assert_failed_clearly(subprocess.CompletedProcess(cli.args, cli.returncode, out, err), "No space left on device", spec.state_path)
     assert _assert_tables_intact(spec)["state"] == 0
-    _assert_next_run_exact(spec_path, spec, bad_lines=False, env={**os.environ, "MICROBATCH_SPARK_MASTER": shared_connect})
+    _assert_next_run_exact(spec_path, spec, bad_lines=False, env={"MICROBATCH_SPARK_MASTER": shared_connect})
 
 
 class _Crash(BaseException):

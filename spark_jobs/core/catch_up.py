@@ -18,6 +18,17 @@ after it (their files deleted: no commit names them), and the planned range
 is read, as in any run. A read commits nothing, so a crash, a racing run or
 a file landing between the two plans costs the early reads, never a
 record: the range recorded, read and committed is step 2's, as always.
+
+With `event_time`, batch N+1's records are judged against the watermark N
+leaves, known once N's read is done (its newest event time), and N+2's
+against the one N+1 leaves, not known before N+1's read. So each read
+ahead is judged against a guess (`event_time.guesses`: N+1's is exact, a
+later one's moves on by the last batch's step), and step 3 takes it only if
+it judged every record as the planned watermark does
+(`event_time.judged_alike`: no record's event time between the two); else
+that read alone is dropped and the range read again. A pipeline with
+`dedup` reads nothing ahead: N+1 drops the ids N takes, which only N's
+commit records.
 """
 
 from __future__ import annotations
@@ -28,17 +39,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
 from spark_jobs.core import shutdown
 from spark_jobs.core.compute import Compute, ComputeResult, Engine
+from spark_jobs.core.event_time import guesses, judged_alike, watermark_after
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.fencing import Position
-from spark_jobs.core.protocol import Plan, RunOptions, complete, prepare, sink_for
+from spark_jobs.core.protocol import Plan, Processed, RunOptions, complete, prepare, sink_for
 from spark_jobs.core.run_report import StepTimes
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, delete_files
@@ -100,7 +112,7 @@ def catch_up(
             plan, processed = ready
             room = None if max_batches is None else max_batches - len(outcomes) - 1
             if not shutdown.requested():
-                engine.read_ahead(pipeline, plan, options, room)
+                engine.read_ahead(pipeline, plan, processed, options, room)
             outcome = complete(pipeline, plan, processed, options, started, steps, engine)
             report(outcome)
             if (room is not None and room <= 0) or outcome.status is not Outcome.COMMITTED:
@@ -125,13 +137,8 @@ class ReadAhead:
 
 def _same_range(a: BatchRange, b: BatchRange) -> bool:
     """Same offsets, same manifest (for files: the same files, sizes and
-    modification times), judged against the same watermark."""
-    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict(), a.watermark) == (
-        b.start.to_dict(),
-        b.end.to_dict(),
-        b.manifest.to_dict(),
-        b.watermark,
-    )
+    modification times)."""
+    return (a.start.to_dict(), a.end.to_dict(), a.manifest.to_dict()) == (b.start.to_dict(), b.end.to_dict(), b.manifest.to_dict())
 
 
 class _Prefetching(Engine):
@@ -174,6 +181,12 @@ class _Prefetching(Engine):
             log.info("the range read ahead was written for another position or columns: reading it again")
             _discard(early)
             early = None
+        elif early is not None and not judged_alike(spec, early.result, early.batch.watermark, batch.watermark):
+            # The reads after it were judged against guesses of their own,
+            # and each is checked as it is taken.
+            log.info("the range read ahead was judged against another watermark than %s, which judges some of its records otherwise: reading it again", batch.watermark)
+            _discard(early)
+            early = None
         if early is None:
             return super().process(spec, batch, sink, check)
         assert self._steps is not None
@@ -183,16 +196,16 @@ class _Prefetching(Engine):
         self._steps.ms["read_ahead_lead"] = int((self._started - early.begun) * 1000)
         return early.result
 
-    def read_ahead(self, pipeline: Pipeline, plan: Plan, options: RunOptions, room: int | None) -> None:
-        """Start reading the ranges after `plan_`'s until as many reads as
+    def read_ahead(self, pipeline: Pipeline, plan: Plan, processed: Processed, options: RunOptions, room: int | None) -> None:
+        """Start reading the ranges after `plan`'s until as many reads as
         the engine runs at once (no more than `READ_AHEAD`, nor `room`
-        batches) are in flight. Planning stops at the first range the source
-        cannot give: nothing waits, or it cannot tell now (the batch's own
-        step 2 then raises what there is to raise)."""
-        if pipeline.spec.event_time is not None or pipeline.spec.dedup is not None:
-            # Batch N+1's records are judged against the watermark batch N
-            # leaves, and the ids N took (`dedup`), which only N's read
-            # tells: no read can be made for it ahead.
+        batches) are in flight, each judged against the watermark it most
+        likely gets (`processed` is `plan`'s read). Planning stops at the
+        first range the source cannot give: nothing waits, or it cannot tell
+        now (the batch's own step 2 then raises what there is to raise)."""
+        spec = pipeline.spec
+        if spec.dedup is not None:
+            # Batch N+1 drops the ids N takes, which N's commit records.
             return
         at_once = min(READ_AHEAD, self.reads_at_once)
         if self._readers is None:
@@ -206,15 +219,19 @@ class _Prefetching(Engine):
             after: Lineage = _Ahead(pipeline.lineage(plan.view), plan.batch)
             for pending in self._pending:
                 after = _Ahead(after, pending.batch)
+            watermark_in = plan.view.head.watermark if plan.view.head else None
+            watermarks = guesses(watermark_in, watermark_after(spec, watermark_in, processed.newest_event_time, plan.row), READ_AHEAD + 1)
             while len(self._pending) < wanted:
-                batch = pipeline.source.plan(after, until=options.interval_end, caps=options.caps(pipeline.spec))
+                batch = pipeline.source.plan(after, until=options.interval_end, caps=options.caps(spec))
                 if batch is None:
                     return
+                if spec.event_time is not None:
+                    batch = replace(batch, watermark=watermarks[len(self._pending)])
                 # In this thread's context: storage sessions and connection
                 # settings are context variables.
                 position = Position(plan.position.epoch, plan.position.batch_id + 1 + len(self._pending))
                 sink = self._sink(pipeline, batch, position)
-                read = self._readers.submit(contextvars.copy_context().run, self._read, pipeline.spec, batch, sink, pipeline.source.check_read)
+                read = self._readers.submit(contextvars.copy_context().run, self._read, spec, batch, sink, pipeline.source.check_read)
                 self._pending.append(_Pending(batch, read))
                 after = _Ahead(after, batch)
         except Exception as exc:  # noqa: BLE001 - an optimisation only: step 2 decides

@@ -68,6 +68,11 @@ class ComputeResult:
     #: among the records the transform took. None without `event_time`.
     records_late: int | None = None
     newest_event_time: datetime | None = None
+    #: The newest event time among the late records, and the oldest among
+    #: the valid ones on time: any watermark above the one and at most the
+    #: other judges the records alike (`event_time.judged_alike`).
+    newest_late: datetime | None = None
+    oldest_on_time: datetime | None = None
     #: Duplicates (`spark_jobs.core.dedup`): the records dropped as such,
     #: and the ids the kept ones take (rows of `dedup.SCHEMA`'s `id` and
     #: `event_time`, or, with a sink, its files). None without `dedup`.

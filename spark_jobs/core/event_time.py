@@ -48,11 +48,25 @@ from spark_jobs.errors import ConcurrentRunError, SpecChangedError
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
+    from spark_jobs.core.compute import ComputeResult
     from spark_jobs.core.ledger import LedgerRow
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange, Source
 
-__all__ = ["check_replay", "is_quiet", "iso", "judged_against", "less", "stamp", "quiet_batch", "quiet_updates", "utc", "watermark_after"]
+__all__ = [
+    "check_replay",
+    "guesses",
+    "is_quiet",
+    "iso",
+    "judged_against",
+    "judged_alike",
+    "less",
+    "stamp",
+    "quiet_batch",
+    "quiet_updates",
+    "utc",
+    "watermark_after",
+]
 
 
 def judged_against(spec: PipelineSpec, batch: BatchRange, head: LedgerRow | None) -> BatchRange:
@@ -75,6 +89,40 @@ def watermark_after(spec: PipelineSpec, watermark_in: datetime | None, newest: d
         candidates.append(less(utc(plan.interval_end), delay))
     found = [w for w in candidates if w is not None]
     return max(found) if found else None
+
+
+def guesses(watermark_in: datetime | None, watermark_out: datetime | None, count: int) -> list[datetime | None]:
+    """The watermarks `count` batches after one that moved the watermark from
+    `watermark_in` to `watermark_out` will most likely be judged against, for
+    reads made ahead of their plans (`spark_jobs.core.catch_up`): the next
+    one's is `watermark_out` itself; each later one's moves on by the same
+    step, as a steady stream's does. A wrong guess costs its read, never a
+    record: `judged_alike` decides whether the read stands."""
+    if watermark_in is None or watermark_out is None or watermark_out <= watermark_in:
+        return [watermark_out] * count
+    step = watermark_out - watermark_in
+    return [watermark_out + step * k for k in range(count)]
+
+
+def judged_alike(spec: PipelineSpec, result: ComputeResult, read_against: datetime | None, planned: datetime | None) -> bool:
+    """Whether a read that judged its records against `read_against` (a read
+    made ahead, against a guess) judged each exactly as the `planned`
+    watermark does, so that its rows, counts and newest event time are the
+    planned read's. They are when no record's event time lies between the
+    two watermarks: the newest late one is before `planned`, the oldest on
+    time at or after it (no watermark at all judges nothing late). Under
+    `late: quarantine` a late record's reason names the watermark it was
+    judged against, so a read with any late record stands only for that one."""
+    read_against, planned = (utc(w) if w is not None else None for w in (read_against, planned))
+    if read_against == planned:
+        return True
+    if spec.event_time is None:
+        return False
+    if spec.event_time.late == "quarantine" and result.records_late:
+        return False
+    if planned is None:
+        return result.newest_late is None
+    return (result.newest_late is None or result.newest_late < planned) and (result.oldest_on_time is None or planned <= result.oldest_on_time)
 
 
 def quiet_batch(spec: PipelineSpec, source: Source, head: LedgerRow | None, interval_end: datetime | None) -> BatchRange | None:

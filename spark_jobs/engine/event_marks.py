@@ -16,7 +16,11 @@ two forms the reads give them (`spark_jobs.engine.spark_compute`):
 
 Either way the `LATE` column marks the late records, whatever the policy:
 `split_terms` counts them and takes the newest event time among the records
-the transform gets, as the batch's observed metrics (no second pass).
+the transform gets, as the batch's observed metrics (no second pass). It
+also takes the newest late event time and the oldest on time: the gap
+between them is every watermark that judges the batch's records alike,
+which tells a read made ahead against a guessed watermark whether it stands
+(`spark_jobs.core.event_time.judged_alike`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = ["LATE", "as_datetime", "check_column", "event_moment", "instant", "na
 LATE = "__late"
 #: The metrics' names (`split_terms`), read back by `spark_compute`.
 LATE_METRIC, NEWEST_METRIC = "late", "newest_event_micros"
+NEWEST_LATE_METRIC, OLDEST_ON_TIME_METRIC = "newest_late_micros", "oldest_on_time_micros"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -125,16 +130,24 @@ def check_column(spec: PipelineSpec, columns: pa.Schema, where: str) -> None:
 def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]]:
     """For a spec with event time: which rows the transform gets (`valid`,
     less the late ones under `late: drop`) and the metrics observed over all
-    rows: the late count, and the newest event time among those it gets (in
-    microseconds, `as_datetime` reads it)."""
+    rows: the late count, the newest event time among those it gets, the
+    newest among the late and the oldest among the valid ones not late (in
+    microseconds, `as_datetime` reads them). The last two bound the
+    watermarks that would have judged every record as this one did; they
+    count a change feed's unjudged rows as on time, which narrows the bound,
+    never widens it."""
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
+    micros = F.unix_micros(event_moment(spec))
+    on_time = valid & ~F.col(LATE)
     if spec.event_time.late == "drop":
-        valid = valid & ~F.col(LATE)
+        valid = on_time
     metrics = [
         F.count(F.when(F.col(LATE), F.lit(1))).alias(LATE_METRIC),
-        F.max(F.when(valid, F.unix_micros(event_moment(spec)))).alias(NEWEST_METRIC),
+        F.max(F.when(valid, micros)).alias(NEWEST_METRIC),
+        F.max(F.when(F.col(LATE), micros)).alias(NEWEST_LATE_METRIC),
+        F.min(F.when(on_time, micros)).alias(OLDEST_ON_TIME_METRIC),
     ]
     return valid, metrics
 

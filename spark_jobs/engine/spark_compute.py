@@ -798,8 +798,12 @@ def _event_counts(spec: PipelineSpec, seen: dict[str, Any]) -> dict[str, Any]:
     """A result's event-time fields, from the batch's observed metrics."""
     if spec.event_time is None:
         return {}
-    newest = seen.get(event_marks.NEWEST_METRIC)
-    return {"records_late": int(seen.get(event_marks.LATE_METRIC) or 0), "newest_event_time": event_marks.as_datetime(newest)}
+    return {
+        "records_late": int(seen.get(event_marks.LATE_METRIC) or 0),
+        "newest_event_time": event_marks.as_datetime(seen.get(event_marks.NEWEST_METRIC)),
+        "newest_late": event_marks.as_datetime(seen.get(event_marks.NEWEST_LATE_METRIC)),
+        "oldest_on_time": event_marks.as_datetime(seen.get(event_marks.OLDEST_ON_TIME_METRIC)),
+    }
 
 
 def _numbered_like_exact(spec: PipelineSpec, native: DataFrame) -> DataFrame:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from spark_jobs.core.delta_io import open_table, read_all
+from spark_jobs.core.event_time import iso
 from spark_jobs.core.faults import POINTS
 from spark_jobs.core.ledger import OffsetLedger, RowStatus
 from spark_jobs.core.protocol import RunOptions, run_batch
@@ -397,6 +398,35 @@ def test_a_catch_up_judges_each_batch_by_the_watermark_the_one_before_left(tmp_p
     rows = _rows(spec_path)
     assert [(r.records_late, r.watermark) for r in rows] == list(zip([0, 1, 1, 1], expected))
     assert _state(spec_path) == oracle.events
+
+
+@pytest.mark.parametrize("late", ["drop", "quarantine"])
+def test_a_catch_up_takes_a_read_made_ahead_against_a_guessed_watermark_only_where_it_judged_alike(tmp_path, compute, late):
+    """Reads ahead are judged against guesses: batch 2's exactly (batch 1's
+    read is done), batch 3's and later by the last step. Batch 5's guess (80)
+    is short of the watermark batch 4 leaves (110) and its record at 100
+    lies between: judged on time, it is late, so the read is made again.
+    Batch 6's guess (160) is past its watermark (120), but none of its
+    records lies between: the read stands, unless a late record's reason
+    (naming the guess) would go to the quarantine."""
+    from spark_jobs.core.catch_up import catch_up
+
+    spec_path = _spec(tmp_path, late=late)
+    oracle = Oracle(late)
+    expected = []
+    for n, minutes in enumerate([[30], [40, 50], [60, 70], [65, 120], [100, 130], [105, 170]]):
+        records_late, _ = oracle.batch(_land(spec_path, f"f{n}", minutes))
+        expected.append((records_late, oracle.watermark))
+    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="catch-up", max_files=1), compute)
+    assert [o.status for o in outcomes] == ["committed"] * 6 + ["no_new_data"]
+    assert ["read_ahead" in o.steps_ms for o in outcomes[:6]] == [False, True, True, True, False, late != "quarantine"]
+    assert [(r.records_late, r.watermark) for r in _rows(spec_path)] == expected
+    assert [n for n, _ in expected] == [0, 0, 0, 0, 1, 1]
+    assert _state(spec_path) == oracle.events
+    if late == "quarantine":
+        assert sorted(r["reason"] for r in _quarantined(spec_path)) == [
+            f"late: event time {iso(T0 + timedelta(minutes=m))} is before the watermark {iso(T0 + timedelta(minutes=w))}" for m, w in [(100, 110), (105, 120)]
+        ]
 
 
 def test_a_delta_change_feed_judges_its_inserts_only(tmp_path, compute):

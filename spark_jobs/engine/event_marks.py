@@ -153,14 +153,16 @@ def split_terms(spec: PipelineSpec, valid: Column) -> tuple[Column, list[Column]
 
 
 def as_datetime(micros: int | None) -> datetime | None:
-    """The newest event time as observed (microseconds since the epoch, UTC),
-    no later than Python's last moment."""
+    """An event time as observed (microseconds since the epoch, UTC), held
+    within Python's calendar: Spark holds years before 1 and after 9999,
+    which become its first and last moments (order kept, so a bound taken
+    from one stays on its side of every watermark Python can hold)."""
     if micros is None:
         return None
     try:
         return _EPOCH + timedelta(microseconds=micros)
-    except OverflowError:  # past year 9999, which Spark holds and Python does not
-        return datetime.max.replace(tzinfo=UTC)
+    except OverflowError:
+        return (datetime.max if micros > 0 else datetime.min).replace(tzinfo=UTC)
 
 
 def event_moment(spec: PipelineSpec) -> Column:

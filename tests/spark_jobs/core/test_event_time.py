@@ -346,14 +346,42 @@ def test_a_replay_under_another_event_time_block_is_refused_until_it_is_put_back
 
 def test_event_times_at_the_ends_of_the_calendar(tmp_path, compute):
     """Year 1 (a placeholder some producers write) less the delay is no
-    watermark at all; a later batch moves it as usual."""
+    watermark at all, and so is year 0, which Spark holds and Python does
+    not; a later batch moves it as usual, and then year 0 is late."""
     spec_path = _spec(tmp_path)
-    (spec_path.parent / "landing" / "f0.json").write_text('{"event_id": "e0", "user_id": "u0", "ts": "0001-01-01T00:00:00Z"}\n')
-    assert _run(spec_path, compute).status == "committed"
-    assert _rows(spec_path)[-1].watermark is None
+    for n, ts in enumerate(["0001-01-01T00:00:00Z", "0000-06-01T00:00:00Z"]):
+        (spec_path.parent / "landing" / f"a{n}.json").write_text(json.dumps({"event_id": f"a{n}", "user_id": "u0", "ts": ts}) + "\n")
+        assert _run(spec_path, compute).status == "committed"
+        assert _rows(spec_path)[-1].watermark is None
     _land(spec_path, "f1", [30])
     assert _run(spec_path, compute).status == "committed"
     assert _rows(spec_path)[-1].watermark == T0 + timedelta(minutes=20)
+    (spec_path.parent / "landing" / "f2.json").write_text('{"event_id": "e2", "user_id": "u0", "ts": "0000-06-01T00:00:00Z"}\n')
+    assert _run(spec_path, compute).status == "committed"
+    assert _rows(spec_path)[-1].records_late == 1
+
+
+def test_a_catch_up_judges_an_event_time_before_year_1_as_one_batch_at_a_time_does(tmp_path, compute):
+    """Batch 3 is read ahead while batch 1 (no event time: no watermark)
+    commits, against no watermark; its year-0 record is on time there and
+    late against batch 2's watermark, so that read is made again."""
+    from spark_jobs.core.catch_up import catch_up
+
+    spec_path = _spec(tmp_path)
+    _land(spec_path, "f0", [None])
+    _land(spec_path, "f1", [10])
+    (spec_path.parent / "landing" / "f2.json").write_text(
+        '{"event_id": "e0", "user_id": "u0", "ts": "0000-06-01T00:00:00Z"}\n' + json.dumps({"event_id": "e1", "user_id": "u0", "ts": (T0 + timedelta(minutes=20)).isoformat()}) + "\n"
+    )
+    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="catch-up", max_files=1), compute)
+    assert [o.status for o in outcomes] == ["committed"] * 3 + ["no_new_data"]
+    assert "read_ahead" not in outcomes[2].steps_ms
+    assert [(r.records_late, r.watermark) for r in _rows(spec_path)] == [(0, None), (0, T0), (1, T0 + timedelta(minutes=10))]
+    assert sorted(r["reason"] for r in _quarantined(spec_path)) == [
+        f"late: event time 0000-06-01T00:00:00Z is before the watermark {iso(T0)}",
+        "no event time: ts is null (event_time.column)",
+    ]
+    assert _state(spec_path) == {"u0": 2}
 
 
 @pytest.mark.slow

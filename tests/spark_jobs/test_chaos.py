@@ -231,7 +231,7 @@ def test_appended_chaos_soak(tmp_path, spark, seed, on_connect):
 
 
 #: What a run, a maintain or a rewind that lost a race says (exit 1): anything else fails the chaos.
-RACE_LOST = ("run again", "run maintain again", "nothing was committed", "changed while", "kept moving", "moved during")
+RACE_LOST = ("run again", "run maintain again", "run the rewind again", "nothing was committed", "changed while", "kept moving", "moved during")
 #: What a rewind racing others may rightly refuse (exit 2): a target the pipeline moved past.
 REWIND_OVERTAKEN = ("committed batches are", "nothing to rewind")
 

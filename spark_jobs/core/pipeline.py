@@ -24,6 +24,10 @@ class Pipeline:
         self.quarantine = Quarantine(spec.quarantine_path, spec.name, spec.maintenance.untracked_files_hours)
         self.dedup = SeenIds(spec.dedup_path, spec.name, spec.maintenance.untracked_files_hours)
         self.source: Source = make_source(spec)
+        #: The ledger version and head this process last settled its windows
+        #: at (`windows.settle`): a catch-up's step 1 finds the view its step 5
+        #: just settled, and need not settle it again.
+        self.settled_at: tuple[int, object] | None = None
 
     def batch(self, row: LedgerRow) -> BatchRange:
         """A ledger row's range, in the source's own types."""

@@ -89,15 +89,22 @@ FINAL_SEARCH = 100
 
 def settle(pipeline: Pipeline, view: LedgerView) -> None:
     """Bring the final table and the state's expiry to the ledger's head:
-    after step 5, and in step 1 of every run (the module docstring)."""
+    after step 5, and in step 1 of every run (the module docstring). Not
+    again in this process while the ledger has not moved since it last
+    settled (a catch-up's next step 1): a run that commits or rewinds, or
+    completes another's row, moves it."""
     event_time = pipeline.spec.event_time
     if event_time is None or view.head is None:
+        return
+    at = (view.version, view.position)
+    if view.version >= 0 and pipeline.settled_at == at:
         return
     if event_time.final is not None:
         _finalize(pipeline, view)
         fault_point("after_final_rows")
     if event_time.expire is not None:
         _expire(pipeline, view)
+    pipeline.settled_at = at
 
 
 def check_windows(spec: PipelineSpec, updates: pa.Table | Staged, watermark_in: datetime | None) -> None:

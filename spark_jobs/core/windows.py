@@ -102,8 +102,8 @@ def settle(pipeline: Pipeline, view: LedgerView) -> None:
     if event_time.final is not None:
         _finalize(pipeline, view)
         fault_point("after_final_rows")
-    if event_time.expire is not None:
-        _expire(pipeline, view)
+    if event_time.expire is not None and not _expire(pipeline, view):
+        return  # lost a race: the next settle tries again, this process's too
     pipeline.settled_at = at
 
 
@@ -334,21 +334,23 @@ def final_summary(spec: PipelineSpec) -> FinalSummary | None:
 # -- expiry ----------------------------------------------------------------------------
 
 
-def _expire(pipeline: Pipeline, view: LedgerView) -> None:
+def _expire(pipeline: Pipeline, view: LedgerView) -> bool:
+    """Delete the state's rows the head's watermark expires; False if the
+    delete lost a race (another commit landed first), to be tried again."""
     spec, head = pipeline.spec, view.head
     assert head is not None and spec.event_time is not None and spec.event_time.expire is not None
     if head.watermark is None:
-        return
+        return True
     event_time, expire = spec.event_time, spec.event_time.expire
     table = pipeline.state.open()
     # Only a state still at the head: a run that moved on expires by its own watermark.
     if table is None or pipeline.state.position(table) != view.position:
-        return
+        return True
     column = expire.column or event_time.window.key  # type: ignore[union-attr]
     behind = expire.after_seconds + (event_time.window.size_seconds if expire.column is None else 0)  # type: ignore[union-attr]
     cutoff = less(utc(head.watermark), timedelta(seconds=behind))
     if cutoff is None:
-        return  # before year 1: nothing is that old
+        return True  # before year 1: nothing is that old
     kind = pa.schema(table.schema().to_arrow()).field(column).type
     marker = {"before": iso(cutoff), "column": column, "batch_id": head.batch_id, "epoch": head.epoch}
     props = CommitProperties(
@@ -364,10 +366,11 @@ def _expire(pipeline: Pipeline, view: LedgerView) -> None:
     except Exception as exc:
         if not is_commit_conflict(exc):
             raise
-        log.info("expiry: the state moved on meanwhile; the next run expires by its watermark")
-        return
+        log.info("expiry: the state moved on meanwhile; the next settle expires by its watermark")
+        return False
     if int(metrics.get("num_deleted_rows", 0)):
         log.info("expired %s state rows (%s before %s)", metrics["num_deleted_rows"], column, iso(cutoff))
+    return True
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -176,6 +176,39 @@ def test_windows_close_once_and_expire_as_the_oracle_says(tmp_path, compute):
     assert final is not None and (final.rows, final.through, final.batch_id) == (len(oracle.final()), oracle.watermark, 5)
 
 
+def test_a_catch_up_settles_each_batch_once_and_tries_a_lost_expiry_again(tmp_path, compute, monkeypatch):
+    """Back to back (`--catch-up`), step 1 does not settle again what step 5
+    just settled; but an expiry that lost its race (a compaction landed
+    between its snapshot and its delete, as `maintain`'s may) is tried again
+    by the next settle in the same process, here the run's last step 1."""
+    import deltalake
+
+    from spark_jobs.core.catch_up import catch_up
+    from spark_jobs.core.windows import EXPIRE_KEY
+
+    spec_path = _spec(tmp_path)
+    oracle = Oracle()
+    for n, minutes in enumerate(WAVES):
+        oracle.batch(_land(spec_path, f"f{n}", minutes))
+        os.utime(spec_path.parent / "landing" / f"f{n}.json", (time.time() - 100 + n,) * 2)
+    real, expiries = deltalake.DeltaTable.delete, []
+
+    def delete(table, predicate=None, **options):
+        marker = (getattr(options.get("commit_properties"), "custom_metadata", None) or {}).get(EXPIRE_KEY)
+        if marker is not None:
+            expiries.append(json.loads(marker)["batch_id"])
+            if expiries.count(len(WAVES)) == 1 and expiries[-1] == len(WAVES):  # the last batch's first expiry
+                deltalake.DeltaTable(table.table_uri).optimize.compact()
+        return real(table, predicate, **options)
+
+    monkeypatch.setattr(deltalake.DeltaTable, "delete", delete)
+    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="catch-up", max_files=1), compute)
+    assert [o.status for o in outcomes] == ["committed"] * len(WAVES) + ["no_new_data"]
+    # Once a batch, the last twice.
+    assert expiries == [1, 2, 3, 4, 5, 5]
+    _check(spec_path, oracle)
+
+
 def test_sliding_windows_close_each_window_once(tmp_path, compute):
     spec_path = _spec(tmp_path, slide="10 minutes")
     oracle = Oracle(slide=timedelta(minutes=10))

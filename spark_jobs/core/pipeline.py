@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spark_jobs.core.dedup import SeenIds
+from spark_jobs.core.fencing import Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, OffsetLedger
 from spark_jobs.core.lineage import ConsumedIndex, LedgerLineage
 from spark_jobs.core.quarantine import Quarantine
@@ -27,7 +28,7 @@ class Pipeline:
         #: The ledger version and head this process last settled its windows
         #: at (`windows.settle`): a catch-up's step 1 finds the view its step 5
         #: just settled, and need not settle it again.
-        self.settled_at: tuple[int, object] | None = None
+        self.settled_at: tuple[int, Position] | None = None
 
     def batch(self, row: LedgerRow) -> BatchRange:
         """A ledger row's range, in the source's own types."""

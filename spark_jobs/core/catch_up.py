@@ -220,7 +220,7 @@ class _Prefetching(Engine):
             for pending in self._pending:
                 after = _Ahead(after, pending.batch)
             watermark_in = plan.view.head.watermark if plan.view.head else None
-            watermarks = guesses(watermark_in, watermark_after(spec, watermark_in, processed.newest_event_time, plan.row), READ_AHEAD + 1)
+            watermarks = guesses(watermark_in, watermark_after(spec, watermark_in, processed.newest_event_time, plan.row), READ_AHEAD)
             while len(self._pending) < wanted:
                 batch = pipeline.source.plan(after, until=options.interval_end, caps=options.caps(spec))
                 if batch is None:

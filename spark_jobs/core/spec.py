@@ -401,6 +401,13 @@ class StateSpec(_Model):
     #: Appended layout: fold when the rows appended since the last fold pass
     #: this fraction of the rows the fold left.
     fold_at: float = Field(default=0.1, gt=0, le=10)
+    #: Merged layout: a batch of returning keys marks their old rows deleted
+    #: with Delta deletion vectors and writes them again, merged, in one new
+    #: file (merge-on-read, `spark_jobs.core.merge_on_read`), instead of
+    #: rewriting every file that holds one of them. Readers need Delta 2.3
+    #: or later (reader version 3). Turning it on for an existing state
+    #: upgrades its table; turning it off writes copy-on-write again.
+    deletion_vectors: bool = False
 
     @field_validator("keys")
     @classmethod
@@ -431,6 +438,21 @@ class StateSpec(_Model):
                 "layout: appended cannot write a change data feed a downstream pipeline reads: its "
                 "versions hold partial rows, not each key's new value. Chain from a state with "
                 "layout: merged, or drop change_feed"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deletion_vectors_where_written(self) -> StateSpec:
+        if self.deletion_vectors and self.layout == "appended":
+            raise ValueError(
+                "deletion_vectors is for layout: merged (an appended state never rewrites its files: "
+                "it has nothing to mark deleted); drop deletion_vectors or use layout: merged"
+            )
+        if self.deletion_vectors and "://" in self.path and not self.path.startswith("file:"):
+            raise ValueError(
+                f"deletion_vectors is not supported for a state on object storage ({self.path}) yet: the "
+                "job commits those batches itself, with a put-if-absent only a local or mounted file "
+                "system gives here; drop deletion_vectors for this state"
             )
         return self
 

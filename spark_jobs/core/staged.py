@@ -40,6 +40,7 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 log = logging.getLogger("microbatch")
 
 __all__ = [
+    "files_meeting",
     "CAST_FAILED",
     "IN_PROCESS_ROWS",
     "REWRITE_FROM_BYTES",
@@ -214,13 +215,18 @@ def touched_files(table: DeltaTable, keys: tuple[str, ...] | list[str], staged: 
     key's type (never as text: a year before 1000 sorts wrongly as text),
     and where the log's bounds are not exact they are widened first
     (`_file_range`)."""
+    kind = staged.schema.field(keys[0]).type
+    return files_meeting(table, keys, kind, key_range(staged, keys[0]) if len(keys) == 1 else None)
+
+
+def files_meeting(table: DeltaTable, keys: tuple[str, ...] | list[str], kind: pa.DataType, batch: tuple[Any, Any] | None) -> list[str]:
+    """`touched_files` of a batch whose key (one column, of type `kind`)
+    ranges over `batch` (None: unknown, every file)."""
     actions = arrow(table.get_add_actions(flatten=True))
     paths = actions.column("path").to_pylist()
     if len(keys) != 1:
         return paths
     key = keys[0]
-    kind = staged.schema.field(key).type
-    batch = key_range(staged, key)
     lows, highs = f"min.{key}", f"max.{key}"
     if batch is None or lows not in actions.column_names or highs not in actions.column_names:
         return paths

@@ -31,7 +31,9 @@ from typing import TypeVar
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
 
+from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
+from spark_jobs.core.deletion_vectors import has_deletion_vectors
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
@@ -154,15 +156,16 @@ class StateTable:
         """Merge one batch's updates (as `align` returned them, or as files the
         executors wrote: `files` is their engine); returns (new table
         version, keys updated). The commit moves the state fence to the
-        batch's position and carries `metadata`.
-
-        Raises delta-rs's commit error if another commit carrying the state
-        fence landed after `table`'s snapshot (the caller decides what it means).
-        """
+        batch's position and carries `metadata`; with `deletion_vectors`, it
+        is merged on read (`merge_on_read`). Raises delta-rs's commit error if
+        another commit carrying the state fence landed after `table`'s
+        snapshot (the caller decides what it means)."""
         if isinstance(updates, Staged):
             return self._commit_staged(table, updates, metadata, files)
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
+        if data.num_rows and self.spec.state.deletion_vectors and not is_appended(self.spec):
+            return merge_on_read.commit(table, self.spec, data, metadata)
         if files is not None and data.num_rows and self._rewritten_by_executors(table):
             # A small batch, a big state: the executors rewrite the files it touches.
             staged = Staged(files.stage(self.path, data, data.schema), data.schema, self.path)
@@ -256,11 +259,17 @@ class StateTable:
         or here where it cannot be (on S3, a session without delta-spark)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
+        vectors = has_deletion_vectors(table) or self.spec.state.deletion_vectors
+        if vectors:
+            # The executors' rewrite reads the state's files as they are, rows
+            # their vectors delete too: merged here (merge-on-read, or delta-rs's
+            # MERGE, both honouring the vectors), or by delta-spark, which does.
+            here = small or not merged_by_delta_spark(self.spec)
         if files is not None and not here and merged_by_delta_spark(self.spec):
             done = self._merge_by_delta_spark(staged, metadata, files)
             if done is not None:
                 return done
-        if files is None or self.spec.state.change_feed or here:
+        if files is None or self.spec.state.change_feed or here or vectors:
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
         schema = pa.schema(table.schema().to_arrow())
         merge = files.rewrite_files if small else files.merge_files
@@ -303,6 +312,8 @@ class StateTable:
         touches are found once its rows are files: `_merge_staged`)."""
         if is_appended(self.spec) or self.spec.state.change_feed or self.spec.engine.state_write != "auto":
             return False
+        if has_deletion_vectors(table):
+            return False  # the executors read the files as they are, deleted rows and all
         return files_bytes(table) > REWRITE_FROM_BYTES
 
     def _version_of(self, position: Position) -> int:
@@ -405,6 +416,10 @@ class StateTable:
             # A merged state turned appended: whoever reads the table learns how to read it.
             with self._changing_columns("marking its layout in its description"):
                 table.alter.set_table_description(self._description() or "")
+        if self.spec.state.deletion_vectors and not is_appended(self.spec) and not merge_on_read.enabled(table):
+            # Turned on in the spec: the table declares the feature (readers must know it) before a batch adds one.
+            with self._changing_columns("turning deletion vectors on"):
+                merge_on_read.enable(table)
         if self.spec.state.change_feed and table.metadata().configuration.get(CHANGE_FEED) != "true":
             # Turned on in the spec of an existing state: the feed starts with this batch.
             with self._changing_columns("turning its change data feed on"):

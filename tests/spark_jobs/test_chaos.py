@@ -103,21 +103,25 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
         counts["maintains"] += 1
 
 
-def _chain_chaos(folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto") -> dict[str, int]:
+def _chain_chaos(
+    folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto", vectors: bool = False
+) -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
     now and then rewinds the upstream or maintains it (keeping 2 batches).
     The drain must leave the downstream equal to the upstream's state, summed.
     `upstream_write`: the upstream's `engine.state_write` (`executors`: its
-    batches MERGEd by delta-spark)."""
+    batches MERGEd by delta-spark); `vectors`: the upstream's state merged
+    on read (`state.deletion_vectors`)."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
     upstream, downstream = chain_specs(folder, reader)
+    spec = yaml.safe_load(upstream.read_text())
     if upstream_write != "auto":
-        spec = yaml.safe_load(upstream.read_text())
         spec["engine"] = {"state_write": upstream_write}
-        upstream.write_text(yaml.safe_dump(spec, sort_keys=False))
+    spec["state"]["deletion_vectors"] = vectors
+    upstream.write_text(yaml.safe_dump(spec, sort_keys=False))
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
@@ -142,6 +146,20 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
     print(counts)
     # A rewind needs a head past batch 1, which kills can keep it from reaching.
     assert counts["maintains"], counts
+
+
+def test_a_chain_whose_upstream_merges_on_read_ends_exact_through_the_same_chaos(tmp_path, on_connect):
+    """The upstream's batches merged on read (`state.deletion_vectors`: the
+    job's own commits of deletion vectors and change files, issue 64 part
+    2): kills amid them, racing runs, rewinds (delta-rs's RESTORE across
+    vectors) and `maintain` (OPTIMIZE and VACUUM across them), the same
+    exact end downstream, which reads the job's change files."""
+    counts = _chain_chaos(tmp_path, rounds=4, seed=29, vectors=True)
+    print(counts)
+    assert counts["maintains"], counts
+    log = (tmp_path / "lake" / "state" / "_delta_log").glob("*.json")
+    merged_on_read = [p for p in log if '"merge-on-read"' in p.read_text()]
+    assert merged_on_read and list((tmp_path / "lake" / "state").glob("deletion_vector_*.bin")), "no batch was merged on read"
 
 
 @pytest.mark.slow

@@ -265,7 +265,7 @@ def test_a_bug_on_the_executors_path_is_terminal_and_the_driver_path_gets_past_i
     """A mistake in the project's own code in the executors' tasks fails
     the replay the same way every time: exit 2, naming where and the way
     around it (`engine.state_write: driver`), which then commits the batch."""
-    from spark_jobs.engine import spark_files
+    from spark_jobs.core import arrow_rows
     from spark_jobs.errors import InternalError, exit_code
 
     spec_path = _spec(tmp_path)
@@ -275,7 +275,7 @@ def test_a_bug_on_the_executors_path_is_terminal_and_the_driver_path_gets_past_i
             def broken(*args, **kwargs):
                 raise TypeError("a mistake in a merge rule")
 
-            monkeypatch.setattr(spark_files, "_rule", broken)
+            monkeypatch.setattr(arrow_rows, "apply_rule", broken)
             with pytest.raises(InternalError, match=r"TypeError: a mistake in a merge rule at \S+:\d+ in broken, in a task on the executors") as failed:
                 run_batch(load_spec(spec_path), RunOptions(run_id="b2"), compute_factory=compute)
             assert exit_code(failed.value) == 2 and "engine.state_write: driver" in str(failed.value)

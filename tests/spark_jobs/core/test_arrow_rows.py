@@ -1,5 +1,6 @@
-"""The executors' file-by-file merge (`spark_files._merged`, run in a
-writing task) against delta-rs's MERGE with the same rules
+"""A batch merged into a state file's rows in pyarrow (`arrow_rows.merged_rows`: an
+executors' writing task's merge, and the job's merge-on-read)
+against delta-rs's MERGE with the same rules
 (`state.merge_expression`), on real Delta tables in `tmp_path`: every
 rule, with nulls on either side, NaNs, DECIMAL(38) sums, strings and
 timestamps; keys coming back and keys new. No Spark: the task's function
@@ -17,7 +18,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from spark_jobs.core.delta_io import read_all
 from spark_jobs.core.state import merge_expression
-from spark_jobs.engine.spark_files import _merged
+from spark_jobs.core.arrow_rows import merged_rows
 
 RULES = {"total": "sum", "money": "sum", "low": "min", "high": "max", "name": "min", "seen": "max", "first": "first", "last": "last"}
 SCHEMA = pa.schema([
@@ -76,7 +77,7 @@ def test_a_file_merged_where_it_stands_holds_what_delta_rs_s_merge_would(tmp_pat
         .when_not_matched_insert(updates={f'"{c}"': f's."{c}"' for c in SCHEMA.names})
         .execute()
     )
-    merged, taken = _merged(OLD, UPDATES, ["k"], RULES, "_batch_id")
+    merged, taken = merged_rows(OLD, UPDATES, ["k"], RULES, "_batch_id")
     assert merged.schema == SCHEMA
     assert sorted(taken.to_pylist()) == [0, 1, 3, 4], "every update whose key the file holds; not x's"
     expected = _rows(read_all(DeltaTable(path)))
@@ -88,7 +89,7 @@ def test_a_sum_that_does_not_fit_the_column_fails_the_task_rather_than_wrapping(
     old = OLD.set_column(1, "total", pa.array([2**62] * 5, pa.int64()))
     updates = UPDATES.set_column(1, "total", pa.array([2**62] * 5, pa.int64()))
     with pytest.raises(pa.ArrowInvalid, match="overflow"):
-        _merged(old, updates, ["k"], RULES, "_batch_id")
+        merged_rows(old, updates, ["k"], RULES, "_batch_id")
 
 
 def test_keys_of_two_columns_match_only_whole(tmp_path):
@@ -97,7 +98,7 @@ def test_keys_of_two_columns_match_only_whole(tmp_path):
     schema = pa.schema([("k", pa.string()), ("n", pa.int32()), ("total", pa.int64()), ("_batch_id", pa.int64())])
     old = pa.table({"k": ["a", "a"], "n": [1, 2], "total": [10, 20], "_batch_id": [1, 1]}, schema=schema)
     updates = pa.table({"k": ["b", "a"], "n": [1, 2], "total": [5, 7], "_batch_id": [2, 2]}, schema=schema)
-    merged, taken = _merged(old, updates, ["k", "n"], {"total": "sum"}, "_batch_id")
+    merged, taken = merged_rows(old, updates, ["k", "n"], {"total": "sum"}, "_batch_id")
     assert merged.to_pylist() == [
         {"k": "a", "n": 1, "total": 10, "_batch_id": 1},
         {"k": "a", "n": 2, "total": 27, "_batch_id": 2},
@@ -112,11 +113,11 @@ def test_a_float_key_minus_zero_is_the_key_zero_as_the_merge_compares_it():
     schema = pa.schema([("k", pa.float64()), ("total", pa.int64()), ("_batch_id", pa.int64())])
     old = pa.table({"k": [0.0, 1.0], "total": [1, 1], "_batch_id": [1, 1]}, schema=schema)
     updates = pa.table({"k": [-0.0], "total": [5], "_batch_id": [2]}, schema=schema)
-    merged, taken = _merged(old, updates, ["k"], {"total": "sum"}, "_batch_id")
+    merged, taken = merged_rows(old, updates, ["k"], {"total": "sum"}, "_batch_id")
     assert [(r["k"], r["total"]) for r in merged.to_pylist()] == [(0.0, 6), (1.0, 1)]
     assert taken.to_pylist() == [0]
     two = pa.schema([("k", pa.float64()), ("n", pa.int32()), ("total", pa.int64()), ("_batch_id", pa.int64())])
-    merged, taken = _merged(
+    merged, taken = merged_rows(
         pa.table({"k": [0.0], "n": [1], "total": [1], "_batch_id": [1]}, schema=two),
         pa.table({"k": [-0.0], "n": [1], "total": [5], "_batch_id": [2]}, schema=two),
         ["k", "n"], {"total": "sum"}, "_batch_id",

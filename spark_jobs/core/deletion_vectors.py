@@ -1,0 +1,193 @@
+"""Delta deletion vectors and log entries, written by the job itself.
+
+delta-rs 1.6.6 reads deletion vectors and writes after them, but cannot
+write one: its write transactions take add and remove actions without them,
+and no ``cdc`` action either. `spark_jobs.core.merge_on_read` needs both in
+one commit, so this module writes what Delta's protocol specifies
+(PROTOCOL.md, "Deletion Vectors"; "Deletion Vector Format"):
+
+* a **deletion vector** is the set of a data file's row indexes that are
+  deleted, serialized as a ``RoaringBitmapArray`` in the "portable" format
+  (magic number, a count of 32-bit bitmaps, each with its high half as a
+  key; the 32-bit bitmaps in Roaring's portable format, array and bitmap
+  containers), stored in a file of the table's folder
+  (``deletion_vector_<uuid>.bin``: a version byte, then each vector as its
+  size, its bytes and their CRC-32) and named in the ``add`` action by a
+  descriptor (storage type ``u``, the UUID in Z85, offset, size,
+  cardinality);
+* a **log entry** is written once, at the version it names, or not at all
+  (`commit`: written aside and hard-linked into place, which fails if the
+  entry exists, as delta-rs commits on a local file system).
+
+What is read back goes through delta-rs: the rows a vector deletes
+(`deleted_rows`, `DeltaTable.deletion_vectors`) and the snapshot's files;
+only the descriptors are not exposed by delta-rs, so `active_files` reads
+them from the log (the newest checkpoint and the entries after it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+
+from spark_jobs.core.delta_io import arrow, version_actions
+
+__all__ = ["FEATURE", "active_files", "commit", "deleted_rows", "has_deletion_vectors", "write_vectors"]
+
+#: The table feature (reader and writer) a table with deletion vectors declares.
+FEATURE = "deletionVectors"
+#: A `RoaringBitmapArray`'s magic number (little-endian), Delta's protocol.
+_MAGIC = 1681511377
+#: Roaring's portable format without run containers.
+_COOKIE = 12346
+#: The largest cardinality Roaring keeps in an array container.
+_ARRAY_MAX = 4096
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+
+
+def has_deletion_vectors(table: DeltaTable) -> bool:
+    """Whether the table declares the feature (its files may carry vectors:
+    their rows must be read through delta-rs's `QueryBuilder` or Spark,
+    never straight from the Parquet files)."""
+    return FEATURE in (table.protocol().reader_features or [])
+
+
+def deleted_rows(table: DeltaTable) -> dict[str, np.ndarray]:
+    """The row indexes each of the snapshot's files has deleted, by path
+    relative to the table (files without a vector are not listed)."""
+    root = unquote(urlparse(table.table_uri).path).rstrip("/") + "/"
+    vectors = arrow(table.deletion_vectors())
+    found = {}
+    for i, uri in enumerate(vectors.column(0).to_pylist()):
+        keep = vectors.column(1).chunk(0) if vectors.column(1).num_chunks == 1 else vectors.column(1).combine_chunks()
+        mask = keep[i].values.to_numpy(zero_copy_only=False)
+        path = unquote(urlparse(uri).path)
+        found[path[len(root):] if path.startswith(root) else path] = np.flatnonzero(~mask).astype(np.uint64)
+    return found
+
+
+def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:
+    """The ``add`` action of each file in the snapshot at `version`, by path
+    (as the log writes it), read from the log: the newest checkpoint at or
+    before `version` and the entries after it."""
+    log = Path(root) / "_delta_log"
+    checkpoints = sorted(
+        int(p.name.split(".")[0]) for p in log.glob("*.checkpoint.parquet") if int(p.name.split(".")[0]) <= version
+    )
+    files: dict[str, dict[str, Any]] = {}
+    start = 0
+    if checkpoints:
+        start = checkpoints[-1] + 1
+        adds = pq.read_table(log / f"{checkpoints[-1]:020d}.checkpoint.parquet", columns=["add"]).column("add")
+        for add in adds.to_pylist():
+            if add is not None:
+                files[add["path"]] = _json_add(add)
+    for v in range(start, version + 1):
+        for action in version_actions(root, v) or []:
+            if "add" in action:
+                files[action["add"]["path"]] = action["add"]
+            elif "remove" in action:
+                files.pop(action["remove"]["path"], None)
+    return files
+
+
+def _json_add(add: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's add action as its log entry wrote it (maps as objects, no nulls)."""
+    out = {k: v for k, v in add.items() if v is not None and k != "stats_parsed"}
+    if isinstance(out.get("partitionValues"), list):
+        out["partitionValues"] = dict(out["partitionValues"])
+    if isinstance(out.get("tags"), list):
+        out["tags"] = dict(out["tags"])
+    if "deletionVector" in out:
+        out["deletionVector"] = {k: v for k, v in out["deletionVector"].items() if v is not None}
+    return out
+
+
+def write_vectors(root: str, vectors: list[np.ndarray]) -> list[dict[str, Any]]:
+    """`vectors` (each the sorted deleted row indexes of one file) in one
+    new deletion-vector file in the table's folder; their descriptors."""
+    uid = uuid.uuid4()
+    chunks, descriptors, offset = [b"\x01"], [], 1
+    for rows in vectors:
+        data = _serialized(rows)
+        chunk = struct.pack(">I", len(data)) + data + struct.pack(">I", zlib.crc32(data) & 0xFFFFFFFF)
+        descriptors.append(
+            {"storageType": "u", "pathOrInlineDv": _z85(uid.bytes), "offset": offset, "sizeInBytes": len(data), "cardinality": len(rows)}
+        )
+        chunks.append(chunk)
+        offset += len(chunk)
+    Path(root, f"deletion_vector_{uid}.bin").write_bytes(b"".join(chunks))
+    return descriptors
+
+
+def commit(root: str, version: int, actions: list[dict[str, Any]]) -> None:
+    """`actions` as the log entry `version`, or `FileExistsError` if that
+    entry exists (another commit took the version): written aside, then
+    hard-linked into place, so a reader never sees half an entry."""
+    log = Path(root) / "_delta_log"
+    aside = log / f".{version:020d}.json.{uuid.uuid4().hex}.tmp"
+    aside.write_text("".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions))
+    try:
+        os.link(aside, log / f"{version:020d}.json")
+    finally:
+        aside.unlink()
+
+
+def _serialized(rows: np.ndarray) -> bytes:
+    """A `RoaringBitmapArray` of `rows` (sorted, unique, under 2^64)."""
+    rows = np.asarray(rows, dtype=np.uint64)
+    highs = (rows >> np.uint64(32)).astype(np.uint32)
+    keys, starts = np.unique(highs, return_index=True)
+    ends = [*starts[1:], len(rows)]
+    parts = [struct.pack("<IQ", _MAGIC, len(keys))]
+    for key, start, end in zip(keys, starts, ends):
+        parts.append(struct.pack("<I", key) + _roaring32((rows[start:end] & np.uint64(0xFFFFFFFF)).astype(np.uint32)))
+    return b"".join(parts)
+
+
+def _roaring32(values: np.ndarray) -> bytes:
+    """Roaring's portable serialization of sorted unique 32-bit `values`:
+    a header, each container's key and cardinality, their offsets, then
+    each container (an array of 16-bit values, or a bitmap of 2^16 bits)."""
+    highs, lows = (values >> 16).astype(np.uint16), (values & 0xFFFF).astype(np.uint16)
+    keys, starts, counts = np.unique(highs, return_index=True, return_counts=True)
+    described = np.empty(2 * len(keys), dtype="<u2")
+    described[0::2], described[1::2] = keys, counts - 1
+    bodies = []
+    for start, count in zip(starts, counts):
+        low = lows[start : start + count]
+        if count <= _ARRAY_MAX:
+            bodies.append(low.astype("<u2").tobytes())
+        else:
+            bits = np.zeros(1 << 16, dtype=bool)
+            bits[low] = True
+            bodies.append(np.packbits(bits, bitorder="little").tobytes())
+    offset = 8 + 8 * len(keys)
+    offsets = []
+    for body in bodies:
+        offsets.append(offset)
+        offset += len(body)
+    header = struct.pack("<II", _COOKIE, len(keys))
+    return header + described.tobytes() + np.asarray(offsets, dtype="<u4").tobytes() + b"".join(bodies)
+
+
+def _z85(data: bytes) -> str:
+    """Z85 (ZeroMQ's base 85) of `data`, a multiple of 4 bytes long."""
+    out = []
+    for (word,) in struct.iter_unpack(">I", data):
+        chars = []
+        for _ in range(5):
+            word, digit = divmod(word, 85)
+            chars.append(_Z85[digit])
+        out.extend(reversed(chars))
+    return "".join(out)

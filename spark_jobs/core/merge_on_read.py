@@ -1,0 +1,271 @@
+"""A merged state's batch, merge-on-read (`state.deletion_vectors: true`).
+
+Copy-on-write, a batch of returning keys rewrites every file that holds one
+of them: with users coming back from all over a state of 20M keys, the
+whole state, each batch (docs/benchmarks.md, "State at scale"). Here the
+state's files are never rewritten by a batch: the rows it changes are
+marked deleted where they are, by Delta deletion vectors, and written again,
+merged, into one new file. What a batch writes follows the batch; what it
+reads is each touched file's rows once (their keys, to find the returning
+ones, and those rows' values, to merge them).
+
+The table stays an ordinary Delta table of one row per key for every reader
+(delta-rs's `QueryBuilder`, Spark, the change feed); delta-rs also writes
+after such commits (MERGE, DELETE, RESTORE, OPTIMIZE, VACUUM, checkpoints),
+honouring the vectors (verified on delta-rs 1.6.6 and delta-spark 4.4:
+tests/spark_jobs/core/test_merge_on_read.py). It cannot write a vector
+itself, so the batch's commit is the job's (`spark_jobs.core.deletion_vectors`).
+
+`commit`, from the snapshot step 4 checked:
+
+1. The files whose key range meets the batch's are read, one at a time;
+   each live row (one its vector does not delete) whose key the batch holds
+   is found (`arrow_rows.matches`) and merged with the batch's row by the
+   spec's rules (`arrow_rows.merged_rows`).
+2. The merged rows and the batch's new keys are written as one data file,
+   with Delta statistics; with a change feed, the old rows (pre-images),
+   the merged ones (post-images) and the new keys (inserts) as one change
+   file; each touched file's vector (its deleted rows and the batch's) into
+   one deletion-vector file.
+3. One log entry at the snapshot's version + 1, and only there: the commit
+   info with the batch's metadata (as delta-rs writes it, so `find_commit`,
+   reconcile and the ledger read it alike), the state fence's ``txn``, each
+   touched file removed with its old vector and added with its new one, the
+   new file, the change file. If that version exists (any commit since the
+   snapshot: a racing run, a zombie's, a `maintain`), the commit fails with
+   delta-rs's `CommitFailedError`, and step 4 judges it as it judges
+   delta-rs's conflicts (the state's other rewrites commit on their
+   snapshot or not at all too: `staged.commit_files`).
+
+Files written for a commit that did not land are no version's: `maintain`
+removes the data files among them (`spark_jobs.core.untracked`); change
+and vector files are small, and left.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import DeltaTable, TableFeatures
+from deltalake.exceptions import CommitFailedError
+
+from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
+from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
+from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_rows, has_deletion_vectors, write_vectors
+from spark_jobs.core.faults import fault_point
+from spark_jobs.core.fencing import STATE_FENCE
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
+from spark_jobs.core.staged import files_meeting
+
+__all__ = ["ENABLED", "commit", "enable", "enabled"]
+
+#: The table property that lets writers add deletion vectors (Delta's name).
+ENABLED = "delta.enableDeletionVectors"
+#: Touched files read at once (each is read whole: two bound the memory).
+READERS = 2
+
+
+def enabled(table: DeltaTable) -> bool:
+    """Whether the table declares deletion vectors and lets writers add them."""
+    return has_deletion_vectors(table) and table.metadata().configuration.get(ENABLED) == "true"
+
+
+def enable(table: DeltaTable) -> None:
+    """Turn deletion vectors on in the state's table: the table feature
+    (reader version 3, writer version 7; readers that predate Delta 2.3
+    cannot read it) and the property. Keeps every row."""
+    if not has_deletion_vectors(table):
+        table.alter.add_feature(TableFeatures.DeletionVectors, allow_protocol_versions_increase=True)
+    if table.metadata().configuration.get(ENABLED) != "true":
+        table.alter.set_table_properties({ENABLED: "true"})
+
+
+def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: CommitMetadata) -> tuple[int, int]:
+    """Merge `data` (the batch's rows in the state's types, `_batch_id`
+    last, one row a key) into the state at `table`'s snapshot as the module
+    docstring says; returns (the version committed, keys updated).
+    Raises `CommitFailedError` if any commit landed since the snapshot."""
+    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    version = table.version()
+    schema = pa.schema(table.schema().to_arrow())
+    probed = _probe(table, root, spec, schema, data)
+    taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
+    new = np.ones(data.num_rows, dtype=bool)
+    new[taken] = False
+    inserted = _in_schema(data.filter(pa.array(new)), schema)
+    before = pa.concat_tables([p.before for p in probed]) if probed else schema.empty_table()
+    after = pa.concat_tables([p.after for p in probed]) if probed else schema.empty_table()
+    now = int(time.time() * 1000)
+    actions = [_commit_info(metadata, now, after.num_rows, inserted.num_rows, len(probed)), _fence(metadata, now)]
+    if probed:
+        added = active_files(root, version)
+        vectors = [np.union1d(p.deleted, p.rows) for p in probed]
+        for p, descriptor in zip(probed, write_vectors(root, vectors)):
+            actions += _revectored(_logged(added, p.path), descriptor, now)
+    actions.append(_data_file(root, pa.concat_tables([after, inserted]), schema, now))
+    if spec.state.change_feed:
+        actions.append(_change_file(root, before, after, inserted))
+    fault_point("mid_state_merge")  # every file written, the commit not made
+    try:
+        commit_entry(root, version + 1, actions)
+    except FileExistsError as exc:
+        raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer since this batch read the state") from exc
+    return version + 1, data.num_rows
+
+
+@dataclass(frozen=True)
+class _Touched:
+    """A state file holding some of the batch's keys, and what the batch does to it."""
+
+    path: str
+    #: The rows its vector deletes already, and the live rows holding the batch's keys.
+    deleted: np.ndarray
+    rows: np.ndarray
+    #: Those rows as they are, and merged with the batch's (in the same order).
+    before: pa.Table
+    after: pa.Table
+    #: The batch's rows that merged into them.
+    taken: np.ndarray
+
+
+def _probe(table: DeltaTable, root: str, spec: PipelineSpec, schema: pa.Schema, data: pa.Table) -> list[_Touched]:
+    """Step 1: the files holding some of the batch's keys, each read once,
+    `READERS` at a time."""
+    keys = list(spec.state.keys)
+    rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
+    deleted = deleted_rows(table)
+    paths = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
+
+    def probe(path: str) -> _Touched | None:
+        old = _read(root, path, schema)
+        found = matches(old, data, keys)
+        gone = deleted.get(unquote(path), np.empty(0, np.uint64))
+        if len(gone):
+            live = np.ones(old.num_rows, dtype=bool)
+            live[gone] = False
+            found = pc.if_else(pa.array(live), found, pa.nulls(len(found), found.type))
+        rows = np.flatnonzero(pc.is_valid(found).to_numpy(zero_copy_only=False))
+        if not len(rows):
+            return None
+        before = old.take(rows)
+        after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
+        return _Touched(path, gone, rows.astype(np.uint64), before, after, taken.to_numpy(zero_copy_only=False))
+
+    with ThreadPoolExecutor(READERS) as pool:
+        return [t for t in pool.map(probe, paths) if t is not None]
+
+
+def _commit_info(metadata: CommitMetadata, now: int, updated: int, inserted: int, vectors: int) -> dict[str, Any]:
+    """The commit info, as delta-rs writes a MERGE's with the job's metadata."""
+    return {
+        "commitInfo": {
+            "timestamp": now,
+            "operation": "MERGE",
+            "operationParameters": {"mode": "merge-on-read"},
+            METADATA_KEY: metadata.to_json(),
+            "operationMetrics": {
+                "num_target_rows_updated": updated,
+                "num_target_rows_inserted": inserted,
+                "num_deletion_vectors_added": vectors,
+            },
+        }
+    }
+
+
+def _fence(metadata: CommitMetadata, now: int) -> dict[str, Any]:
+    """The state fence moved to the batch's position."""
+    return {"txn": {"appId": STATE_FENCE, "version": metadata.position.encode(), "lastUpdated": now}}
+
+
+def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int) -> dict[str, Any]:
+    """Step 2: the batch's merged and new rows as one data file, with its
+    statistics (`FileStats`, as the executors' files have them)."""
+    name = f"part-{uuid.uuid4()}-c000.snappy.parquet"
+    rows = rows.cast(schema)
+    pq.write_table(rows, Path(root) / name, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
+    stats = FileStats(schema)
+    for batch in rows.to_batches():
+        stats.add(batch)
+    size = (Path(root) / name).stat().st_size
+    return {"add": {"path": name, "partitionValues": {}, "size": size, "modificationTime": now, "dataChange": True, "stats": stats.json()}}
+
+
+def _read(root: str, path: str, schema: pa.Schema) -> pa.Table:
+    """A data file's rows, all of them (deleted ones too: row indexes are
+    the file's), in the state's schema: a column added since as nulls."""
+    source = pq.read_table(Path(root) / unquote(path), columns=[f.name for f in schema if f.name in pq.read_schema(Path(root) / unquote(path)).names])
+    return pa.table(
+        [source.column(f.name).cast(f.type) if f.name in source.column_names else pa.nulls(source.num_rows, f.type) for f in schema],
+        schema=schema,
+    )
+
+
+def _in_schema(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """New keys' rows in the state's schema: a state column the batch lacks is null, as a MERGE inserts it."""
+    return pa.table(
+        [rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema],
+        schema=schema,
+    )
+
+
+def _key_range(data: pa.Table, keys: list[str]) -> tuple[Any, Any] | None:
+    """The batch's smallest and largest key (one key column), None when
+    unknown (several key columns, a float key holding a NaN)."""
+    if len(keys) != 1 or not data.num_rows:
+        return None
+    column = data.column(keys[0])
+    if pa.types.is_floating(column.type) and pc.any(pc.is_nan(column)).as_py():
+        return None
+    found = pc.min_max(column)
+    try:
+        low, high = found["min"].as_py(), found["max"].as_py()
+    except (OverflowError, ValueError):  # a date or time past Python's years 1 to 9999
+        return None
+    return None if low is None else (low, high)
+
+
+def _logged(added: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    """The log's add action of `path` (delta-rs gives paths decoded; the log may encode them)."""
+    return added[path] if path in added else next(a for p, a in added.items() if unquote(p) == path)
+
+
+def _revectored(add: dict[str, Any], descriptor: dict[str, Any], now: int) -> list[dict[str, Any]]:
+    """A file's add action replaced by one with `descriptor` as its vector:
+    the old one removed as it was added (vector and all: a file's identity
+    in the log is its path and its vector), the new one added. Its
+    statistics still bound its rows, no longer tightly."""
+    remove = {
+        "path": add["path"], "deletionTimestamp": now, "dataChange": True, "extendedFileMetadata": True,
+        "partitionValues": add.get("partitionValues") or {}, "size": add["size"],
+    }
+    if add.get("deletionVector"):
+        remove["deletionVector"] = add["deletionVector"]
+    readded = {k: v for k, v in add.items() if v is not None}
+    readded.update(modificationTime=now, dataChange=True, deletionVector=descriptor)
+    if readded.get("stats"):
+        stats = json.loads(readded["stats"])
+        stats["tightBounds"] = False
+        readded["stats"] = json.dumps(stats)
+    return [{"remove": remove}, {"add": readded}]
+
+
+def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Table) -> dict[str, Any]:
+    """The batch's row changes as one change data file (Delta's
+    `_change_data` folder), and its ``cdc`` action."""
+    kinds = ["update_preimage"] * before.num_rows + ["update_postimage"] * after.num_rows + ["insert"] * inserted.num_rows
+    rows = pa.concat_tables([before, after, inserted]).append_column("_change_type", pa.array(kinds, pa.string()))
+    path = f"_change_data/cdc-{uuid.uuid4()}.snappy.parquet"
+    (Path(root) / "_change_data").mkdir(exist_ok=True)
+    pq.write_table(rows, Path(root) / path, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
+    return {"cdc": {"path": path, "partitionValues": {}, "size": (Path(root) / path).stat().st_size, "dataChange": False}}

@@ -1,0 +1,152 @@
+"""A merged state merged on read (`state.deletion_vectors`: the job's own
+deletion vectors and commits, `spark_jobs.core.merge_on_read`), on real
+Delta tables in `tmp_path`: against copy-on-write on the same batches (rows
+and change feed), against a racing commit, and with delta-rs writing after
+it (rewind, OPTIMIZE, VACUUM, checkpoints); delta-spark reads what it wrote."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from spark_jobs.core.delta_io import arrow, is_commit_conflict, open_table, read_all
+from spark_jobs.core.fencing import STATE_FENCE, Position
+from spark_jobs.core.spec import load_spec
+from tests.conftest import batch_metadata, commit_updates, oracle_spec_dict, write_spec
+
+MERGE = {"s": "sum", "lo": "min", "hi": "max", "f": "first", "l": "last"}
+
+
+def _state(folder: Path, vectors: bool, change_feed: bool = True):
+    from spark_jobs.core.state import StateTable
+
+    spec = oracle_spec_dict()
+    spec["state"] = {"path": "lake/state", "keys": ["k"], "merge": MERGE, "deletion_vectors": vectors, "change_feed": change_feed}
+    folder.mkdir(parents=True, exist_ok=True)
+    return StateTable(load_spec(write_spec(folder, spec)))
+
+
+def _batches(count: int, seed: int = 1) -> list[pa.Table]:
+    """Batches of keys coming back and new, nulls on either side of each rule."""
+    rng = random.Random(seed)
+    out = []
+    for b in range(count):
+        keys = rng.sample(range(400), 150)
+        maybe = lambda v: None if rng.random() < 0.1 else v  # noqa: E731
+        out.append(pa.table({
+            "k": [f"k{k:03d}" for k in keys],
+            "s": [maybe(rng.randint(-5, 9)) for _ in keys],
+            "lo": [maybe(rng.random()) for _ in keys],
+            "hi": [maybe(rng.randint(0, 99)) for _ in keys],
+            "f": [maybe(f"f{b}") for _ in keys],
+            "l": [maybe(f"l{b}") for _ in keys],
+        }))
+    return out
+
+
+def _rows(state) -> list[dict]:
+    return sorted(read_all(open_table(state.path)).to_pylist(), key=lambda r: r["k"])
+
+
+def _changes(state, version: int) -> list[tuple]:
+    changes = arrow(open_table(state.path).load_cdf(starting_version=version, ending_version=version).read_all())
+    keep = [c for c in changes.column_names if not c.startswith("_commit")]
+    return sorted((tuple(sorted(r.items())) for r in changes.select(keep).to_pylist()), key=repr)
+
+
+def _data_files(state) -> set[str]:
+    return {p.name for p in Path(state.path).glob("*.parquet")}
+
+
+def test_merged_on_read_holds_what_copy_on_write_holds_and_writes_the_same_changes(tmp_path):
+    """Six batches into two states, one copy-on-write (delta-rs's MERGE),
+    one merged on read: after each, the same rows, one per key, and the
+    same change feed (pre-images, post-images, inserts). A batch adds one
+    data file and removes none: the files it touches keep their bytes."""
+    cow, mor = _state(tmp_path / "cow", False), _state(tmp_path / "mor", True)
+    for n, batch in enumerate(_batches(6), start=1):
+        files_before = _data_files(mor)
+        for state in (cow, mor):
+            table = state.open() or state.create(batch)
+            commit_updates(state, table, batch, Position(0, n))
+        assert _rows(mor) == _rows(cow), f"batch {n}"
+        assert len({r["k"] for r in _rows(mor)}) == len(_rows(mor))
+        assert _changes(mor, open_table(mor.path).version()) == _changes(cow, open_table(cow.path).version()), f"batch {n}"
+        if n > 1:
+            assert files_before < _data_files(mor) and len(_data_files(mor) - files_before) == 1
+    table = open_table(mor.path)
+    assert "deletionVectors" in table.protocol().reader_features
+    assert Position.decode(table.transaction_version(STATE_FENCE)) == Position(0, 6)
+    commit = mor.find_commit(table, Position(0, 6))
+    assert commit is not None and commit.version == table.version() and commit.keys_updated == 150
+
+
+def test_a_commit_since_its_snapshot_fails_the_batch_and_leaves_the_state_as_the_winner_left_it(tmp_path):
+    """Two runs read the same snapshot; the first commits. The second's
+    commit fails as delta-rs's conflicts do (step 4 judges it), and the
+    state holds the winner's batch only."""
+    state = _state(tmp_path, True)
+    first, second, third = _batches(3, seed=2)
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    commit_updates(state, state.open(), second, Position(0, 2))  # turns the feature on: a batch of vectors next
+    stale = state.open()
+    commit_updates(state, state.open(), third, Position(0, 3))
+    winner = _rows(state)
+    with pytest.raises(Exception) as failed:
+        state.commit_batch(stale, state.align(stale, third), batch_metadata("clicks", Position(0, 3)))
+    assert is_commit_conflict(failed.value)
+    assert _rows(state) == winner
+
+
+def test_delta_rs_rewinds_compacts_vacuums_and_checkpoints_it(tmp_path):
+    """After batches merged on read: a rewind (delta-rs's RESTORE) to batch
+    2 gives batch 2's rows; batches go on from there, over a checkpoint
+    (whose add actions carry the vectors); OPTIMIZE and VACUUM keep every
+    row; and the copy-on-write twin agrees all along."""
+    cow, mor = _state(tmp_path / "cow", False), _state(tmp_path / "mor", True)
+    batches = _batches(7, seed=3)
+    versions = {}
+    for n, batch in enumerate(batches[:4], start=1):
+        for state in (cow, mor):
+            version, _ = commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+            versions[state.path, n] = version
+    for state in (cow, mor):
+        state.restore(state.open(), versions[state.path, 2], batch_metadata("clicks", Position(1, 2)))
+    assert _rows(mor) == _rows(cow)
+    open_table(mor.path).create_checkpoint()
+    for n, batch in enumerate(batches[4:], start=3):
+        for state in (cow, mor):
+            commit_updates(state, state.open(), batch, Position(1, n))
+        assert _rows(mor) == _rows(cow), f"batch {n} after the rewind"
+    expected = _rows(cow)
+    table = open_table(mor.path)
+    table.optimize.compact()
+    table.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    assert _rows(mor) == expected
+    commit_updates(mor, mor.open(), batches[0], Position(1, 6))
+    commit_updates(cow, cow.open(), batches[0], Position(1, 6))
+    assert _rows(mor) == _rows(cow)
+
+
+def test_delta_spark_reads_the_rows_and_the_change_feed_it_wrote(tmp_path, spark):
+    """Spark (delta-spark) reads the state merged on read as delta-rs does,
+    and its change feed as the job wrote it."""
+    state = _state(tmp_path, True)
+    for n, batch in enumerate(_batches(4, seed=4), start=1):
+        commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+    version = DeltaTable(state.path).version()
+    rows = spark.read.format("delta").load(state.path).toArrow()
+    assert sorted(rows.select(["k", "s", "lo", "hi", "f", "l"]).to_pylist(), key=lambda r: r["k"]) == [
+        {k: r[k] for k in ("k", "s", "lo", "hi", "f", "l")} for r in _rows(state)
+    ]
+    feed = spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", version).load(state.path)
+    counted = {r["_change_type"]: r["count"] for r in feed.groupBy("_change_type").count().collect()}
+    mine = {}
+    for change in _changes(state, version):
+        kind = dict(change)["_change_type"]
+        mine[kind] = mine.get(kind, 0) + 1
+    assert counted == mine and counted.get("update_postimage")

@@ -69,7 +69,7 @@ def state_at_scale(work: Path, keys: int, batches: int) -> dict[str, Any]:
     return {
         "keys": keys,
         "ss_seed_s": row["ss_seed_s"],
-        **{k: pace(row[f"{k}_s"]) for k in ("ss", "merged", "appended")},
+        **{k: pace(row[f"{k}_s"]) for k in ("ss", "merged", "vectors", "appended")},
     }
 
 
@@ -100,10 +100,10 @@ def table(figures: list[Figure], state: dict[str, Any], fleet_row: dict[str, Any
     for f in figures:
         ss, ours = f.value("structured streaming"), f.value("project")
         lines.append(f"| {f.name} | {ss:.2f} s | {ours:.2f} s | **{f.ratio('structured streaming'):.2f}** |")
-    for layout in ("merged", "appended"):
+    for key, label in (("merged", "`layout: merged`"), ("vectors", "`layout: merged`, `deletion_vectors: true`"), ("appended", "`layout: appended`")):
         lines.append(
-            f"| steady batch, users coming back to {state['keys']:,} keys, `layout: {layout}` | {state['ss']:.2f} s "
-            f"| {state[layout]:.2f} s | **{state[layout] / state['ss']:.2f}** |"
+            f"| steady batch, users coming back to {state['keys']:,} keys, {label} | {state['ss']:.2f} s "
+            f"| {state[key]:.2f} s | **{state[key] / state['ss']:.2f}** |"
         )
     ours, theirs, n = fleet_row["project"], fleet_row["structured streaming"], fleet_row["n"]
     lines.append(

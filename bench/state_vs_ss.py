@@ -11,8 +11,10 @@ For each state size N, in one run, on the same files:
   from all N (users coming back), and each engine takes one file a batch:
   Structured Streaming in one `AvailableNow` run (`maxFilesPerTrigger` 1,
   each batch's `durationMs`), the project in one `run --catch-up` process
-  (`max_files: 1`), once with `state.layout: merged` (a copy-on-write MERGE a batch) and
-  once with `layout: appended` (an append a batch; a batch never folds);
+  (`max_files: 1`), once with `state.layout: merged` (a copy-on-write MERGE a batch),
+  once merged on read (`deletion_vectors: true`: the touched files' rows
+  marked deleted, one new file a batch) and once with `layout: appended`
+  (an append a batch; a batch never folds);
 * the appended state's fold and reads are timed on what the batches left:
   one fold as `maintain` makes it, by Spark's executors (off the batches'
   path since issue 47, so the figure is maintenance's cost), and the state
@@ -47,7 +49,9 @@ PLOT = "bench_state_at_scale.png"
 BATCH_RECORDS = 100_000
 FILE_ROWS = 1_000_000
 FOLD_AT = 0.1
-LABELS = (("SS", "ss"), ("merged", "merged"), ("appended", "appended"))
+LABELS = (("SS", "ss"), ("merged", "merged"), ("merged on read", "vectors"), ("appended", "appended"))
+#: The project's variants: each a folder name and its `state` settings.
+VARIANTS = {"merged": {"layout": "merged"}, "vectors": {"layout": "merged", "deletion_vectors": True}, "appended": {"layout": "appended"}}
 
 
 def users(keys: Any) -> Any:
@@ -129,10 +133,11 @@ def click_files(folder: Path, size: int, count: int) -> list[Path]:
 
 
 def seeded_project(base: Path, layout: str, clicks: list[Path]) -> Path:
-    """The project in `base`/`layout` on its own copy of the seeded state
-    (`base/seed-state`), the clicks landed (hard links); its spec's path."""
+    """The project in `base`/`layout` (a `VARIANTS` name) on its own copy of
+    the seeded state (`base/seed-state`), the clicks landed (hard links);
+    its spec's path."""
     folder = base / layout
-    state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "layout": layout, "fold_at": FOLD_AT}
+    state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "fold_at": FOLD_AT, **VARIANTS[layout]}
     spec_path = write_spec(folder, f"scale_{layout}", state=state, batch={"max_files": 1})
     shutil.copytree(base / "seed-state", folder / "state")
     for path in clicks:
@@ -201,7 +206,7 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True,
         file=sys.stderr,
     )
 
-    for layout in ("merged", "appended"):
+    for layout in VARIANTS:
         spec_path = seeded_project(base, layout, clicks)
         runs = project_steady(spec_path, batches)
         assert [r["records"] for r in runs] == [BATCH_RECORDS] * batches, runs
@@ -256,17 +261,17 @@ def write_doc(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "one file a batch, the same files for every engine. Structured Streaming: `Trigger.AvailableNow`, RocksDB state "
         "(seeded by a first run over the N users), `noop` sink, each batch's `durationMs`. This project: `run --catch-up`, "
         "`max_files: 1`, a batch's seconds from the previous batch's outcome to its own; means of batches 3 on, with "
-        f"`state.layout: merged` (a MERGE a batch) and `appended` (`fold_at: {FOLD_AT}`).",
+        f"`state.layout: merged` (a MERGE a batch, copy-on-write), merged on read (`deletion_vectors: true`) and `appended` (`fold_at: {FOLD_AT}`).",
         "",
-        "| keys in state | state (Parquet) | Structured Streaming | merged | merged / SS | appended | **appended / SS** "
+        "| keys in state | state (Parquet) | Structured Streaming | merged | merged / SS | merged on read | **merged on read / SS** | appended | **appended / SS** "
         "| appended / its 100k batch | fold (every ~N batches) | appended, fold amortized | amortized / SS "
         "| read the state: merged | read: appended, before its fold |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ss, merged, app = pace(r["ss_s"]), pace(r["merged_s"]), pace(r["appended_s"])
+        ss, merged, app, mor = pace(r["ss_s"]), pace(r["merged_s"]), pace(r["appended_s"]), pace(r["vectors_s"])
         lines.append(
-            f"| {r['keys']:,} | {r['state_mb']:.0f} MB | {ss:.2f} s | {merged:.2f} s | {merged / ss:.2f} "
+            f"| {r['keys']:,} | {r['state_mb']:.0f} MB | {ss:.2f} s | {merged:.2f} s | {merged / ss:.2f} | {mor:.2f} s | **{mor / ss:.2f}** "
             f"| {app:.2f} s | **{app / ss:.2f}** | {app / own:.2f} | {r['fold_s']:.1f} s (every {fold_every(r['keys']):.0f}) "
             f"| {amortized(r):.2f} s | {amortized(r) / ss:.2f} | {read(r.get('merged_read_s'))} | {read(r.get('appended_read_s'))} |"
         )
@@ -296,6 +301,7 @@ def plot(rows: list[dict[str, Any]]) -> None:
     fig, ax = pyplot().subplots(figsize=(7, 4))
     ax.plot(keys, [pace(r["ss_s"]) for r in rows], "o-", color="#9aa5b1", label="Structured Streaming (RocksDB)")
     ax.plot(keys, [pace(r["merged_s"]) for r in rows], "s-", color="#c9a26b", label="project, layout: merged")
+    ax.plot(keys, [pace(r["vectors_s"]) for r in rows], "^-", color="#5f8f4f", label="project, merged on read")
     ax.plot(keys, [pace(r["appended_s"]) for r in rows], "D-", color="#2f6f9f", label="project, layout: appended")
     ax.plot(keys, [amortized(r) for r in rows], "D--", color="#2f6f9f", alpha=0.5, label="appended, fold amortized")
     ax.set_xscale("log")

@@ -45,6 +45,7 @@ and vector files are small, and left.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -72,8 +73,8 @@ __all__ = ["ENABLED", "commit", "enable", "enabled"]
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
-#: Touched files read at once (each is read whole: two bound the memory).
-READERS = 2
+#: Row groups read at once (this many cores; each holds one group's rows).
+READERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def enabled(table: DeltaTable) -> bool:
@@ -140,30 +141,48 @@ class _Touched:
 
 
 def _probe(table: DeltaTable, root: str, spec: PipelineSpec, schema: pa.Schema, data: pa.Table) -> list[_Touched]:
-    """Step 1: the files holding some of the batch's keys, each read once,
-    `READERS` at a time."""
+    """Step 1: the files holding some of the batch's keys. Each row group
+    of the files whose key range meets the batch's is read once, `READERS`
+    at a time (a file's groups spread over the cores, as a few big files
+    would not)."""
     keys = list(spec.state.keys)
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
     deleted = deleted_rows(table)
-    paths = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
+    units = []
+    for path in files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys)):
+        source = pq.ParquetFile(Path(root) / unquote(path))
+        offset = 0
+        for group in range(source.metadata.num_row_groups):
+            units.append((path, source, group, offset))
+            offset += source.metadata.row_group(group).num_rows
 
-    def probe(path: str) -> _Touched | None:
-        old = _read(root, path, schema)
+    def probe(unit: tuple[str, pq.ParquetFile, int, int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
+        path, source, group, offset = unit
+        old = _read(source, group, schema)
         found = matches(old, data, keys)
         gone = deleted.get(unquote(path), np.empty(0, np.uint64))
+        gone = gone[(gone >= offset) & (gone < offset + old.num_rows)] - np.uint64(offset)
         if len(gone):
             live = np.ones(old.num_rows, dtype=bool)
-            live[gone] = False
+            live[gone.astype(np.int64)] = False
             found = pc.if_else(pa.array(live), found, pa.nulls(len(found), found.type))
         rows = np.flatnonzero(pc.is_valid(found).to_numpy(zero_copy_only=False))
         if not len(rows):
             return None
         before = old.take(rows)
         after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
-        return _Touched(path, gone, rows.astype(np.uint64), before, after, taken.to_numpy(zero_copy_only=False))
+        return path, rows.astype(np.uint64) + np.uint64(offset), before, after, taken.to_numpy(zero_copy_only=False)
 
     with ThreadPoolExecutor(READERS) as pool:
-        return [t for t in pool.map(probe, paths) if t is not None]
+        found = [f for f in pool.map(probe, units) if f is not None]
+    touched = []
+    for path in dict.fromkeys(f[0] for f in found):
+        parts = [f for f in found if f[0] == path]
+        touched.append(_Touched(
+            path, deleted.get(unquote(path), np.empty(0, np.uint64)), np.concatenate([f[1] for f in parts]),
+            pa.concat_tables([f[2] for f in parts]), pa.concat_tables([f[3] for f in parts]), np.concatenate([f[4] for f in parts]),
+        ))
+    return touched
 
 
 def _commit_info(metadata: CommitMetadata, now: int, updated: int, inserted: int, vectors: int) -> dict[str, Any]:
@@ -201,12 +220,15 @@ def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int) -> dict[s
     return {"add": {"path": name, "partitionValues": {}, "size": size, "modificationTime": now, "dataChange": True, "stats": stats.json()}}
 
 
-def _read(root: str, path: str, schema: pa.Schema) -> pa.Table:
-    """A data file's rows, all of them (deleted ones too: row indexes are
-    the file's), in the state's schema: a column added since as nulls."""
-    source = pq.read_table(Path(root) / unquote(path), columns=[f.name for f in schema if f.name in pq.read_schema(Path(root) / unquote(path)).names])
+def _read(source: pq.ParquetFile, group: int, schema: pa.Schema) -> pa.Table:
+    """A row group's rows, all of them (deleted ones too: row indexes are
+    the file's), in the state's schema: a column added since as nulls.
+    (One thread: pyarrow's pool left alive beside delta-rs's can abort the
+    process at exit, `delta_io.read_pruned`.)"""
+    present = set(source.schema_arrow.names)
+    rows = source.read_row_group(group, columns=[f.name for f in schema if f.name in present], use_threads=False)
     return pa.table(
-        [source.column(f.name).cast(f.type) if f.name in source.column_names else pa.nulls(source.num_rows, f.type) for f in schema],
+        [rows.column(f.name).cast(f.type) if f.name in present else pa.nulls(rows.num_rows, f.type) for f in schema],
         schema=schema,
     )
 

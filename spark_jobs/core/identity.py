@@ -168,6 +168,10 @@ def _judge_release(path: str, old: str, new: str, *_: Any) -> tuple[list[str], l
 
 
 _LOCATION = "where the records come from: another location is another source"
+_VECTORS = (
+    "how a batch writes a merged state, not what it holds: turned on, the table needs readers of Delta 2.3 "
+    "or later from the next batch; turned off, batches rewrite files again"
+)
 _PARSE = "how bytes become records"
 _UNKNOWN = "which records are quarantined for fields the schema does not name; nothing is lost either way"
 _READER = "read by the first batch of a lineage (and after `rewind --to-batch 0`); later batches go on from the ledger"
@@ -211,6 +215,7 @@ SPEC_RULES: dict[str, FieldRule] = {
     "state.change_feed": FieldRule(Rule.RECORD, "turned on, the feed starts with the next batch; turned off, the table keeps writing it", value=lambda s: s.state.change_feed),
     "state.layout": FieldRule(Rule.REFUSE, "how a batch reaches the state: merged may become appended (a merged state is a folded one), not back", value=lambda s: s.state.layout, judge=_judge_layout),
     "state.fold_at": FieldRule(Rule.FREE, "when an appended state is folded; folding changes no value"),
+    "state.deletion_vectors": FieldRule(Rule.RECORD, _VECTORS, value=lambda s: s.state.deletion_vectors),
     "batch.max_files": FieldRule(Rule.FREE, "how much one batch takes; every record is still taken once"),
     "batch.max_records": FieldRule(Rule.FREE, "how much one batch takes; every record is still taken once"),
     "batch.max_versions": FieldRule(Rule.FREE, "how much one batch takes; every version is still taken once"),

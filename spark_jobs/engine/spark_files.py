@@ -18,15 +18,19 @@ is returned, so only its file is committed.
 
 `rewrite_files` rewrites some of a merged state's files with a small batch
 merged in, each file by one task with pyarrow (no row crosses into the
-JVM); `write_table` writes rows already in the job's process the same way.
+JVM; the rules are `spark_jobs.core.arrow_rows`'s, pickled by value with
+this module); `write_table` writes rows already in the job's process the
+same way.
 
 `read_files` is the other direction: a snapshot's files (a fold's input, the
 files a merge rewrites, a batch's written files checked for duplicate keys)
 read by the executors with pyarrow, local or on S3, into a DataFrame; the
 job's sessions read no Delta table through delta-spark or Hadoop's S3A (for
-their start-up cost, docs/architecture.md), and the tables this project
-writes have no deletion vectors or column mapping, so a snapshot is exactly
-its files. A column a file lacks (added to the table after it) reads as null.
+their start-up cost, docs/architecture.md), and the tables they read have
+no deletion vectors or column mapping, so a snapshot is exactly its files
+(a state merged on read, whose files carry vectors, is never read here:
+`StateTable._merge_staged`). A column a file lacks (added to the table
+after it) reads as null.
 
 The functions below run on executors, which need pyarrow (and boto3 for S3)
 but not this package: the module is pickled by value, as

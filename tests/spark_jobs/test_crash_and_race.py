@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.core.faults import MARKER, POINTS
@@ -53,6 +54,12 @@ def _drain(spec_path: Path, max_runs: int = 5) -> list[dict]:
     raise AssertionError(f"not drained after {max_runs} runs: {outcomes}")
 
 
+#: The fault matrix of a state merged on read (`state.deletion_vectors`):
+#: every point in `make soak`; in `make test` the kill amid its own commit's
+#: files (the data file, the change file, the vectors written, no entry yet).
+VECTOR_MATRIX = [pytest.param(point, marks=() if point == "mid_state_merge" else pytest.mark.slow) for point in POINTS]
+
+
 @pytest.mark.parametrize(("point", "seed"), FAULT_MATRIX)
 def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, point, seed):
     """The fault matrix: every protocol boundary x three seeds of generated
@@ -62,6 +69,24 @@ def test_sigkill_at_each_point_then_rerun_is_exact(spec_path, compute, request, 
     engine meets), but at `mid_executor_write`. There, and in `make soak`'s
     other seeds at every point, the run starts Spark itself: its death takes
     its driver JVM, and the local executors at work, with it."""
+    _kill_then_rerun(spec_path, compute, request, point, seed)
+
+
+@pytest.mark.parametrize("point", VECTOR_MATRIX)
+def test_sigkill_at_each_point_merged_on_read_then_rerun_is_exact(spec_path, compute, request, point):
+    """The same kills with the state merged on read (issue 64, part 2): the
+    recovery's batches are the job's own commits of deletion vectors."""
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["state"]["deletion_vectors"] = True
+    spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _kill_then_rerun(spec_path, compute, request, point, 7)
+    log = (spec_path.parent / "lake" / "state" / "_delta_log").glob("*.json")
+    assert any('"merge-on-read"' in entry.read_text() for entry in log), "no batch was merged on read"
+
+
+def _kill_then_rerun(spec_path: Path, compute, request, point: str, seed: int) -> None:
+    """Batch 1 committed; batch 2's run killed at `point`; a new run and a
+    drain then leave the state exact, one committed row per batch."""
     fast = not request.node.get_closest_marker("slow")
     if point != "mid_executor_write" and fast:
         request.getfixturevalue("on_connect")

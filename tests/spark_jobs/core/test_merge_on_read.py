@@ -150,3 +150,31 @@ def test_delta_spark_reads_the_rows_and_the_change_feed_it_wrote(tmp_path, spark
         kind = dict(change)["_change_type"]
         mine[kind] = mine.get(kind, 0) + 1
     assert counted == mine and counted.get("update_postimage")
+
+
+def test_turned_off_the_state_is_written_copy_on_write_again_and_stays_right(tmp_path):
+    """A state merged on read whose spec turns `deletion_vectors` off: the
+    next batches are delta-rs's MERGE over the vectors, the rows still the
+    copy-on-write twin's."""
+    from spark_jobs.core.state import StateTable
+
+    cow, mor = _state(tmp_path / "cow", False), _state(tmp_path / "mor", True)
+    batches = _batches(5, seed=5)
+    for n, batch in enumerate(batches, start=1):
+        if n == 4:
+            mor = StateTable(mor.spec.model_copy(update={"state": mor.spec.state.model_copy(update={"deletion_vectors": False})}))
+        for state in (cow, mor):
+            commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+        assert _rows(mor) == _rows(cow), f"batch {n}"
+    assert '"merge-on-read"' not in (Path(mor.path) / "_delta_log" / f"{open_table(mor.path).version():020d}.json").read_text()
+
+
+@pytest.mark.parametrize(("state", "refusal"), [
+    ({"layout": "appended"}, "deletion_vectors is for layout: merged"),
+    ({"path": "s3://bucket/state"}, "not supported for a state on object storage"),
+])
+def test_a_spec_that_cannot_merge_on_read_is_refused_by_name(tmp_path, state, refusal):
+    spec = oracle_spec_dict()
+    spec["state"] = {**spec["state"], "deletion_vectors": True, **state}
+    with pytest.raises(Exception, match=refusal):
+        load_spec(write_spec(tmp_path, spec))

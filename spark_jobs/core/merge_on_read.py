@@ -73,6 +73,8 @@ __all__ = ["ENABLED", "commit", "enable", "enabled"]
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
+#: Merge on read while the rows deleted by vectors stay within this share of the rows held (`_pays`).
+MAX_DEAD = 0.5
 #: Row groups read at once (this many cores; each holds one group's rows).
 READERS = max(1, min(4, os.cpu_count() or 1))
 
@@ -92,13 +94,17 @@ def enable(table: DeltaTable) -> None:
         table.alter.set_table_properties({ENABLED: "true"})
 
 
-def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: CommitMetadata) -> tuple[int, int]:
+def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: CommitMetadata) -> tuple[int, int] | None:
     """Merge `data` (the batch's rows in the state's types, `_batch_id`
     last, one row a key) into the state at `table`'s snapshot as the module
-    docstring says; returns (the version committed, keys updated).
+    docstring says; returns (the version committed, keys updated), or None
+    when a rewrite pays better (`_pays`: the caller merges copy-on-write).
     Raises `CommitFailedError` if any commit landed since the snapshot."""
     root = unquote(urlparse(table.table_uri).path).rstrip("/")
     version = table.version()
+    added = active_files(root, version)
+    if not _pays(added, data.num_rows):
+        return None
     schema = pa.schema(table.schema().to_arrow())
     probed = _probe(table, root, spec, schema, data)
     taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
@@ -110,8 +116,7 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     now = int(time.time() * 1000)
     actions = [_commit_info(metadata, now, after.num_rows, inserted.num_rows, len(probed)), _fence(metadata, now)]
     if probed:
-        added = active_files(root, version)
-        vectors = [np.union1d(p.deleted, p.rows) for p in probed]
+        vectors = [_union(p.deleted, p.rows) for p in probed]
         for p, descriptor in zip(probed, write_vectors(root, vectors)):
             actions += _revectored(_logged(added, p.path), descriptor, now)
     actions.append(_data_file(root, pa.concat_tables([after, inserted]), schema, now))
@@ -123,6 +128,31 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     except FileExistsError as exc:
         raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer since this batch read the state") from exc
     return version + 1, data.num_rows
+
+
+def _pays(added: dict[str, dict[str, Any]], rows: int) -> bool:
+    """Whether merging on read pays: while the rows the state's vectors
+    delete, with the batch's (at most one each), stay within `MAX_DEAD` of
+    the rows its files hold. Past it (a batch as big as a small state, or
+    vectors piled up since the last compaction) the batch rewrites the files
+    it touches instead, which drops their deleted rows: every batch reads
+    the dead rows of the files it touches, so they bound its reading at
+    twice the live ones."""
+    held = dead = 0
+    for add in added.values():
+        stats = json.loads(add.get("stats") or "{}")
+        if "numRecords" not in stats:
+            return False  # no count to weigh: rewrite, as before
+        held += int(stats["numRecords"])
+        dead += int((add.get("deletionVector") or {}).get("cardinality", 0))
+    return dead + rows <= MAX_DEAD * held
+
+
+def _union(deleted: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """A file's deleted rows with the batch's, sorted (both sorted, disjoint: a deleted row matches nothing)."""
+    both = np.concatenate([deleted.astype(np.uint64), rows])
+    both.sort(kind="stable")
+    return both
 
 
 @dataclass(frozen=True)

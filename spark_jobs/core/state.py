@@ -165,7 +165,9 @@ class StateTable:
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
         if data.num_rows and self.spec.state.deletion_vectors and not is_appended(self.spec):
-            return merge_on_read.commit(table, self.spec, data, metadata)
+            done = merge_on_read.commit(table, self.spec, data, metadata)
+            if done is not None:
+                return done
         if files is not None and data.num_rows and self._rewritten_by_executors(table):
             # A small batch, a big state: the executors rewrite the files it touches.
             staged = Staged(files.stage(self.path, data, data.schema), data.schema, self.path)
@@ -182,6 +184,10 @@ class StateTable:
             # (e.g. a batch whose records were all quarantined). Commit the
             # fence with an empty append instead.
             return self._fenced_empty_commit(table, props), 0
+        return self._merged_by_delta_rs(table, data, props)
+
+    def _merged_by_delta_rs(self, table: DeltaTable, data: pa.Table, props: CommitProperties) -> tuple[int, int]:
+        """`commit_batch` by delta-rs's MERGE, copy-on-write: the files holding the batch's keys are rewritten."""
         keys = self.spec.state.keys
         predicate = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in keys)
         updates_expr = {_q(c): merge_expression(c, rule) for c, rule in self.spec.state.merge.items()}

@@ -104,7 +104,8 @@ def _rewind_or_maintain(spec, rng: random.Random, counts: dict[str, int], wave: 
 
 
 def _chain_chaos(
-    folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto", vectors: bool = False
+    folder, rounds: int, seed: int, reader: str = "driver", upstream_write: str = "auto", vectors: bool = False,
+    wave_size: tuple[int, int, int] = (80, 80, 30),
 ) -> dict[str, int]:
     """Chained pipelines driven through the CLI: each round lands a wave,
     runs the upstream and the downstream at once and kills some of them, and
@@ -112,7 +113,7 @@ def _chain_chaos(
     The drain must leave the downstream equal to the upstream's state, summed.
     `upstream_write`: the upstream's `engine.state_write` (`executors`: its
     batches MERGEd by delta-spark); `vectors`: the upstream's state merged
-    on read (`state.deletion_vectors`)."""
+    on read (`state.deletion_vectors`); `wave_size`: records a file in the first wave and in the others, users."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
@@ -125,7 +126,8 @@ def _chain_chaos(
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
-        write_wave(landing, wave, files=rng.randint(1, 2), records_per_file=80, users=30, seed=seed)
+        first, records, users = wave_size
+        write_wave(landing, wave, files=rng.randint(1, 2), records_per_file=records if wave else first, users=users, seed=seed)
         procs = [start_cli("run", str(upstream)), start_cli("run", str(downstream))]
         for code, err in kill_some(procs, rng, counts, within=10.0, chance=0.5, timeout=300):
             # Before the upstream's first commit, its state is not a table yet: retryable.
@@ -154,7 +156,8 @@ def test_a_chain_whose_upstream_merges_on_read_ends_exact_through_the_same_chaos
     2): kills amid them, racing runs, rewinds (delta-rs's RESTORE across
     vectors) and `maintain` (OPTIMIZE and VACUUM across them), the same
     exact end downstream, which reads the job's change files."""
-    counts = _chain_chaos(tmp_path, rounds=4, seed=29, vectors=True)
+    # Many users, small waves after a big first one: batches that merge on read (`merge_on_read._pays`).
+    counts = _chain_chaos(tmp_path, rounds=4, seed=29, vectors=True, wave_size=(1500, 30, 2000))
     print(counts)
     assert counts["maintains"], counts
     log = (tmp_path / "lake" / "state" / "_delta_log").glob("*.json")
@@ -186,6 +189,15 @@ def test_a_chain_whose_upstream_delta_spark_merges_ends_exact_through_the_same_c
 @pytest.mark.parametrize("reader", ["driver", "spark"])
 def test_chain_chaos_soak(tmp_path, seed, reader, on_connect):
     print(_chain_chaos(tmp_path, rounds=20, seed=seed, reader=reader))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [30, 31])
+def test_chain_chaos_soak_merged_on_read(tmp_path, seed, on_connect):
+    """The chain chaos's long run with the upstream merged on read: its
+    deleted rows pile up past `merge_on_read.MAX_DEAD` and batches rewrite
+    them away again, between kills, rewinds and `maintain`."""
+    print(_chain_chaos(tmp_path, rounds=20, seed=seed, vectors=True, wave_size=(1500, 30, 2000)))
 
 
 def _appended_chaos(folder, spark, rounds: int, seed: int) -> dict[str, int]:

@@ -79,14 +79,18 @@ def test_sigkill_at_each_point_merged_on_read_then_rerun_is_exact(spec_path, com
     spec = yaml.safe_load(spec_path.read_text())
     spec["state"]["deletion_vectors"] = True
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    _kill_then_rerun(spec_path, compute, request, point, 7)
+    # A first batch of many users, then batches of few: a state whose batches merge on read (`merge_on_read._pays`).
+    _kill_then_rerun(spec_path, compute, request, point, 7, first=(1500, 1000), later=60)
     log = (spec_path.parent / "lake" / "state" / "_delta_log").glob("*.json")
     assert any('"merge-on-read"' in entry.read_text() for entry in log), "no batch was merged on read"
 
 
-def _kill_then_rerun(spec_path: Path, compute, request, point: str, seed: int) -> None:
-    """Batch 1 committed; batch 2's run killed at `point`; a new run and a
-    drain then leave the state exact, one committed row per batch."""
+def _kill_then_rerun(
+    spec_path: Path, compute, request, point: str, seed: int, first: tuple[int, int] = (150, 30), later: int = 150
+) -> None:
+    """Batch 1 committed (`first`: records a file, users); batch 2's run
+    killed at `point`; a new run and a drain then leave the state exact, one
+    committed row per batch. Waves after the first: `later` records a file."""
     fast = not request.node.get_closest_marker("slow")
     if point != "mid_executor_write" and fast:
         request.getfixturevalue("on_connect")
@@ -97,13 +101,13 @@ def _kill_then_rerun(spec_path: Path, compute, request, point: str, seed: int) -
     files = 1 + seed % 3
     reach(point, spec_path)
     # Batch 1 lands normally (in-process: only the crash and the recovery need new processes).
-    write_wave(landing, 0, files=files, records_per_file=150, users=30, seed=seed, bad_every=37)
+    write_wave(landing, 0, files=files, records_per_file=first[0], users=first[1], seed=seed, bad_every=37)
     assert run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
-    write_wave(landing, 1, files=files, records_per_file=150, users=30, seed=seed, bad_every=41)
+    write_wave(landing, 1, files=files, records_per_file=later, users=first[1], seed=seed, bad_every=41)
     crashed = run_cli("run", str(spec_path), env={"MICROBATCH_FAULT_POINT": point})
     assert f"{MARKER} {point}" in crashed.stderr, crashed.stderr[-2000:]
     assert crashed.returncode == -signal.SIGKILL
-    write_wave(landing, 2, files=1, records_per_file=150, users=30, seed=seed)
+    write_wave(landing, 2, files=1, records_per_file=later, users=first[1], seed=seed)
 
     # Recovery in a new process, as the Airflow retry or the next run would do it.
     recovered = run_cli("run", str(spec_path), "--json", env=recovery_env)
@@ -115,7 +119,7 @@ def _kill_then_rerun(spec_path: Path, compute, request, point: str, seed: int) -
     assert 2 <= len(lineage) <= 3
     committed = [r for r in history(load_spec(spec_path)) if r.status == "committed"]
     assert [r.batch_id for r in committed] == [r.batch_id for r in lineage]  # one committed row per batch
-    assert sum(r.records_in for r in committed) == (2 * files + 1) * 150
+    assert sum(r.records_in for r in committed) == files * first[0] + (files + 1) * later
 
 
 #: Where SIGTERM lands: before the CLI's handler, mid-batch, near its end.

@@ -30,12 +30,14 @@ def _state(folder: Path, vectors: bool, change_feed: bool = True):
     return StateTable(load_spec(write_spec(folder, spec)))
 
 
-def _batches(count: int, seed: int = 1) -> list[pa.Table]:
-    """Batches of keys coming back and new, nulls on either side of each rule."""
+def _batches(count: int, seed: int = 1, first: int = 2000, then: int = 120) -> list[pa.Table]:
+    """A first batch of `first` keys, then batches of `then` keys coming back
+    and new (small beside the state: batches that merge on read), nulls on
+    either side of each rule."""
     rng = random.Random(seed)
     out = []
     for b in range(count):
-        keys = rng.sample(range(400), 150)
+        keys = rng.sample(range(2400), first if b == 0 else then)
         maybe = lambda v: None if rng.random() < 0.1 else v  # noqa: E731
         out.append(pa.table({
             "k": [f"k{k:03d}" for k in keys],
@@ -62,6 +64,11 @@ def _data_files(state) -> set[str]:
     return {p.name for p in Path(state.path).glob("*.parquet")}
 
 
+def _merged_on_read(state) -> bool:
+    """Whether the state's latest commit is a batch merged on read."""
+    return '"merge-on-read"' in (Path(state.path) / "_delta_log" / f"{open_table(state.path).version():020d}.json").read_text()
+
+
 def test_merged_on_read_holds_what_copy_on_write_holds_and_writes_the_same_changes(tmp_path):
     """Six batches into two states, one copy-on-write (delta-rs's MERGE),
     one merged on read: after each, the same rows, one per key, and the
@@ -77,12 +84,13 @@ def test_merged_on_read_holds_what_copy_on_write_holds_and_writes_the_same_chang
         assert len({r["k"] for r in _rows(mor)}) == len(_rows(mor))
         assert _changes(mor, open_table(mor.path).version()) == _changes(cow, open_table(cow.path).version()), f"batch {n}"
         if n > 1:
+            assert _merged_on_read(mor) and not _merged_on_read(cow)
             assert files_before < _data_files(mor) and len(_data_files(mor) - files_before) == 1
     table = open_table(mor.path)
     assert "deletionVectors" in table.protocol().reader_features
     assert Position.decode(table.transaction_version(STATE_FENCE)) == Position(0, 6)
     commit = mor.find_commit(table, Position(0, 6))
-    assert commit is not None and commit.version == table.version() and commit.keys_updated == 150
+    assert commit is not None and commit.version == table.version() and commit.keys_updated == 120
 
 
 def test_a_commit_since_its_snapshot_fails_the_batch_and_leaves_the_state_as_the_winner_left_it(tmp_path):
@@ -95,6 +103,7 @@ def test_a_commit_since_its_snapshot_fails_the_batch_and_leaves_the_state_as_the
     commit_updates(state, state.open(), second, Position(0, 2))  # turns the feature on: a batch of vectors next
     stale = state.open()
     commit_updates(state, state.open(), third, Position(0, 3))
+    assert _merged_on_read(state)
     winner = _rows(state)
     with pytest.raises(Exception) as failed:
         state.commit_batch(stale, state.align(stale, third), batch_metadata("clicks", Position(0, 3)))
@@ -122,6 +131,7 @@ def test_delta_rs_rewinds_compacts_vacuums_and_checkpoints_it(tmp_path):
         for state in (cow, mor):
             commit_updates(state, state.open(), batch, Position(1, n))
         assert _rows(mor) == _rows(cow), f"batch {n} after the rewind"
+        assert _merged_on_read(mor)
     expected = _rows(cow)
     table = open_table(mor.path)
     table.optimize.compact()
@@ -178,3 +188,20 @@ def test_a_spec_that_cannot_merge_on_read_is_refused_by_name(tmp_path, state, re
     spec["state"] = {**spec["state"], "deletion_vectors": True, **state}
     with pytest.raises(Exception, match=refusal):
         load_spec(write_spec(tmp_path, spec))
+
+
+def test_a_batch_big_beside_the_state_or_its_deleted_rows_is_merged_copy_on_write(tmp_path):
+    """Merging on read pays while the rows the vectors delete, with the
+    batch's, stay within half the rows the files hold: a batch as big as the
+    state rewrites the files it touches (dropping their deleted rows), and
+    small batches merge on read again after it."""
+    cow, mor = _state(tmp_path / "cow", False), _state(tmp_path / "mor", True)
+    small = _batches(4, seed=6)
+    big = _batches(2, seed=7, then=1800)[1]
+    kinds = []
+    for n, batch in enumerate([*small[:3], big, small[3]], start=1):
+        for state in (cow, mor):
+            commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+        kinds.append(_merged_on_read(mor))
+        assert _rows(mor) == _rows(cow), f"batch {n}"
+    assert kinds == [False, True, True, False, True]

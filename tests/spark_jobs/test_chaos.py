@@ -150,6 +150,7 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
     assert counts["maintains"], counts
 
 
+@pytest.mark.slow
 def test_a_chain_whose_upstream_merges_on_read_ends_exact_through_the_same_chaos(tmp_path, on_connect):
     """The upstream's batches merged on read (`state.deletion_vectors`: the
     job's own commits of deletion vectors and change files, issue 64 part

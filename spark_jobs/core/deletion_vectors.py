@@ -42,7 +42,7 @@ from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import arrow, version_actions
 
-__all__ = ["FEATURE", "active_files", "commit", "deleted_rows", "has_deletion_vectors", "write_vectors"]
+__all__ = ["FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "write_vectors"]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
 FEATURE = "deletionVectors"
@@ -60,6 +60,15 @@ def has_deletion_vectors(table: DeltaTable) -> bool:
     their rows must be read through delta-rs's `QueryBuilder` or Spark,
     never straight from the Parquet files)."""
     return FEATURE in (table.protocol().reader_features or [])
+
+
+def carries_vectors(table: DeltaTable) -> bool:
+    """Whether any file of the snapshot has a deletion vector (its rows
+    must not be read straight from its Parquet file). From the log, no data read."""
+    if not has_deletion_vectors(table):
+        return False
+    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    return any(add.get("deletionVector") for add in active_files(root, table.version()).values())
 
 
 def deleted_rows(table: DeltaTable) -> dict[str, np.ndarray]:

@@ -42,6 +42,7 @@ from deltalake import DeltaTable
 from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.compute import Compute, Engine, FileWriting
 from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core.deletion_vectors import carries_vectors
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
 from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, STATE_FENCE, Position
 from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
@@ -274,8 +275,10 @@ def _no_engine() -> Compute:
 def _fold_engine(spec: PipelineSpec, state: DeltaTable, engine: Engine | None) -> FileWriting | None:
     """The engine whose executors fold a state too big to fold in this
     process (more than `IN_PROCESS_ROWS` rows; always, with
-    `engine.state_write: executors`); None: fold here."""
-    if engine is None or spec.engine.state_write == "driver":
+    `engine.state_write: executors`); None: fold here. Here too when the
+    state's files carry deletion vectors (a state merged on read, turned
+    appended): the executors would read the rows the vectors delete."""
+    if engine is None or spec.engine.state_write == "driver" or carries_vectors(state):
         return None
     if spec.engine.state_write == "auto" and row_counts(state).rows <= IN_PROCESS_ROWS:
         return None

@@ -33,7 +33,7 @@ from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transac
 
 from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.deletion_vectors import has_deletion_vectors
+from spark_jobs.core.deletion_vectors import carries_vectors
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
@@ -265,11 +265,11 @@ class StateTable:
         or here where it cannot be (on S3, a session without delta-spark)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
-        vectors = has_deletion_vectors(table) or self.spec.state.deletion_vectors
-        if vectors:
-            # The executors' rewrite reads the state's files as they are, rows
-            # their vectors delete too: merged here (merge-on-read, or delta-rs's
-            # MERGE, both honouring the vectors), or by delta-spark, which does.
+        vectors = carries_vectors(table)
+        if vectors or (small and self.spec.state.deletion_vectors):
+            # Merged on read here; and the executors' rewrite reads the state's
+            # files as they are, rows their vectors delete too: a big batch is
+            # merged here by delta-rs's MERGE, or by delta-spark, which honour them.
             here = small or not merged_by_delta_spark(self.spec)
         if files is not None and not here and merged_by_delta_spark(self.spec):
             done = self._merge_by_delta_spark(staged, metadata, files)
@@ -318,7 +318,7 @@ class StateTable:
         touches are found once its rows are files: `_merge_staged`)."""
         if is_appended(self.spec) or self.spec.state.change_feed or self.spec.engine.state_write != "auto":
             return False
-        if has_deletion_vectors(table):
+        if carries_vectors(table):
             return False  # the executors read the files as they are, deleted rows and all
         return files_bytes(table) > REWRITE_FROM_BYTES
 

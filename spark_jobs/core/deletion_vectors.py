@@ -88,26 +88,41 @@ def deleted_rows(table: DeltaTable) -> dict[str, np.ndarray]:
 def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:
     """The ``add`` action of each file in the snapshot at `version`, by path
     (as the log writes it), read from the log: the newest checkpoint at or
-    before `version` and the entries after it."""
+    before `version` and the entries after it.
+
+    A file's identity in the log is its path and its vector: one entry may
+    add a file with one vector and remove it with another (delta-rs's
+    RESTORE does, adding the old one first), so actions are matched on both."""
     log = Path(root) / "_delta_log"
     checkpoints = sorted(
         int(p.name.split(".")[0]) for p in log.glob("*.checkpoint.parquet") if int(p.name.split(".")[0]) <= version
     )
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[tuple[str, str], dict[str, Any]] = {}
     start = 0
     if checkpoints:
         start = checkpoints[-1] + 1
         adds = pq.read_table(log / f"{checkpoints[-1]:020d}.checkpoint.parquet", columns=["add"]).column("add")
         for add in adds.to_pylist():
             if add is not None:
-                files[add["path"]] = _json_add(add)
+                add = _json_add(add)
+                files[_identity(add)] = add
     for v in range(start, version + 1):
-        for action in version_actions(root, v) or []:
+        actions = version_actions(root, v) or []
+        for action in actions:
+            if "remove" in action:
+                files.pop(_identity(action["remove"]), None)
+        for action in actions:
             if "add" in action:
-                files[action["add"]["path"]] = action["add"]
-            elif "remove" in action:
-                files.pop(action["remove"]["path"], None)
-    return files
+                files[_identity(action["add"])] = action["add"]
+    return {add["path"]: add for add in files.values()}
+
+
+def _identity(action: dict[str, Any]) -> tuple[str, str]:
+    """A file action's identity in the log: its path and its vector's id
+    (Delta's ``uniqueId``: storage type, path or inline bytes, ``@offset``)."""
+    dv = action.get("deletionVector") or {}
+    unique = f"{dv.get('storageType', '')}{dv.get('pathOrInlineDv', '')}" + (f"@{dv['offset']}" if dv.get("offset") is not None else "")
+    return action["path"], unique if dv else ""
 
 
 def _json_add(add: dict[str, Any]) -> dict[str, Any]:

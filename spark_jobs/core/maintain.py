@@ -42,6 +42,7 @@ from deltalake import DeltaTable
 from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.compute import Compute, Engine, FileWriting
 from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core import merge_on_read
 from spark_jobs.core.deletion_vectors import carries_vectors
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
 from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, STATE_FENCE, Position
@@ -228,6 +229,15 @@ def _maintain_state(
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
     compacted["state"] = folded + _compact(state)
+    if carries_vectors(state):
+        # Files the compaction left (big enough already) keep their deletion
+        # vectors: rewritten without the rows they delete, so batches stop
+        # reading those rows (`merge_on_read.purge`).
+        state.update_incremental()
+        purged = merge_on_read.purge(state)
+        if purged is not None:
+            state.update_incremental()
+            compacted["state"] += purged[1]
     # The downstream readers are read just before the deletions, not before
     # the fold and compaction (a minute, at scale): a downstream rewound
     # meanwhile has moved its position back, and its replay needs the

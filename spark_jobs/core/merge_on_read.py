@@ -50,6 +50,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -69,10 +70,11 @@ from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import files_meeting
 
-__all__ = ["ENABLED", "commit", "enable", "enabled"]
+__all__ = ["ENABLED", "commit", "enable", "enabled", "purge"]
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
+_MILLISECOND = timedelta(milliseconds=1)
 #: Merge on read while the rows deleted by vectors stay within this share of the rows held (`_pays`).
 MAX_DEAD = 0.5
 #: Row groups read at once (this many cores; each holds one group's rows).
@@ -128,6 +130,43 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     except FileExistsError as exc:
         raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer since this batch read the state") from exc
     return version + 1, data.num_rows
+
+
+def purge(table: DeltaTable) -> tuple[int, int] | None:
+    """Rewrite each of the snapshot's files that carries a deletion vector
+    without the rows it deletes, in one commit that changes no data (what
+    Delta's ``REORG TABLE ... APPLY (PURGE)`` does), on `table`'s snapshot;
+    returns its version and how many files it rewrote (None: no file carries one). Raises
+    `CommitFailedError` if any commit landed since the snapshot.
+
+    A file at a time: its rows are read whole (each file is one batch's, or
+    a compaction's, size)."""
+    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    version = table.version()
+    carrying = [add for add in active_files(root, version).values() if add.get("deletionVector")]
+    if not carrying:
+        return None
+    deleted, schema, now = deleted_rows(table), pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
+    actions: list[dict[str, Any]] = [{
+        "commitInfo": {
+            "timestamp": now, "operation": "REORG", "operationParameters": {"mode": "purge deletion vectors"},
+            "operationMetrics": {"num_removed_files": len(carrying)},
+        }
+    }]
+    for add in carrying:
+        path = unquote(add["path"])
+        source = pq.ParquetFile(Path(root) / path)
+        rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
+        live = np.ones(rows.num_rows, dtype=bool)
+        live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
+        actions.append(_removal(add, now, data_change=False))
+        if live.any():
+            actions.append(_data_file(root, rows.filter(pa.array(live)), schema, now, data_change=False))
+    try:
+        commit_entry(root, version + 1, actions)
+    except FileExistsError as exc:
+        raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer while its vectors were purged") from exc
+    return version + 1, len(carrying)
 
 
 def _pays(added: dict[str, dict[str, Any]], rows: int) -> bool:
@@ -237,7 +276,7 @@ def _fence(metadata: CommitMetadata, now: int) -> dict[str, Any]:
     return {"txn": {"appId": STATE_FENCE, "version": metadata.position.encode(), "lastUpdated": now}}
 
 
-def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int) -> dict[str, Any]:
+def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int, *, data_change: bool = True) -> dict[str, Any]:
     """Step 2: the batch's merged and new rows as one data file, with its
     statistics (`FileStats`, as the executors' files have them)."""
     name = f"part-{uuid.uuid4()}-c000.snappy.parquet"
@@ -247,7 +286,7 @@ def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int) -> dict[s
     for batch in rows.to_batches():
         stats.add(batch)
     size = (Path(root) / name).stat().st_size
-    return {"add": {"path": name, "partitionValues": {}, "size": size, "modificationTime": now, "dataChange": True, "stats": stats.json()}}
+    return {"add": {"path": name, "partitionValues": {}, "size": size, "modificationTime": now, "dataChange": data_change, "stats": stats.json()}}
 
 
 def _read(source: pq.ParquetFile, group: int, schema: pa.Schema) -> pa.Table:
@@ -282,6 +321,11 @@ def _key_range(data: pa.Table, keys: list[str]) -> tuple[Any, Any] | None:
     found = pc.min_max(column)
     try:
         low, high = found["min"].as_py(), found["max"].as_py()
+        if low is not None and pa.types.is_timestamp(column.type):
+            # The log's bounds are cut to the millisecond (a file's largest
+            # time may lie below its last row's): compared as the staged
+            # path's bounds are, rounded out (`staged.key_range`).
+            low, high = low - _MILLISECOND, high + _MILLISECOND
     except (OverflowError, ValueError):  # a date or time past Python's years 1 to 9999
         return None
     return None if low is None else (low, high)
@@ -294,22 +338,27 @@ def _logged(added: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
 
 def _revectored(add: dict[str, Any], descriptor: dict[str, Any], now: int) -> list[dict[str, Any]]:
     """A file's add action replaced by one with `descriptor` as its vector:
-    the old one removed as it was added (vector and all: a file's identity
-    in the log is its path and its vector), the new one added. Its
-    statistics still bound its rows, no longer tightly."""
-    remove = {
-        "path": add["path"], "deletionTimestamp": now, "dataChange": True, "extendedFileMetadata": True,
-        "partitionValues": add.get("partitionValues") or {}, "size": add["size"],
-    }
-    if add.get("deletionVector"):
-        remove["deletionVector"] = add["deletionVector"]
+    the old one removed (`_removal`), the new one added. Its statistics
+    still bound its rows, no longer tightly."""
     readded = {k: v for k, v in add.items() if v is not None}
     readded.update(modificationTime=now, dataChange=True, deletionVector=descriptor)
     if readded.get("stats"):
         stats = json.loads(readded["stats"])
         stats["tightBounds"] = False
         readded["stats"] = json.dumps(stats)
-    return [{"remove": remove}, {"add": readded}]
+    return [_removal(add, now), {"add": readded}]
+
+
+def _removal(add: dict[str, Any], now: int, *, data_change: bool = True) -> dict[str, Any]:
+    """The removal of the file `add` added, as it was added (its vector
+    too: a file's identity in the log is its path and its vector)."""
+    remove = {
+        "path": add["path"], "deletionTimestamp": now, "dataChange": data_change, "extendedFileMetadata": True,
+        "partitionValues": add.get("partitionValues") or {}, "size": add["size"],
+    }
+    if add.get("deletionVector"):
+        remove["deletionVector"] = add["deletionVector"]
+    return {"remove": remove}
 
 
 def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Table) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
-from spark_jobs.core.delta_io import arrow, is_commit_conflict, open_table, read_all
+from spark_jobs.core.delta_io import arrow, commit_info, is_commit_conflict, open_table, read_all
 from spark_jobs.core.fencing import STATE_FENCE, Position
 from spark_jobs.core.spec import load_spec
 from tests.conftest import batch_metadata, commit_updates, oracle_spec_dict, write_spec
@@ -205,3 +205,100 @@ def test_a_batch_big_beside_the_state_or_its_deleted_rows_is_merged_copy_on_writ
         kinds.append(_merged_on_read(mor))
         assert _rows(mor) == _rows(cow), f"batch {n}"
     assert kinds == [False, True, True, False, True]
+
+
+def _keyed(keys, values, kind=pa.int64()) -> pa.Table:
+    return pa.table({"k": pa.array(keys, kind), "s": pa.array(values, pa.int64())})
+
+
+def _simple(folder: Path, vectors: bool, kind: str = "k BIGINT"):
+    from spark_jobs.core.state import StateTable
+
+    spec = oracle_spec_dict()
+    spec["state"] = {"path": "lake/state", "keys": ["k"], "merge": {"s": "sum"}, "deletion_vectors": vectors, "change_feed": True}
+    folder.mkdir(parents=True, exist_ok=True)
+    return StateTable(load_spec(write_spec(folder, spec)))
+
+
+def test_a_timestamp_key_past_its_file_s_millisecond_bound_is_found_not_stored_twice(tmp_path):
+    """The log keeps a file's largest time cut to the millisecond: a batch
+    of only the state's last key (a microsecond past that bound) is merged
+    into its row, not inserted beside it (found by a review: the key twice)."""
+    from datetime import datetime, timedelta, timezone
+
+    start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    keys = [start + timedelta(microseconds=1001 * k) for k in range(2000)]
+    kind = pa.timestamp("us", tz="UTC")
+    state = _simple(tmp_path, True)
+    first = _keyed(keys, [1] * 2000, kind)
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    commit_updates(state, state.open(), _keyed([keys[-1]], [10], kind), Position(0, 2))
+    assert _merged_on_read(state)
+    assert [r["s"] for r in _rows(state) if r["k"] == keys[-1]] == [11]
+
+
+def test_after_a_rewind_the_files_and_their_vectors_are_read_as_delta_rs_reads_them(tmp_path):
+    """delta-rs's RESTORE adds a file with its old vector and removes it
+    with its newer one, in one entry: the log is read by path and vector,
+    so the next batch finds that file (a review saw it vanish: every retry
+    of the batch failed)."""
+    from spark_jobs.core.deletion_vectors import active_files, carries_vectors
+
+    cow, mor = _simple(tmp_path / "cow", False), _simple(tmp_path / "mor", True)
+    batches = [_keyed(range(2000), [1] * 2000), _keyed([*range(2000, 2900), 0], [1] * 901), _keyed(range(1, 51), [1] * 50)]
+    versions = {}
+    for n, batch in enumerate(batches, start=1):
+        for state in (cow, mor):
+            versions[state.path, n] = commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))[0]
+    for state in (cow, mor):
+        state.restore(state.open(), versions[state.path, 2], batch_metadata("clicks", Position(1, 2)))
+    table = open_table(mor.path)
+    assert carries_vectors(table) and len(active_files(mor.path, table.version())) == len(table.file_uris())
+    for state in (cow, mor):
+        commit_updates(state, state.open(), _keyed(range(100, 180), [1] * 80), Position(1, 3))
+    assert _merged_on_read(mor) and _rows(mor) == _rows(cow)
+
+
+def test_widening_a_column_over_vectors_leaves_a_change_feed_a_downstream_nets_to_nothing(tmp_path):
+    """A merge column widened (INT to BIGINT) rewrites the state; delta-rs
+    reads the removal of a file with a vector as the rows the vector
+    deletes, so the vectors are purged first (a commit that changes no
+    data): the widening's change feed deletes exactly the live rows and
+    inserts them again (a review's downstream counted users twice)."""
+    state = _simple(tmp_path, True)
+    narrow = pa.table({"k": pa.array(range(2000), pa.int64()), "s": pa.array([1] * 2000, pa.int32())})
+    commit_updates(state, state.create(narrow), narrow, Position(0, 1))
+    commit_updates(state, state.open(), narrow.slice(0, 100), Position(0, 2))
+    assert _merged_on_read(state)
+    live = _rows(state)
+    wide = pa.table({"k": pa.array([5, 7], pa.int64()), "s": pa.array([2**40, 1], pa.int64())})
+    commit_updates(state, state.open(), wide, Position(0, 3))
+    table = open_table(state.path)
+    operations = [commit_info(state.path, v)["operation"] for v in range(table.version() - 2, table.version() + 1)]
+    assert operations == ["REORG", "WRITE", "MERGE"], operations  # the purge, the widening's overwrite, the batch
+    widened = arrow(table.load_cdf(starting_version=table.version() - 1, ending_version=table.version() - 1).read_all())
+    kinds = widened.column("_change_type").to_pylist()
+    assert kinds.count("delete") == kinds.count("insert") == len(live)
+    deleted = sorted(k for k, kind in zip(widened.column("k").to_pylist(), kinds) if kind == "delete")
+    assert deleted == [r["k"] for r in live]
+    assert {r["k"]: r["s"] for r in _rows(state)}[5] == 2 + 2**40
+
+
+def test_maintain_s_purge_leaves_no_vector_and_every_row(tmp_path):
+    """`merge_on_read.purge` (what `maintain` runs after its compaction):
+    each file with a vector rewritten without the rows it deletes, in a
+    commit that changes no data; the rows are the same, none is read dead."""
+    from spark_jobs.core.deletion_vectors import carries_vectors
+    from spark_jobs.core.merge_on_read import purge
+
+    state = _state(tmp_path, True)
+    for n, batch in enumerate(_batches(4, seed=8), start=1):
+        commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+    rows, version = _rows(state), open_table(state.path).version()
+    assert carries_vectors(open_table(state.path))
+    purged, files = purge(open_table(state.path))
+    table = open_table(state.path)
+    assert purged == version + 1 and files >= 1 and not carries_vectors(table)
+    assert _rows(state) == rows and commit_info(state.path, purged)["operation"] == "REORG"
+    assert arrow(table.load_cdf(starting_version=purged, ending_version=purged).read_all()).num_rows == 0
+    assert purge(table) is None

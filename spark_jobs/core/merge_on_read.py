@@ -70,7 +70,7 @@ from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import files_meeting
 
-__all__ = ["ENABLED", "commit", "enable", "enabled", "purge"]
+__all__ = ["ENABLED", "commit", "enable", "enabled", "purge", "restore"]
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
@@ -167,6 +167,71 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
     except FileExistsError as exc:
         raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer while its vectors were purged") from exc
     return version + 1, len(carrying)
+
+
+def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) -> int | None:
+    """A rewind's restore of a state with a change feed whose files carry
+    deletion vectors (now, or as of `version`; None: empty), with the change
+    file Delta's RESTORE lacks; returns the version committed, None when no
+    file carries one (delta-rs's RESTORE is right then). Raises
+    `CommitFailedError` if any commit landed since `table`'s snapshot.
+
+    Without change files a reader derives a version's changes from the
+    files it removes and adds, and delta-rs reads a removed file with a
+    vector as the rows the vector deletes, not its live ones (a chained
+    downstream counted twice after a rewind). So the job commits the restore
+    itself: the files the snapshot holds and `version`'s does not removed
+    (as they were added), `version`'s files added (with their vectors then),
+    and one change file: each removed file's live rows as deletes, each
+    added file's as inserts (a downstream nets the rows that stay)."""
+    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    now_version = table.version()
+    current = active_files(root, now_version)
+    target = active_files(root, version) if version is not None else {}
+    if not any(a.get("deletionVector") for a in (*current.values(), *target.values())):
+        return None
+    def same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:  # a file's identity: its path and its vector
+        return a is not None and b is not None and (a.get("deletionVector") or None) == (b.get("deletionVector") or None)
+
+    removed = [a for p, a in current.items() if not same(a, target.get(p))]
+    added = [a for p, a in target.items() if not same(a, current.get(p))]
+    schema, now = pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
+    gone = _live_rows(root, table, removed, schema)
+    back = _live_rows(root, DeltaTable(table.table_uri, version=version) if version is not None else None, added, schema)
+    kinds = ["delete"] * gone.num_rows + ["insert"] * back.num_rows
+    change = pa.concat_tables([gone, back]).append_column("_change_type", pa.array(kinds, pa.string()))
+    actions: list[dict[str, Any]] = [
+        {"commitInfo": {
+            "timestamp": now, "operation": "RESTORE", "operationParameters": {"version": version},
+            METADATA_KEY: metadata.to_json(),
+        }},
+        _fence(metadata, now),
+        *(_removal(a, now) for a in removed),
+        *({"add": {**a, "modificationTime": now, "dataChange": True}} for a in added),
+    ]
+    if change.num_rows:
+        actions.append(_cdc(root, change))
+    try:
+        commit_entry(root, now_version + 1, actions)
+    except FileExistsError as exc:
+        raise CommitFailedError(f"version {now_version + 1} of {root} was committed by another writer during the restore") from exc
+    return now_version + 1
+
+
+def _live_rows(root: str, table: DeltaTable | None, adds: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """The rows of the files `adds` that their vectors (as of `table`'s snapshot) leave live, in `schema`."""
+    if not adds or table is None:
+        return schema.empty_table()
+    deleted = deleted_rows(table)
+    parts = []
+    for add in adds:
+        path = unquote(add["path"])
+        source = pq.ParquetFile(Path(root) / path)
+        rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
+        live = np.ones(rows.num_rows, dtype=bool)
+        live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
+        parts.append(rows.filter(pa.array(live)))
+    return pa.concat_tables(parts)
 
 
 def _pays(added: dict[str, dict[str, Any]], rows: int) -> bool:
@@ -362,10 +427,13 @@ def _removal(add: dict[str, Any], now: int, *, data_change: bool = True) -> dict
 
 
 def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Table) -> dict[str, Any]:
-    """The batch's row changes as one change data file (Delta's
-    `_change_data` folder), and its ``cdc`` action."""
+    """The batch's row changes as one change data file, and its ``cdc`` action."""
     kinds = ["update_preimage"] * before.num_rows + ["update_postimage"] * after.num_rows + ["insert"] * inserted.num_rows
-    rows = pa.concat_tables([before, after, inserted]).append_column("_change_type", pa.array(kinds, pa.string()))
+    return _cdc(root, pa.concat_tables([before, after, inserted]).append_column("_change_type", pa.array(kinds, pa.string())))
+
+
+def _cdc(root: str, rows: pa.Table) -> dict[str, Any]:
+    """`rows` (with `_change_type`) as one change data file (Delta's `_change_data` folder), and its ``cdc`` action."""
     path = f"_change_data/cdc-{uuid.uuid4()}.snappy.parquet"
     (Path(root) / "_change_data").mkdir(exist_ok=True)
     pq.write_table(rows, Path(root) / path, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)

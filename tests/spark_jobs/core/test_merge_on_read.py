@@ -64,6 +64,20 @@ def _data_files(state) -> set[str]:
     return {p.name for p in Path(state.path).glob("*.parquet")}
 
 
+def _replays(state, version: int) -> bool:
+    """Whether the state's rows before `version`, with that version's change
+    feed applied (as a downstream reads it), are its rows after it."""
+    from collections import Counter
+
+    before = Counter(repr(sorted(r.items())) for r in read_all(DeltaTable(state.path, version=version - 1)).to_pylist())
+    feed = arrow(open_table(state.path).load_cdf(starting_version=version, ending_version=version).read_all())
+    columns = [c for c in feed.column_names if not c.startswith("_change_type") and not c.startswith("_commit")]
+    for row, kind in zip(feed.select(columns).to_pylist(), feed.column("_change_type").to_pylist()):
+        before[repr(sorted(row.items()))] += -1 if kind in ("delete", "update_preimage") else 1
+    after = Counter(repr(sorted(r.items())) for r in read_all(DeltaTable(state.path, version=version)).to_pylist())
+    return +before == after and not any(n < 0 for n in before.values())
+
+
 def _merged_on_read(state) -> bool:
     """Whether the state's latest commit is a batch merged on read."""
     return '"merge-on-read"' in (Path(state.path) / "_delta_log" / f"{open_table(state.path).version():020d}.json").read_text()
@@ -125,7 +139,7 @@ def test_delta_rs_rewinds_compacts_vacuums_and_checkpoints_it(tmp_path):
             versions[state.path, n] = version
     for state in (cow, mor):
         state.restore(state.open(), versions[state.path, 2], batch_metadata("clicks", Position(1, 2)))
-    assert _rows(mor) == _rows(cow)
+    assert _rows(mor) == _rows(cow) and _replays(mor, open_table(mor.path).version())
     open_table(mor.path).create_checkpoint()
     for n, batch in enumerate(batches[4:], start=3):
         for state in (cow, mor):
@@ -254,6 +268,7 @@ def test_after_a_rewind_the_files_and_their_vectors_are_read_as_delta_rs_reads_t
         state.restore(state.open(), versions[state.path, 2], batch_metadata("clicks", Position(1, 2)))
     table = open_table(mor.path)
     assert carries_vectors(table) and len(active_files(mor.path, table.version())) == len(table.file_uris())
+    assert _rows(mor) == _rows(cow) and _replays(mor, table.version())  # delta-rs's RESTORE read as the wrong rows
     for state in (cow, mor):
         commit_updates(state, state.open(), _keyed(range(100, 180), [1] * 80), Position(1, 3))
     assert _merged_on_read(mor) and _rows(mor) == _rows(cow)
@@ -302,3 +317,17 @@ def test_maintain_s_purge_leaves_no_vector_and_every_row(tmp_path):
     assert _rows(state) == rows and commit_info(state.path, purged)["operation"] == "REORG"
     assert arrow(table.load_cdf(starting_version=purged, ending_version=purged).read_all()).num_rows == 0
     assert purge(table) is None
+
+
+def test_a_rewind_to_before_the_first_batch_deletes_every_live_row_in_its_change_feed(tmp_path):
+    """A rewind to the start (an empty state) over vectors: the change feed
+    deletes exactly the live rows, as a downstream must see it."""
+    state = _state(tmp_path, True)
+    for n, batch in enumerate(_batches(3, seed=9), start=1):
+        commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+    live = len(_rows(state))
+    state.restore(state.open(), None, batch_metadata("clicks", Position(1, 0)))
+    version = open_table(state.path).version()
+    assert _rows(state) == [] and _replays(state, version)
+    feed = arrow(open_table(state.path).load_cdf(starting_version=version, ending_version=version).read_all())
+    assert feed.column("_change_type").to_pylist() == ["delete"] * live

@@ -16,10 +16,12 @@ honouring the vectors (verified on delta-rs 1.6.6 and delta-spark 4.4:
 tests/spark_jobs/core/test_merge_on_read.py). It cannot write a vector
 itself, so the batch's commit is the job's (`spark_jobs.core.deletion_vectors`).
 
-`commit`, from the snapshot step 4 checked:
+`commit`, from the snapshot step 4 checked, when it pays (`_pays`: while
+the rows the vectors delete, with the batch's, stay within `MAX_DEAD` of
+the rows held; else the caller's copy-on-write MERGE, which drops them):
 
-1. The files whose key range meets the batch's are read, one at a time;
-   each live row (one its vector does not delete) whose key the batch holds
+1. The row groups of the files whose key range meets the batch's are read,
+   `READERS` at a time; each live row (one its vector does not delete) whose key the batch holds
    is found (`arrow_rows.matches`) and merged with the batch's row by the
    spec's rules (`arrow_rows.merged_rows`).
 2. The merged rows and the batch's new keys are written as one data file,
@@ -40,6 +42,12 @@ itself, so the batch's commit is the job's (`spark_jobs.core.deletion_vectors`).
 Files written for a commit that did not land are no version's: `maintain`
 removes the data files among them (`spark_jobs.core.untracked`); change
 and vector files are small, and left.
+
+Two more commits of the job's own keep such a table right for a chained
+downstream, whose change feed delta-rs derives wrongly from the removal
+of a file with a vector (it reads the rows the vector deletes): `restore`
+(a rewind, with a change file) and `purge` (the vectors rewritten away in
+a commit that changes no data: `maintain`, and before a widening).
 """
 
 from __future__ import annotations

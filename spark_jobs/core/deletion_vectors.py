@@ -107,7 +107,9 @@ def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:
                 add = _json_add(add)
                 files[_identity(add)] = add
     for v in range(start, version + 1):
-        actions = version_actions(root, v) or []
+        actions = version_actions(root, v)
+        if actions is None:  # cleaned up, and no checkpoint this side of it: never guess a snapshot
+            raise FileNotFoundError(f"{root}: log entry {v} is gone and no checkpoint at or before {version} covers it")
         for action in actions:
             if "remove" in action:
                 files.pop(_identity(action["remove"]), None)

@@ -33,7 +33,7 @@ from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transac
 
 from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.deletion_vectors import carries_vectors
+from spark_jobs.core.deletion_vectors import carries_vectors, has_deletion_vectors
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
@@ -516,7 +516,7 @@ class StateTable:
         """
         props = _fenced(metadata)
         before = table.version()
-        if self.spec.state.change_feed and version != before:
+        if self.spec.state.change_feed and version != before and has_deletion_vectors(table):
             # Over deletion vectors, with the change file a downstream reads it by.
             restored = merge_on_read.restore(table, version, metadata)
             if restored is not None:

@@ -162,14 +162,10 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
         }
     }]
     for add in carrying:
-        path = unquote(add["path"])
-        source = pq.ParquetFile(Path(root) / path)
-        rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
-        live = np.ones(rows.num_rows, dtype=bool)
-        live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
         actions.append(_removal(add, now, data_change=False))
-        if live.any():
-            actions.append(_data_file(root, rows.filter(pa.array(live)), schema, now, data_change=False))
+        live = _live_file(root, add, deleted, schema)
+        if live.num_rows:
+            actions.append(_data_file(root, live, schema, now, data_change=False))
     try:
         commit_entry(root, version + 1, actions)
     except FileExistsError as exc:
@@ -231,15 +227,17 @@ def _live_rows(root: str, table: DeltaTable | None, adds: list[dict[str, Any]], 
     if not adds or table is None:
         return schema.empty_table()
     deleted = deleted_rows(table)
-    parts = []
-    for add in adds:
-        path = unquote(add["path"])
-        source = pq.ParquetFile(Path(root) / path)
-        rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
-        live = np.ones(rows.num_rows, dtype=bool)
-        live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
-        parts.append(rows.filter(pa.array(live)))
-    return pa.concat_tables(parts)
+    return pa.concat_tables([_live_file(root, add, deleted, schema) for add in adds])
+
+
+def _live_file(root: str, add: dict[str, Any], deleted: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
+    """The rows of one file that `deleted` (its deleted rows, by path) leaves live, in `schema`."""
+    path = unquote(add["path"])
+    source = pq.ParquetFile(Path(root) / path)
+    rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
+    live = np.ones(rows.num_rows, dtype=bool)
+    live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
+    return rows.filter(pa.array(live))
 
 
 def _pays(added: dict[str, dict[str, Any]], rows: int) -> bool:

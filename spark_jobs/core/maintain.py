@@ -229,15 +229,14 @@ def _maintain_state(
     # from the latest snapshot (a fold that lost its race left the handle behind).
     state.update_incremental()
     compacted["state"] = folded + _compact(state)
-    if carries_vectors(state):
-        # Files the compaction left (big enough already) keep their deletion
-        # vectors: rewritten without the rows they delete, so batches stop
-        # reading those rows (`merge_on_read.purge`).
+    # Files the compaction left (big enough already) keep their deletion
+    # vectors: rewritten without the rows they delete, so batches stop
+    # reading those rows (`merge_on_read.purge`; nothing without vectors).
+    state.update_incremental()
+    purged = merge_on_read.purge(state)
+    if purged is not None:
         state.update_incremental()
-        purged = merge_on_read.purge(state)
-        if purged is not None:
-            state.update_incremental()
-            compacted["state"] += purged[1]
+        compacted["state"] += purged[1]
     # The downstream readers are read just before the deletions, not before
     # the fold and compaction (a minute, at scale): a downstream rewound
     # meanwhile has moved its position back, and its replay needs the

@@ -149,6 +149,8 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
 
     A file at a time: its rows are read whole (each file is one batch's, or
     a compaction's, size)."""
+    if not has_deletion_vectors(table):
+        return None
     root = unquote(urlparse(table.table_uri).path).rstrip("/")
     version = table.version()
     carrying = [add for add in active_files(root, version).values() if add.get("deletionVector")]
@@ -366,15 +368,12 @@ def _read(source: pq.ParquetFile, group: int, schema: pa.Schema) -> pa.Table:
     (One thread: pyarrow's pool left alive beside delta-rs's can abort the
     process at exit, `delta_io.read_pruned`.)"""
     present = set(source.schema_arrow.names)
-    rows = source.read_row_group(group, columns=[f.name for f in schema if f.name in present], use_threads=False)
-    return pa.table(
-        [rows.column(f.name).cast(f.type) if f.name in present else pa.nulls(rows.num_rows, f.type) for f in schema],
-        schema=schema,
-    )
+    return _in_schema(source.read_row_group(group, columns=[f.name for f in schema if f.name in present], use_threads=False), schema)
 
 
 def _in_schema(rows: pa.Table, schema: pa.Schema) -> pa.Table:
-    """New keys' rows in the state's schema: a state column the batch lacks is null, as a MERGE inserts it."""
+    """`rows` in the state's schema: a column they lack is null (a file
+    written before it was added; a batch's new keys, as a MERGE inserts them)."""
     return pa.table(
         [rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema],
         schema=schema,

@@ -40,7 +40,6 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 log = logging.getLogger("microbatch")
 
 __all__ = [
-    "files_meeting",
     "CAST_FAILED",
     "IN_PROCESS_ROWS",
     "REWRITE_FROM_BYTES",
@@ -50,6 +49,7 @@ __all__ = [
     "StagedValues",
     "commit_files",
     "delete_files",
+    "files_meeting",
     "files_bytes",
     "key_range",
     "read_staged",

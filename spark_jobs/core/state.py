@@ -164,7 +164,7 @@ class StateTable:
             return self._commit_staged(table, updates, metadata, files)
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
-        if data.num_rows and self.spec.state.deletion_vectors and not is_appended(self.spec):
+        if data.num_rows and self.spec.state.deletion_vectors:  # (a merged state's: `StateSpec` refuses it appended)
             done = merge_on_read.commit(table, self.spec, data, metadata)
             if done is not None:
                 return done
@@ -422,7 +422,7 @@ class StateTable:
             # A merged state turned appended: whoever reads the table learns how to read it.
             with self._changing_columns("marking its layout in its description"):
                 table.alter.set_table_description(self._description() or "")
-        if self.spec.state.deletion_vectors and not is_appended(self.spec) and not merge_on_read.enabled(table):
+        if self.spec.state.deletion_vectors and not merge_on_read.enabled(table):
             # Turned on in the spec: the table declares the feature (readers must know it) before a batch adds one.
             with self._changing_columns("turning deletion vectors on"):
                 merge_on_read.enable(table)
@@ -471,12 +471,12 @@ class StateTable:
           widening) makes one of the two fail;
         * is marked with `WIDEN_KEY`, so `outside_changes` knows it for ours.
         """
-        if carries_vectors(table):
-            # delta-rs's change feed reads the removal of a file with a vector
-            # as the rows the vector deletes, not the live ones: a downstream
-            # would net the overwrite wrongly. Rewritten without them first.
-            purged = merge_on_read.purge(table)
-            table.load_as_version(purged[0] if purged else table.version())
+        # delta-rs's change feed reads the removal of a file with a deletion
+        # vector as the rows the vector deletes, not the live ones: a downstream
+        # would net the overwrite wrongly. Rewritten without them first.
+        purged = merge_on_read.purge(table)
+        if purged is not None:
+            table.load_as_version(purged[0])
         schema = pa.schema([f.with_type(widened.get(f.name, f.type)) for f in existing])
         # Streamed: the overwrite only retires the files the scan reads.
         rows = pa.RecordBatchReader.from_stream(QueryBuilder().register("state", table).execute("SELECT * FROM state"))

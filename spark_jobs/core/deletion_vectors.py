@@ -42,7 +42,10 @@ from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import arrow, version_actions
 
-__all__ = ["FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "write_vectors"]
+__all__ = [
+    "FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "is_vector_file",
+    "vector_file", "write_vectors",
+]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
 FEATURE = "deletionVectors"
@@ -156,6 +159,26 @@ def write_vectors(root: str, vectors: list[np.ndarray]) -> list[dict[str, Any]]:
     return descriptors
 
 
+def vector_file(descriptor: dict[str, Any] | None) -> str | None:
+    """The file, relative to the table's folder, holding the vector that
+    `descriptor` (an action's ``deletionVector``) names; None for none, an
+    inline vector, or an absolute path (another folder's: never ours).
+    Storage type ``u``: an optional random prefix (a subfolder), then the
+    UUID in Z85 (its last 20 characters)."""
+    if not descriptor or descriptor.get("storageType") != "u":
+        return None
+    encoded = descriptor["pathOrInlineDv"]
+    prefix, uid = encoded[:-20], uuid.UUID(bytes=_unz85(encoded[-20:]))
+    name = f"deletion_vector_{uid}.bin"
+    return f"{prefix}/{name}" if prefix else name
+
+
+def is_vector_file(path: str) -> bool:
+    """Whether `path` (relative to a table's folder) is named as Delta names deletion-vector files."""
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("deletion_vector_") and name.endswith(".bin")
+
+
 def commit(root: str, version: int, actions: list[dict[str, Any]]) -> None:
     """`actions` as the log entry `version`, or `FileExistsError` if that
     entry exists (another commit took the version): written aside, then
@@ -217,3 +240,14 @@ def _z85(data: bytes) -> str:
             chars.append(_Z85[digit])
         out.extend(reversed(chars))
     return "".join(out)
+
+
+def _unz85(text: str) -> bytes:
+    """The bytes `text` is the Z85 of (`_z85` undone)."""
+    out = []
+    for start in range(0, len(text), 5):
+        word = 0
+        for char in text[start : start + 5]:
+            word = word * 85 + _Z85.index(char)
+        out.append(struct.pack(">I", word))
+    return b"".join(out)

@@ -13,11 +13,17 @@ its way to its commit.
 
 Only Parquet files are data files here (an archived source file or a note
 someone left is not ours to remove), and a folder holding a Delta table of
-its own is another table, left alone.
+its own is another table, left alone. Deletion-vector files
+(``deletion_vector_<uuid>.bin``, `spark_jobs.core.merge_on_read`) are the
+other files a commit names: each batch merged on read writes one, and a
+file's vector replaced by the next batch's leaves the old one named by no
+version that VACUUM ever removes (delta-rs's VACUUM removes data files
+only), so they are removed here too, on a local table whose kept
+snapshot's vectors could be read from its log.
 
 What counts as referenced: every file of the snapshot at `keep_from` (the
-oldest version `maintain` keeps restorable), and every file any later log
-entry adds or removes, up to the newest entry in storage (not only the
+oldest version `maintain` keeps restorable) and its vectors' files, and
+every file (and vector file) any later log entry adds or removes, up to the newest entry in storage (not only the
 handle's: a commit landing meanwhile names its files there). Files a commit
 removed before `keep_from` and VACUUM left are not needed by any kept
 version either. The log (`_delta_log`), change data (`_change_data`, whose
@@ -38,6 +44,7 @@ checks, before it commits, that its files are younger than half the window
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -46,9 +53,10 @@ from urllib.parse import unquote
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
+from spark_jobs.core.deletion_vectors import active_files, has_deletion_vectors, is_vector_file, vector_file
 from spark_jobs.core.delta_io import is_commit_conflict, version_actions
 from spark_jobs.storage.listing import StoredFile, delete, list_files
-from spark_jobs.storage.s3 import delta_storage_options
+from spark_jobs.storage.s3 import delta_storage_options, is_s3
 
 __all__ = ["MARKER_KEY", "remove_untracked"]
 
@@ -67,7 +75,7 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
     found = _referenced(root, keep_from)
     if found is None:
         return 0
-    referenced, newest = found
+    referenced, newest, vectors_known = found
     if older_than_hours < 1:
         log.warning(
             "maintenance.untracked_files_hours is %g: a write of a run still going that long may lose its files; "
@@ -78,8 +86,8 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
     nested = _nested_tables(files)
     doomed = [
         stored for stored in files
-        if stored.mtime <= cutoff and stored.path.endswith(".parquet") and not stored.path.startswith(nested)
-        and stored.path not in referenced and not _skipped(stored.path)
+        if stored.mtime <= cutoff and (stored.path.endswith(".parquet") or vectors_known and is_vector_file(stored.path))
+        and not stored.path.startswith(nested) and stored.path not in referenced and not _skipped(stored.path)
     ]
     if not doomed or not _mark(root, newest, fences, len(doomed)):
         return 0
@@ -89,25 +97,34 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
     return len(doomed)
 
 
-def _referenced(root: str, keep_from: int) -> tuple[set[str], int] | None:
-    """The files a version from `keep_from` on references, relative to the
-    table's folder and decoded, and the newest version read; None if
-    `keep_from`'s snapshot cannot be read (its log entries cleaned up):
-    nothing is removed then."""
+def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
+    """The files a version from `keep_from` on references (vector files
+    too), relative to the table's folder and decoded, the newest version
+    read, and whether the vector files of `keep_from`'s snapshot are among
+    them (read from the log; only for a local table: delta-rs does not
+    expose them); None if `keep_from`'s snapshot cannot be read (its log
+    entries cleaned up): nothing is removed then."""
     try:
         at = DeltaTable(root, version=keep_from, storage_options=delta_storage_options(root))
     except Exception as exc:  # noqa: BLE001 - no snapshot to compare with: remove nothing
         log.warning("untracked files of %s not removed: version %d cannot be read (%s)", root, keep_from, exc)
         return None
     referenced = {unquote(path) for path in at.get_add_actions(flatten=True).column("path").to_pylist()}
+    vectors_known = not has_deletion_vectors(at)
+    if not vectors_known and not is_s3(root):
+        with contextlib.suppress(FileNotFoundError):  # a log cleaned past any checkpoint: vector files stay
+            adds = active_files(unquote(root.removeprefix("file://")), keep_from).values()
+            referenced |= {vector_file(add.get("deletionVector")) for add in adds} - {None}
+            vectors_known = True
     version = keep_from + 1
     while (actions := version_actions(root, version)) is not None:
         for action in actions:
             for kind in ("add", "remove"):
                 if kind in action:
                     referenced.add(unquote(action[kind]["path"]))
+                    referenced.add(vector_file(action[kind].get("deletionVector")) or "")
         version += 1
-    return referenced, version - 1
+    return referenced, version - 1, vectors_known
 
 
 def _mark(root: str, newest: int, fences: list[str], count: int) -> bool:

@@ -332,3 +332,53 @@ def test_a_rewind_to_before_the_first_batch_deletes_every_live_row_in_its_change
     assert _rows(state) == [] and _replays(state, version)
     feed = arrow(open_table(state.path).load_cdf(starting_version=version, ending_version=version).read_all())
     assert feed.column("_change_type").to_pylist() == ["delete"] * live
+
+
+def test_vector_files_no_kept_version_names_are_removed_and_every_kept_version_reads_as_before(tmp_path):
+    """Each batch merged on read writes a vector file, and the next batch's
+    vector for the same data file makes the old one dead: `maintain`'s
+    removal of untracked files (`untracked.remove_untracked`) deletes the
+    old vector files no kept version names, an orphan one too, and keeps a
+    young one (a batch's on its way to its commit). Every kept version
+    reads the rows it read before, and a rewind to the oldest still works."""
+    import os
+    import time
+
+    from spark_jobs.core.deletion_vectors import vector_file
+    from spark_jobs.core.untracked import remove_untracked
+
+    state = _state(tmp_path, True)
+    versions = []
+    for n, batch in enumerate(_batches(6, seed=10), start=1):
+        versions.append(commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))[0])
+    root = Path(state.path)
+    old, orphan, young = time.time() - 3 * 3600, root / "deletion_vector_orphan.bin", root / "deletion_vector_young.bin"
+    orphan.write_bytes(b"\x01")
+    young.write_bytes(b"\x01")
+    for path in root.glob("*"):
+        if path != young and path.is_file():
+            os.utime(path, (old, old))
+    before = {p.name for p in root.glob("deletion_vector_*.bin")}
+    keep_from = versions[3]
+    reads = {v: _sorted(read_all(DeltaTable(state.path, version=v)).to_pylist()) for v in range(keep_from, versions[-1] + 1)}
+    named = {vector_file(a.get("deletionVector")) for v in reads for a in _adds(state.path, v)} - {None}
+
+    removed = remove_untracked(open_table(state.path), keep_from, 1, [STATE_FENCE])
+
+    after = {p.name for p in root.glob("deletion_vector_*.bin")}
+    assert orphan.name not in after and young.name in after
+    assert named <= after and len(before - after) == removed >= 2, "the first batches' vector files are dead"
+    for v, rows in reads.items():
+        assert _sorted(read_all(DeltaTable(state.path, version=v)).to_pylist()) == rows, f"version {v}"
+    state.restore(state.open(), keep_from, batch_metadata("clicks", Position(1, 4)))
+    assert _sorted(read_all(open_table(state.path)).to_pylist()) == reads[keep_from]
+
+
+def _sorted(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: r["k"])
+
+
+def _adds(path: str, version: int) -> list[dict]:
+    from spark_jobs.core.deletion_vectors import active_files
+
+    return list(active_files(path, version).values())

@@ -44,7 +44,7 @@ from spark_jobs.core.delta_io import arrow, version_actions
 
 __all__ = [
     "FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "is_vector_file",
-    "vector_file", "write_vectors",
+    "vector_file", "vector_files", "write_vectors",
 ]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
@@ -171,6 +171,19 @@ def vector_file(descriptor: dict[str, Any] | None) -> str | None:
     prefix, uid = encoded[:-20], uuid.UUID(bytes=_unz85(encoded[-20:]))
     name = f"deletion_vector_{uid}.bin"
     return f"{prefix}/{name}" if prefix else name
+
+
+def vector_files(table: DeltaTable) -> list[str]:
+    """The vector files (full paths) the snapshot's files read their
+    deleted rows from: what a rewind to it needs besides its data files,
+    since `maintain` removes the vector files of versions it does not keep
+    (`spark_jobs.core.untracked`). None for a table on S3, where the job
+    writes no vector and removes none."""
+    if not has_deletion_vectors(table) or urlparse(table.table_uri).scheme not in ("", "file"):
+        return []
+    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    named = {vector_file(add.get("deletionVector")) for add in active_files(root, table.version()).values()}
+    return [f"{root}/{name}" for name in sorted(named - {None})]
 
 
 def is_vector_file(path: str) -> bool:

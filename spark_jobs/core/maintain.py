@@ -43,7 +43,7 @@ from spark_jobs.core.agreement import check_spec
 from spark_jobs.core.compute import Compute, Engine, FileWriting
 from spark_jobs.core.commits import METADATA_KEY
 from spark_jobs.core import merge_on_read
-from spark_jobs.core.deletion_vectors import carries_vectors
+from spark_jobs.core.deletion_vectors import carries_vectors, vector_files
 from spark_jobs.core.delta_io import COMPACTION_WRITER, SMALL_FILE_BYTES, commit_info, is_commit_conflict, open_table
 from spark_jobs.core.fencing import COMMIT_FENCE, PLAN_FENCE, STATE_FENCE, Position
 from spark_jobs.core.folding import FOLD_KEY, fold, is_appended, row_counts
@@ -352,9 +352,14 @@ def _prune_change_data(path: str, state: DeltaTable, before: int) -> int:
 
 
 def restorable(path: str, version: int) -> bool:
-    """Whether every data file of the table's `version` still exists."""
+    """Whether every data file of the table's `version` still exists, and
+    every deletion-vector file its files read (a state merged on read:
+    VACUUM leaves a version's data files that no batch removed, and the
+    removal of untracked files takes the vector files of the versions not
+    kept)."""
     try:
-        files = DeltaTable(path, version=version, storage_options=delta_storage_options(path)).file_uris()
+        table = DeltaTable(path, version=version, storage_options=delta_storage_options(path))
+        files = [*table.file_uris(), *vector_files(table)]
     except Exception:  # noqa: BLE001 - a version whose log entry is gone is not restorable either
         return False
     return all(exists(f) for f in files)

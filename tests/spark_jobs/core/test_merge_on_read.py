@@ -345,6 +345,7 @@ def test_vector_files_no_kept_version_names_are_removed_and_every_kept_version_r
     import time
 
     from spark_jobs.core.deletion_vectors import vector_file
+    from spark_jobs.core.maintain import restorable
     from spark_jobs.core.untracked import remove_untracked
 
     state = _state(tmp_path, True)
@@ -370,6 +371,9 @@ def test_vector_files_no_kept_version_names_are_removed_and_every_kept_version_r
     assert named <= after and len(before - after) == removed >= 2, "the first batches' vector files are dead"
     for v, rows in reads.items():
         assert _sorted(read_all(DeltaTable(state.path, version=v)).to_pylist()) == rows, f"version {v}"
+    # A version not kept whose data files all remain (a batch merged on read
+    # removes none) lost its vector files: a rewind must not take it.
+    assert [restorable(state.path, v) for v in versions] == [True, False, False, True, True, True]
     state.restore(state.open(), keep_from, batch_metadata("clicks", Position(1, 4)))
     assert _sorted(read_all(open_table(state.path)).to_pylist()) == reads[keep_from]
 

@@ -113,7 +113,8 @@ def _chain_chaos(
     The drain must leave the downstream equal to the upstream's state, summed.
     `upstream_write`: the upstream's `engine.state_write` (`executors`: its
     batches MERGEd by delta-spark); `vectors`: the upstream's state merged
-    on read (`state.deletion_vectors`); `wave_size`: records a file in the first wave and in the others, users."""
+    on read (`state.deletion_vectors`), its dead vector files removed by
+    `maintain` after 18 s; `wave_size`: records a file in the first wave and in the others, users."""
     from tests.conftest import assert_chain_exact, chain_specs
 
     rng = random.Random(seed)
@@ -122,6 +123,8 @@ def _chain_chaos(
     if upstream_write != "auto":
         spec["engine"] = {"state_write": upstream_write}
     spec["state"]["deletion_vectors"] = vectors
+    if vectors:  # `maintain` removes the vector files of versions it does not keep (18 s: longer than any run here)
+        spec["maintenance"] = {"untracked_files_hours": 0.005}
     upstream.write_text(yaml.safe_dump(spec, sort_keys=False))
     landing = folder / "landing"
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
@@ -154,9 +157,10 @@ def test_chained_pipelines_end_exact_through_kills_upstream_rewinds_and_maintena
 def test_a_chain_whose_upstream_merges_on_read_ends_exact_through_the_same_chaos(tmp_path, on_connect):
     """The upstream's batches merged on read (`state.deletion_vectors`: the
     job's own commits of deletion vectors and change files, issue 64 part
-    2): kills amid them, racing runs, rewinds (delta-rs's RESTORE across
-    vectors) and `maintain` (OPTIMIZE and VACUUM across them), the same
-    exact end downstream, which reads the job's change files."""
+    2): kills amid them, racing runs, rewinds (the job's RESTORE across
+    vectors) and `maintain` (OPTIMIZE, VACUUM and the dead vector files'
+    removal across them), the same exact end downstream, which reads the
+    job's change files."""
     # Many users, small waves after a big first one: batches that merge on read (`merge_on_read._pays`).
     counts = _chain_chaos(tmp_path, rounds=4, seed=29, vectors=True, wave_size=(1500, 30, 2000))
     print(counts)

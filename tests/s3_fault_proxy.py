@@ -93,9 +93,11 @@ def _handler(upstream: str, faults: _Faults) -> type[BaseHTTPRequestHandler]:
         def _reply(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:
             self.send_response(status)
             for name, value in headers:
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+                # A HEAD's answer has no body but the object's length (a reader sizes a file by it).
+                if name.lower() not in _HOP_BY_HOP and (name.lower() != "content-length" or self.command == "HEAD"):
                     self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
+            if self.command != "HEAD" or not any(name.lower() == "content-length" for name, _ in headers):
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)

@@ -16,8 +16,8 @@ one commit, so this module writes what Delta's protocol specifies
   descriptor (storage type ``u``, the UUID in Z85, offset, size,
   cardinality);
 * a **log entry** is written once, at the version it names, or not at all
-  (`commit`: written aside and hard-linked into place, which fails if the
-  entry exists, as delta-rs commits on a local file system).
+  (`commit`: `storage.files.create`, hard-linked into place locally, put
+  with ``If-None-Match`` on S3: as delta-rs commits on each).
 
 What is read back goes through delta-rs: the rows a vector deletes
 (`deleted_rows`, `DeltaTable.deletion_vectors`) and the snapshot's files;
@@ -28,11 +28,9 @@ them from the log (the newest checkpoint and the entries after it).
 from __future__ import annotations
 
 import json
-import os
 import struct
 import uuid
 import zlib
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -41,10 +39,13 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.delta_io import arrow, version_actions
+from spark_jobs.storage.files import create, reader, write_bytes
+from spark_jobs.storage.listing import list_files
+from spark_jobs.storage.s3 import is_s3
 
 __all__ = [
     "FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "is_vector_file",
-    "vector_file", "vector_files", "write_vectors",
+    "table_root", "vector_file", "vector_files", "write_vectors",
 ]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
@@ -65,13 +66,19 @@ def has_deletion_vectors(table: DeltaTable) -> bool:
     return FEATURE in (table.protocol().reader_features or [])
 
 
+def table_root(table: DeltaTable) -> str:
+    """The table's folder, as the job's own reads and writes name it: a
+    local path, or ``s3://bucket/prefix``; not percent-encoded."""
+    uri = table.table_uri.rstrip("/")
+    return unquote(uri) if is_s3(uri) else unquote(urlparse(uri).path).rstrip("/")
+
+
 def carries_vectors(table: DeltaTable) -> bool:
     """Whether any file of the snapshot has a deletion vector (its rows
     must not be read straight from its Parquet file). From the log, no data read."""
     if not has_deletion_vectors(table):
         return False
-    root = unquote(urlparse(table.table_uri).path).rstrip("/")
-    return any(add.get("deletionVector") for add in active_files(root, table.version()).values())
+    return any(add.get("deletionVector") for add in active_files(table_root(table), table.version()).values())
 
 
 def deleted_rows(table: DeltaTable) -> dict[str, np.ndarray]:
@@ -96,15 +103,15 @@ def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:
     A file's identity in the log is its path and its vector: one entry may
     add a file with one vector and remove it with another (delta-rs's
     RESTORE does, adding the old one first), so actions are matched on both."""
-    log = Path(root) / "_delta_log"
-    checkpoints = sorted(
-        int(p.name.split(".")[0]) for p in log.glob("*.checkpoint.parquet") if int(p.name.split(".")[0]) <= version
-    )
+    log = f"{root}/_delta_log"
+    named = (f.path for f in list_files(log) if "/" not in f.path and f.path.endswith(".checkpoint.parquet"))
+    checkpoints = sorted(v for v in (int(name.split(".")[0]) for name in named) if v <= version)
     files: dict[tuple[str, str], dict[str, Any]] = {}
     start = 0
     if checkpoints:
         start = checkpoints[-1] + 1
-        adds = pq.read_table(log / f"{checkpoints[-1]:020d}.checkpoint.parquet", columns=["add"]).column("add")
+        with reader(f"{log}/{checkpoints[-1]:020d}.checkpoint.parquet") as source:
+            adds = pq.read_table(source, columns=["add"]).column("add")
         for add in adds.to_pylist():
             if add is not None:
                 add = _json_add(add)
@@ -155,7 +162,7 @@ def write_vectors(root: str, vectors: list[np.ndarray]) -> list[dict[str, Any]]:
         )
         chunks.append(chunk)
         offset += len(chunk)
-    Path(root, f"deletion_vector_{uid}.bin").write_bytes(b"".join(chunks))
+    write_bytes(f"{root}/deletion_vector_{uid}.bin", b"".join(chunks))
     return descriptors
 
 
@@ -174,14 +181,13 @@ def vector_file(descriptor: dict[str, Any] | None) -> str | None:
 
 
 def vector_files(table: DeltaTable) -> list[str]:
-    """The vector files (full paths) the snapshot's files read their
-    deleted rows from: what a rewind to it needs besides its data files,
-    since `maintain` removes the vector files of versions it does not keep
-    (`spark_jobs.core.untracked`). None for a table on S3, where the job
-    writes no vector and removes none."""
-    if not has_deletion_vectors(table) or urlparse(table.table_uri).scheme not in ("", "file"):
+    """The vector files (paths or ``s3://`` URIs) the snapshot's files read
+    their deleted rows from: what a rewind to it needs besides its data
+    files, since `maintain` removes the vector files of versions it does not
+    keep (`spark_jobs.core.untracked`)."""
+    if not has_deletion_vectors(table):
         return []
-    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    root = table_root(table)
     named = {vector_file(add.get("deletionVector")) for add in active_files(root, table.version()).values()}
     return [f"{root}/{name}" for name in sorted(named - {None})]
 
@@ -194,15 +200,10 @@ def is_vector_file(path: str) -> bool:
 
 def commit(root: str, version: int, actions: list[dict[str, Any]]) -> None:
     """`actions` as the log entry `version`, or `FileExistsError` if that
-    entry exists (another commit took the version): written aside, then
-    hard-linked into place, so a reader never sees half an entry."""
-    log = Path(root) / "_delta_log"
-    aside = log / f".{version:020d}.json.{uuid.uuid4().hex}.tmp"
-    aside.write_text("".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions))
-    try:
-        os.link(aside, log / f"{version:020d}.json")
-    finally:
-        aside.unlink()
+    entry exists (another commit took the version); a reader never sees
+    half an entry (`storage.files.create`)."""
+    entry = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions)
+    create(f"{root}/_delta_log/{version:020d}.json", entry.encode())
 
 
 def _serialized(rows: np.ndarray) -> bytes:

@@ -40,8 +40,10 @@ the rows held; else the caller's copy-on-write MERGE, which drops them):
    snapshot or not at all too: `staged.commit_files`).
 
 Files written for a commit that did not land are no version's: `maintain`
-removes the data files among them (`spark_jobs.core.untracked`); change
-and vector files are small, and left.
+removes the data and vector files among them (`spark_jobs.core.untracked`);
+change files are small, and left. The same on a local folder and on S3
+(`spark_jobs.storage.files`: Parquet read in ranges, the log entry put
+with ``If-None-Match``).
 
 Two more commits of the job's own keep such a table right for a chained
 downstream, whose change feed delta-rs derives wrongly from the removal
@@ -59,9 +61,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
@@ -72,11 +73,13 @@ from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
-from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_rows, has_deletion_vectors, write_vectors
+from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_rows, has_deletion_vectors, table_root, write_vectors
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import files_meeting
+from spark_jobs.storage.files import reader, write_bytes
+from spark_jobs.storage.s3 import delta_storage_options
 
 __all__ = ["ENABLED", "commit", "enable", "enabled", "purge", "restore"]
 
@@ -110,7 +113,7 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     docstring says; returns (the version committed, keys updated), or None
     when a rewrite pays better (`_pays`: the caller merges copy-on-write).
     Raises `CommitFailedError` if any commit landed since the snapshot."""
-    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    root = table_root(table)
     version = table.version()
     added = active_files(root, version)
     if not _pays(added, data.num_rows):
@@ -151,7 +154,7 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
     a compaction's, size)."""
     if not has_deletion_vectors(table):
         return None
-    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    root = table_root(table)
     version = table.version()
     carrying = [add for add in active_files(root, version).values() if add.get("deletionVector")]
     if not carrying:
@@ -190,7 +193,7 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
     (as they were added), `version`'s files added (with their vectors then),
     and one change file: each removed file's live rows as deletes, each
     added file's as inserts (a downstream nets the rows that stay)."""
-    root = unquote(urlparse(table.table_uri).path).rstrip("/")
+    root = table_root(table)
     now_version = table.version()
     current = active_files(root, now_version)
     target = active_files(root, version) if version is not None else {}
@@ -203,7 +206,8 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
     added = [a for p, a in target.items() if not same(a, current.get(p))]
     schema, now = pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
     gone = _live_rows(root, table, removed, schema)
-    back = _live_rows(root, DeltaTable(table.table_uri, version=version) if version is not None else None, added, schema)
+    then = DeltaTable(table.table_uri, version=version, storage_options=delta_storage_options(root)) if version is not None else None
+    back = _live_rows(root, then, added, schema)
     kinds = ["delete"] * gone.num_rows + ["insert"] * back.num_rows
     change = pa.concat_tables([gone, back]).append_column("_change_type", pa.array(kinds, pa.string()))
     actions: list[dict[str, Any]] = [
@@ -235,8 +239,9 @@ def _live_rows(root: str, table: DeltaTable | None, adds: list[dict[str, Any]], 
 def _live_file(root: str, add: dict[str, Any], deleted: dict[str, np.ndarray], schema: pa.Schema) -> pa.Table:
     """The rows of one file that `deleted` (its deleted rows, by path) leaves live, in `schema`."""
     path = unquote(add["path"])
-    source = pq.ParquetFile(Path(root) / path)
-    rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
+    with reader(f"{root}/{path}") as handle:
+        source = pq.ParquetFile(handle)
+        rows = pa.concat_tables([_read(source, g, schema) for g in range(source.metadata.num_row_groups)])
     live = np.ones(rows.num_rows, dtype=bool)
     live[deleted.get(path, np.empty(0, np.uint64)).astype(np.int64)] = False
     return rows.filter(pa.array(live))
@@ -290,9 +295,10 @@ def _probe(table: DeltaTable, root: str, spec: PipelineSpec, schema: pa.Schema, 
     keys = list(spec.state.keys)
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
     deleted = deleted_rows(table)
-    units = []
+    units, handles = [], []
     for path in files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys)):
-        source = pq.ParquetFile(Path(root) / unquote(path))
+        handles.append(reader(f"{root}/{unquote(path)}"))
+        source = pq.ParquetFile(handles[-1])
         offset = 0
         for group in range(source.metadata.num_row_groups):
             units.append((path, source, group, offset))
@@ -315,8 +321,12 @@ def _probe(table: DeltaTable, root: str, spec: PipelineSpec, schema: pa.Schema, 
         after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
         return path, rows.astype(np.uint64) + np.uint64(offset), before, after, taken.to_numpy(zero_copy_only=False)
 
-    with ThreadPoolExecutor(READERS) as pool:
-        found = [f for f in pool.map(probe, units) if f is not None]
+    try:
+        with ThreadPoolExecutor(READERS) as pool:
+            found = [f for f in pool.map(probe, units) if f is not None]
+    finally:
+        for handle in handles:
+            handle.close()
     touched = []
     for path in dict.fromkeys(f[0] for f in found):
         parts = [f for f in found if f[0] == path]
@@ -354,12 +364,20 @@ def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int, *, data_c
     statistics (`FileStats`, as the executors' files have them)."""
     name = f"part-{uuid.uuid4()}-c000.snappy.parquet"
     rows = rows.cast(schema)
-    pq.write_table(rows, Path(root) / name, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
+    size = _write_parquet(f"{root}/{name}", rows)
     stats = FileStats(schema)
     for batch in rows.to_batches():
         stats.add(batch)
-    size = (Path(root) / name).stat().st_size
     return {"add": {"path": name, "partitionValues": {}, "size": size, "modificationTime": now, "dataChange": data_change, "stats": stats.json()}}
+
+
+def _write_parquet(location: str, rows: pa.Table) -> int:
+    """`rows` as the Parquet file at `location` (local or S3); its size."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(rows, sink, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
+    data = sink.getvalue().to_pybytes()
+    write_bytes(location, data)
+    return len(data)
 
 
 def _read(source: pq.ParquetFile, group: int, schema: pa.Schema) -> pa.Table:
@@ -440,6 +458,4 @@ def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Tabl
 def _cdc(root: str, rows: pa.Table) -> dict[str, Any]:
     """`rows` (with `_change_type`) as one change data file (Delta's `_change_data` folder), and its ``cdc`` action."""
     path = f"_change_data/cdc-{uuid.uuid4()}.snappy.parquet"
-    (Path(root) / "_change_data").mkdir(exist_ok=True)
-    pq.write_table(rows, Path(root) / path, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
-    return {"cdc": {"path": path, "partitionValues": {}, "size": (Path(root) / path).stat().st_size, "dataChange": False}}
+    return {"cdc": {"path": path, "partitionValues": {}, "size": _write_parquet(f"{root}/{path}", rows), "dataChange": False}}

@@ -448,11 +448,11 @@ class StateSpec(_Model):
                 "deletion_vectors is for layout: merged (an appended state never rewrites its files: "
                 "it has nothing to mark deleted); drop deletion_vectors or use layout: merged"
             )
-        if self.deletion_vectors and "://" in self.path and not self.path.startswith("file:"):
+        if self.deletion_vectors and "://" in self.path and not self.path.startswith(("file:", "s3://", "s3a://")):
             raise ValueError(
-                f"deletion_vectors is not supported for a state on object storage ({self.path}) yet: the "
-                "job commits those batches itself, with a put-if-absent only a local or mounted file "
-                "system gives here; drop deletion_vectors for this state"
+                f"deletion_vectors is supported for a state on a local or mounted file system or on S3, not at "
+                f"{self.path}: the job commits those batches itself, with a put-if-absent it has only there; "
+                "drop deletion_vectors for this state"
             )
         return self
 

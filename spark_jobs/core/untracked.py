@@ -18,8 +18,8 @@ its own is another table, left alone. Deletion-vector files
 other files a commit names: each batch merged on read writes one, and a
 file's vector replaced by the next batch's leaves the old one named by no
 version that VACUUM ever removes (delta-rs's VACUUM removes data files
-only), so they are removed here too, on a local table whose kept
-snapshot's vectors could be read from its log.
+only), so they are removed here too, once the kept snapshot's vectors
+could be read from its log.
 
 What counts as referenced: every file of the snapshot at `keep_from` (the
 oldest version `maintain` keeps restorable) and its vectors' files, and
@@ -53,10 +53,10 @@ from urllib.parse import unquote
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from spark_jobs.core.deletion_vectors import active_files, has_deletion_vectors, is_vector_file, vector_file
+from spark_jobs.core.deletion_vectors import active_files, has_deletion_vectors, is_vector_file, table_root, vector_file
 from spark_jobs.core.delta_io import is_commit_conflict, version_actions
 from spark_jobs.storage.listing import StoredFile, delete, list_files
-from spark_jobs.storage.s3 import delta_storage_options, is_s3
+from spark_jobs.storage.s3 import delta_storage_options
 
 __all__ = ["MARKER_KEY", "remove_untracked"]
 
@@ -101,8 +101,7 @@ def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
     """The files a version from `keep_from` on references (vector files
     too), relative to the table's folder and decoded, the newest version
     read, and whether the vector files of `keep_from`'s snapshot are among
-    them (read from the log; only for a local table: delta-rs does not
-    expose them); None if `keep_from`'s snapshot cannot be read (its log
+    them (read from the log: delta-rs does not expose them); None if `keep_from`'s snapshot cannot be read (its log
     entries cleaned up): nothing is removed then."""
     try:
         at = DeltaTable(root, version=keep_from, storage_options=delta_storage_options(root))
@@ -111,9 +110,9 @@ def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
         return None
     referenced = {unquote(path) for path in at.get_add_actions(flatten=True).column("path").to_pylist()}
     vectors_known = not has_deletion_vectors(at)
-    if not vectors_known and not is_s3(root):
+    if not vectors_known:
         with contextlib.suppress(FileNotFoundError):  # a log cleaned past any checkpoint: vector files stay
-            adds = active_files(unquote(root.removeprefix("file://")), keep_from).values()
+            adds = active_files(table_root(at), keep_from).values()
             referenced |= {vector_file(add.get("deletionVector")) for add in adds} - {None}
             vectors_known = True
     version = keep_from + 1

@@ -195,7 +195,7 @@ def test_turned_off_the_state_is_written_copy_on_write_again_and_stays_right(tmp
 
 @pytest.mark.parametrize(("state", "refusal"), [
     ({"layout": "appended"}, "deletion_vectors is for layout: merged"),
-    ({"path": "s3://bucket/state"}, "not supported for a state on object storage"),
+    ({"path": "gs://bucket/state"}, "supported for a state on a local or mounted file system or on S3, not at gs://"),
 ])
 def test_a_spec_that_cannot_merge_on_read_is_refused_by_name(tmp_path, state, refusal):
     spec = oracle_spec_dict()

@@ -351,3 +351,123 @@ def test_maintain_on_s3_removes_objects_no_commit_references_and_keeps_the_rest(
     assert not keys & set(orphans)
     assert_exact(spec_file, mirror=mirror)
     assert read_all(open_table(load_spec(spec_file).quarantine_path)).num_rows == 6
+
+
+def test_a_state_merged_on_read_on_s3_holds_what_copy_on_write_holds_through_a_race_a_rewind_and_maintain(tmp_path, bucket):
+    """`state.deletion_vectors` on S3 (issue 64): the job's own commits of
+    vectors, data and change files go to the bucket, the log entry put
+    with ``If-None-Match``. Against a copy-on-write twin on the same
+    batches: the same rows and change feed after each; a run on a stale
+    snapshot loses as delta-rs's conflicts lose; a rewind (the job's own
+    RESTORE) and `maintain`'s purge keep every row; and the removal of
+    untracked objects takes the dead vector files and an orphan one, and
+    leaves the kept versions readable."""
+    import time
+
+    from spark_jobs.core.deletion_vectors import has_deletion_vectors
+    from spark_jobs.core.delta_io import arrow, is_commit_conflict
+    from spark_jobs.core.fencing import STATE_FENCE, Position
+    from spark_jobs.core.maintain import restorable
+    from spark_jobs.core.merge_on_read import purge
+    from spark_jobs.core.state import StateTable
+    from spark_jobs.core.untracked import remove_untracked
+    from spark_jobs.storage.s3 import read_bytes
+    from tests.conftest import batch_metadata, commit_updates, write_spec
+    from tests.spark_jobs.core.test_merge_on_read import MERGE, _batches
+
+    def state(name: str, vectors: bool) -> StateTable:
+        spec = oracle_spec_dict(name=name)
+        spec["state"] = {"path": f"s3://{bucket}/{name}", "keys": ["k"], "merge": MERGE, "deletion_vectors": vectors, "change_feed": True}
+        (tmp_path / name).mkdir()
+        return StateTable(load_spec(write_spec(tmp_path / name, spec)))
+
+    def rows(s: StateTable, version: int | None = None) -> list[dict]:
+        table = open_table(s.path) if version is None else DeltaTable(s.path, version=version, storage_options=delta_storage_options(s.path))
+        return sorted(read_all(table).to_pylist(), key=lambda r: r["k"])
+
+    def changes(s: StateTable) -> list[str]:
+        table = open_table(s.path)
+        feed = arrow(table.load_cdf(starting_version=table.version(), ending_version=table.version()).read_all())
+        return sorted(repr(sorted((k, v) for k, v in r.items() if not k.startswith("_commit"))) for r in feed.to_pylist())
+
+    def latest_entry(s: StateTable) -> str:
+        return read_bytes(f"{s.path}/_delta_log/{open_table(s.path).version():020d}.json").decode()
+
+    from deltalake import DeltaTable
+
+    cow, mor = state("cow", False), state("mor", True)
+    batches, versions = _batches(7, seed=12), {cow.path: [], mor.path: []}
+    for n, batch in enumerate(batches[:5], start=1):
+        for s in (cow, mor):
+            versions[s.path].append(commit_updates(s, s.open() or s.create(batch), batch, Position(0, n))[0])
+        assert rows(mor) == rows(cow) and changes(mor) == changes(cow), f"batch {n}"
+    assert '"merge-on-read"' in latest_entry(mor) and has_deletion_vectors(open_table(mor.path))
+    client = s3_client()
+    vector_keys = lambda: {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="mor/deletion_vector_").get("Contents", [])}  # noqa: E731
+    assert len(vector_keys()) >= 3
+
+    stale = mor.open()
+    commit_updates(mor, mor.open(), batches[5], Position(0, 6))
+    commit_updates(cow, cow.open(), batches[5], Position(0, 6))
+    winner = rows(mor)
+    with pytest.raises(Exception) as lost:
+        mor.commit_batch(stale, mor.align(stale, batches[6]), batch_metadata("mor", Position(0, 6)))
+    assert is_commit_conflict(lost.value) and rows(mor) == winner == rows(cow)
+    assert Position.decode(open_table(mor.path).transaction_version(STATE_FENCE)) == Position(0, 6)
+
+    for s in (cow, mor):
+        s.restore(s.open(), versions[s.path][3], batch_metadata(s.spec.name, Position(1, 4)))
+    assert rows(mor) == rows(cow) and '"RESTORE"' in latest_entry(mor)
+    kept_from = open_table(mor.path).version()
+    purged, _ = purge(open_table(mor.path))
+    assert rows(mor) == rows(cow) and '"REORG"' in latest_entry(mor) and purged == kept_from + 1
+
+    client.put_object(Bucket=bucket, Key="mor/deletion_vector_orphan.bin", Body=b"\x01")
+    before = vector_keys()
+    time.sleep(1.5)
+    removed = remove_untracked(open_table(mor.path), kept_from, 0.0003, [STATE_FENCE])  # about a second
+    after = vector_keys()
+    assert "mor/deletion_vector_orphan.bin" not in after and removed >= len(before - after) >= 2
+    assert restorable(mor.path, kept_from) and rows(mor, kept_from) == rows(cow)
+    assert not restorable(mor.path, versions[mor.path][2]), "a version not kept lost its vector files: no rewind to it"
+
+
+def test_a_batch_merged_on_read_whose_commit_s3_applied_but_failed_is_found_as_its_own(tmp_path, bucket, s3_endpoint, faulty_s3, monkeypatch):
+    """The ambiguous failure for the job's own log entry: S3 applies the
+    put of a batch merged on read and answers 500 (the fault proxy); boto3
+    puts again and gets 412. The batch fails as a lost race would, and the
+    commit there carries its commit token: what step 4 looks for
+    (`protocol._after_conflict`) to carry on as committed."""
+    import dataclasses
+    import uuid
+
+    from spark_jobs.core.delta_io import is_commit_conflict
+    from spark_jobs.core.fencing import Position
+    from spark_jobs.core.state import StateTable
+    from spark_jobs.storage import s3 as storage
+    from tests.conftest import batch_metadata, commit_updates, write_spec
+    from tests.spark_jobs.core.test_merge_on_read import MERGE, _batches
+
+    spec = oracle_spec_dict()
+    spec["state"] = {"path": f"s3://{bucket}/lake/state", "keys": ["k"], "merge": MERGE, "deletion_vectors": True, "change_feed": True}
+    state = StateTable(load_spec(write_spec(tmp_path, spec)))
+    first, second, third = _batches(3, seed=13)
+    commit_updates(state, state.create(first), first, Position(0, 1))
+    commit_updates(state, state.open(), second, Position(0, 2))  # turns the feature on: the next batch merges on read
+    table = state.open()
+    metadata = dataclasses.replace(batch_metadata(state.spec.name, Position(0, 3)), commit_token=uuid.uuid4().hex)
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faulty_s3)
+    storage.reset()
+    try:
+        with pytest.raises(Exception) as failed:
+            state.commit_batch(table, state.align(table, third), metadata)
+    finally:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+        storage.reset()
+    assert is_commit_conflict(failed.value)
+    faults = json.loads(urllib.request.urlopen(f"{faulty_s3}/__faults__").read())
+    assert any("/lake/state/_delta_log/" in path for path in faults["ambiguous_paths"]), faults
+    landed = state.find_commit(state.open(), Position(0, 3))
+    assert landed is not None and landed.metadata.commit_token == metadata.commit_token
+    assert '"merge-on-read"' in s3_client().get_object(Bucket=bucket, Key=f"lake/state/_delta_log/{landed.version:020d}.json")["Body"].read().decode()

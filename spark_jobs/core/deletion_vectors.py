@@ -19,10 +19,13 @@ one commit, so this module writes what Delta's protocol specifies
   (`commit`: `storage.files.create`, hard-linked into place locally, put
   with ``If-None-Match`` on S3: as delta-rs commits on each).
 
-What is read back goes through delta-rs: the rows a vector deletes
-(`deleted_rows`, `DeltaTable.deletion_vectors`) and the snapshot's files;
-only the descriptors are not exposed by delta-rs, so `active_files` reads
-them from the log (the newest checkpoint and the entries after it).
+What is read back: the snapshot's files and their descriptors from the log
+(`active_files`: the newest checkpoint and the entries after it; delta-rs
+does not expose descriptors), and the rows a vector deletes from its file
+(`deleted_in`: only the files asked for, as row indexes; delta-rs's
+`DeltaTable.deletion_vectors` gives every file's as a mask of all its rows,
+which costs with the state, not the batch). Both formats are read whole:
+Roaring's array, bitmap and run containers, as other writers make them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import struct
 import uuid
 import zlib
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -38,13 +42,13 @@ import numpy as np
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from spark_jobs.core.delta_io import arrow, version_actions
+from spark_jobs.core.delta_io import version_actions
 from spark_jobs.storage.files import create, reader, write_bytes
 from spark_jobs.storage.listing import list_files
-from spark_jobs.storage.s3 import is_s3
+from spark_jobs.storage.s3 import is_s3, read_bytes
 
 __all__ = [
-    "FEATURE", "active_files", "carries_vectors", "commit", "deleted_rows", "has_deletion_vectors", "is_vector_file",
+    "FEATURE", "active_files", "carries_vectors", "commit", "deleted_in", "has_deletion_vectors", "is_vector_file",
     "table_root", "vector_file", "vector_files", "write_vectors",
 ]
 
@@ -81,17 +85,31 @@ def carries_vectors(table: DeltaTable) -> bool:
     return any(add.get("deletionVector") for add in active_files(table_root(table), table.version()).values())
 
 
-def deleted_rows(table: DeltaTable) -> dict[str, np.ndarray]:
-    """The row indexes each of the snapshot's files has deleted, by path
-    relative to the table (files without a vector are not listed)."""
-    root = unquote(urlparse(table.table_uri).path).rstrip("/") + "/"
-    vectors = arrow(table.deletion_vectors())
+def deleted_in(root: str, adds: Iterable[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The row indexes (sorted, ``uint64``) each file of `adds` (the log's
+    add actions) has deleted, by path relative to the table, decoded; files
+    without a vector are not listed. Each vector file is read once."""
+    carrying = [add for add in adds if add.get("deletionVector")]
+    files: dict[str, bytes] = {}
     found = {}
-    for i, uri in enumerate(vectors.column(0).to_pylist()):
-        keep = vectors.column(1).chunk(0) if vectors.column(1).num_chunks == 1 else vectors.column(1).combine_chunks()
-        mask = keep[i].values.to_numpy(zero_copy_only=False)
-        path = unquote(urlparse(uri).path)
-        found[path[len(root):] if path.startswith(root) else path] = np.flatnonzero(~mask).astype(np.uint64)
+    for add in carrying:
+        descriptor = add["deletionVector"]
+        if descriptor["storageType"] == "i":
+            data = _unz85(descriptor["pathOrInlineDv"])[: descriptor["sizeInBytes"]]
+        else:
+            absolute = descriptor["pathOrInlineDv"]  # storage type "p": a URI
+            location = f"{root}/{vector_file(descriptor)}" if descriptor["storageType"] == "u" else (
+                unquote(absolute) if is_s3(absolute) else unquote(urlparse(absolute).path)
+            )
+            if location not in files:
+                files[location] = read_bytes(location)
+            start = int(descriptor.get("offset") or 0)
+            (size,) = struct.unpack(">I", files[location][start : start + 4])
+            data = files[location][start + 4 : start + 4 + size]
+        rows = _deserialized(data)
+        if len(rows) != int(descriptor["cardinality"]):
+            raise ValueError(f"{root}: the deletion vector of {add['path']} holds {len(rows)} rows, its descriptor says {descriptor['cardinality']}")
+        found[unquote(add["path"])] = rows
     return found
 
 
@@ -265,3 +283,61 @@ def _unz85(text: str) -> bytes:
             word = word * 85 + _Z85.index(char)
         out.append(struct.pack(">I", word))
     return b"".join(out)
+
+
+def _deserialized(data: bytes) -> np.ndarray:
+    """The row indexes of a serialized `RoaringBitmapArray` (`_serialized` undone), sorted."""
+    magic, count = struct.unpack_from("<IQ", data, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"not a deletion vector (magic number {magic})")
+    at, parts = 12, []
+    for _ in range(count):
+        (key,) = struct.unpack_from("<I", data, at)
+        values, at = _roaring32_read(data, at + 4)
+        parts.append((np.uint64(key) << np.uint64(32)) | values.astype(np.uint64))
+    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+
+
+def _roaring32_read(data: bytes, at: int) -> tuple[np.ndarray, int]:
+    """Roaring's portable serialization at `at`: its values, sorted, and where it ends.
+
+    The header: a cookie (12346: no run containers, then the container
+    count; 12347 in the low half: the count less one in the high half, then
+    a bitmap of which containers are runs), each container's key and
+    cardinality less one, the containers' offsets (absent with runs and
+    under four containers), then the containers: runs (their count, then
+    each start and length less one), arrays of 16-bit values, or bitmaps of
+    2^16 bits."""
+    (cookie,) = struct.unpack_from("<I", data, at)
+    at += 4
+    if cookie & 0xFFFF == _COOKIE + 1:
+        size = (cookie >> 16) + 1
+        runs = np.unpackbits(np.frombuffer(data, np.uint8, (size + 7) // 8, at), bitorder="little")[:size].astype(bool)
+        at += (size + 7) // 8
+    elif cookie == _COOKIE:
+        (size,) = struct.unpack_from("<I", data, at)
+        at += 4
+        runs = np.zeros(size, bool)
+    else:
+        raise ValueError(f"not a Roaring bitmap (cookie {cookie})")
+    described = np.frombuffer(data, "<u2", 2 * size, at).astype(np.uint32)
+    at += 4 * size
+    if not runs.any() or size >= 4:
+        at += 4 * size  # the offsets: the containers are read in order anyway
+    parts = []
+    for i in range(size):
+        high, cardinality = described[2 * i] << np.uint32(16), int(described[2 * i + 1]) + 1
+        if runs[i]:
+            (n,) = struct.unpack_from("<H", data, at)
+            pairs = np.frombuffer(data, "<u2", 2 * n, at + 2).astype(np.uint32).reshape(n, 2)
+            at += 2 + 4 * n
+            low = np.concatenate([np.arange(s, s + length + 1, dtype=np.uint32) for s, length in pairs]) if n else np.empty(0, np.uint32)
+        elif cardinality <= _ARRAY_MAX:
+            low = np.frombuffer(data, "<u2", cardinality, at).astype(np.uint32)
+            at += 2 * cardinality
+        else:
+            bits = np.unpackbits(np.frombuffer(data, np.uint8, 8192, at), bitorder="little")
+            low = np.flatnonzero(bits).astype(np.uint32)
+            at += 8192
+        parts.append(high | low)
+    return (np.concatenate(parts) if parts else np.empty(0, np.uint32)), at

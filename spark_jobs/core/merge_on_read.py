@@ -73,13 +73,12 @@ from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
-from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_rows, has_deletion_vectors, table_root, write_vectors
+from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_in, has_deletion_vectors, table_root, write_vectors
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import files_meeting
 from spark_jobs.storage.files import reader, write_bytes
-from spark_jobs.storage.s3 import delta_storage_options
 
 __all__ = ["ENABLED", "commit", "enable", "enabled", "purge", "restore"]
 
@@ -119,7 +118,7 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     if not _pays(added, data.num_rows):
         return None
     schema = pa.schema(table.schema().to_arrow())
-    probed = _probe(table, root, spec, schema, data)
+    probed = _probe(table, root, added, spec, schema, data)
     taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
     new = np.ones(data.num_rows, dtype=bool)
     new[taken] = False
@@ -159,7 +158,7 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
     carrying = [add for add in active_files(root, version).values() if add.get("deletionVector")]
     if not carrying:
         return None
-    deleted, schema, now = deleted_rows(table), pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
+    deleted, schema, now = deleted_in(root, carrying), pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
     actions: list[dict[str, Any]] = [{
         "commitInfo": {
             "timestamp": now, "operation": "REORG", "operationParameters": {"mode": "purge deletion vectors"},
@@ -205,9 +204,7 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
     removed = [a for p, a in current.items() if not same(a, target.get(p))]
     added = [a for p, a in target.items() if not same(a, current.get(p))]
     schema, now = pa.schema(table.schema().to_arrow()), int(time.time() * 1000)
-    gone = _live_rows(root, table, removed, schema)
-    then = DeltaTable(table.table_uri, version=version, storage_options=delta_storage_options(root)) if version is not None else None
-    back = _live_rows(root, then, added, schema)
+    gone, back = _live_rows(root, removed, schema), _live_rows(root, added, schema)
     kinds = ["delete"] * gone.num_rows + ["insert"] * back.num_rows
     change = pa.concat_tables([gone, back]).append_column("_change_type", pa.array(kinds, pa.string()))
     actions: list[dict[str, Any]] = [
@@ -228,11 +225,11 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
     return now_version + 1
 
 
-def _live_rows(root: str, table: DeltaTable | None, adds: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """The rows of the files `adds` that their vectors (as of `table`'s snapshot) leave live, in `schema`."""
-    if not adds or table is None:
+def _live_rows(root: str, adds: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """The rows of the files `adds` (add actions) that their vectors leave live, in `schema`."""
+    if not adds:
         return schema.empty_table()
-    deleted = deleted_rows(table)
+    deleted = deleted_in(root, adds)
     return pa.concat_tables([_live_file(root, add, deleted, schema) for add in adds])
 
 
@@ -287,16 +284,19 @@ class _Touched:
     taken: np.ndarray
 
 
-def _probe(table: DeltaTable, root: str, spec: PipelineSpec, schema: pa.Schema, data: pa.Table) -> list[_Touched]:
+def _probe(
+    table: DeltaTable, root: str, added: dict[str, dict[str, Any]], spec: PipelineSpec, schema: pa.Schema, data: pa.Table
+) -> list[_Touched]:
     """Step 1: the files holding some of the batch's keys. Each row group
     of the files whose key range meets the batch's is read once, `READERS`
     at a time (a file's groups spread over the cores, as a few big files
     would not)."""
     keys = list(spec.state.keys)
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
-    deleted = deleted_rows(table)
+    meeting = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
+    deleted = deleted_in(root, (_logged(added, path) for path in meeting))
     units, handles = [], []
-    for path in files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys)):
+    for path in meeting:
         handles.append(reader(f"{root}/{unquote(path)}"))
         source = pq.ParquetFile(handles[-1])
         offset = 0

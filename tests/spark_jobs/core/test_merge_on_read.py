@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -174,6 +175,87 @@ def test_delta_spark_reads_the_rows_and_the_change_feed_it_wrote(tmp_path, spark
         kind = dict(change)["_change_type"]
         mine[kind] = mine.get(kind, 0) + 1
     assert counted == mine and counted.get("update_postimage")
+
+
+def _deleted_by_delta_rs(table) -> dict[str, np.ndarray]:
+    """The oracle of `deletion_vectors.deleted_in`: delta-rs's reading of
+    every file's vector (a mask of its rows), as row indexes by path."""
+    from urllib.parse import unquote, urlparse
+
+    root = unquote(urlparse(table.table_uri).path).rstrip("/") + "/"
+    vectors = arrow(table.deletion_vectors())
+    found = {}
+    for uri, keep in zip(vectors.column(0).to_pylist(), vectors.column(1).to_pylist()):
+        path = unquote(urlparse(uri).path)
+        found[path[len(root):] if path.startswith(root) else path] = np.flatnonzero(~np.asarray(keep, dtype=bool)).astype(np.uint64)
+    return found
+
+
+def _deleted_by_the_job(table) -> dict[str, np.ndarray]:
+    from spark_jobs.core.deletion_vectors import active_files, deleted_in, table_root
+
+    return deleted_in(table_root(table), active_files(table_root(table), table.version()).values())
+
+
+def _same_vectors(table) -> bool:
+    mine, theirs = _deleted_by_the_job(table), _deleted_by_delta_rs(table)
+    return mine.keys() == theirs.keys() and all(np.array_equal(mine[p], theirs[p]) for p in mine)
+
+
+def test_the_job_reads_each_vector_as_delta_rs_does_after_batches_a_restore_and_a_checkpoint(tmp_path):
+    """`deletion_vectors.deleted_in` (the job reads only the vectors of the
+    files a batch touches) against delta-rs's reading of every vector: the
+    same rows deleted, file by file, after batches merged on read (vectors
+    growing batch by batch), delta-rs's RESTORE and a checkpoint."""
+    state = _state(tmp_path, True, change_feed=False)
+    for n, batch in enumerate(_batches(6, seed=14), start=1):
+        commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+        assert _same_vectors(open_table(state.path)), f"batch {n}"
+    assert any(len(v) for v in _deleted_by_the_job(open_table(state.path)).values())
+    state.restore(state.open(), open_table(state.path).version() - 2, batch_metadata("clicks", Position(1, 4)))
+    open_table(state.path).create_checkpoint()
+    assert _same_vectors(open_table(state.path))
+
+
+def _has_runs(folder: Path) -> bool:
+    """Whether a vector file in `folder` holds a Roaring bitmap with run containers (its cookie says so)."""
+    import struct
+
+    for path in folder.glob("**/deletion_vector_*.bin"):
+        data = path.read_bytes()
+        at = 1
+        while at < len(data):
+            (size,) = struct.unpack_from(">I", data, at)
+            if struct.unpack_from("<I", data, at + 4 + 12 + 4)[0] & 0xFFFF == 12347:  # after magic, count and the first key
+                return True
+            at += 4 + size + 4
+    return False
+
+
+def test_the_job_reads_vectors_delta_spark_wrote_runs_bitmaps_and_arrays(tmp_path, spark):
+    """Vectors another writer made: delta-spark's DELETEs on a table with
+    deletion vectors, whose Roaring bitmaps hold run containers (a range of
+    rows), bitmap containers (most of 65,536 rows) and arrays (a few
+    scattered rows). The job reads the rows each deletes as delta-rs does,
+    and a purge keeps exactly the live rows."""
+    from spark_jobs.core.merge_on_read import purge
+
+    path = str(tmp_path / "table")
+    spark.range(0, 300_000, 1, 1).selectExpr("id", "id % 7 AS v").write.format("delta").option(
+        "delta.enableDeletionVectors", "true"
+    ).save(path)
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE id BETWEEN 1000 AND 9000")  # a run
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE id >= 70000 AND id < 140000 AND id % 97 <> 0")  # a bitmap
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE id % 50000 = 7")  # an array
+    table = open_table(path)
+    assert _same_vectors(table)
+    gone = {i for i in range(300_000) if 1000 <= i <= 9000 or (70000 <= i < 140000 and i % 97) or i % 50000 == 7}
+    [deleted] = _deleted_by_the_job(table).values()  # one file, its rows in id order
+    assert deleted.tolist() == sorted(gone)
+    assert _has_runs(tmp_path / "table"), "delta-spark wrote no run container: the test no longer covers them"
+    live = sorted(r["id"] for r in read_all(table).to_pylist())
+    purge(table)
+    assert sorted(r["id"] for r in read_all(open_table(path)).to_pylist()) == live
 
 
 def test_turned_off_the_state_is_written_copy_on_write_again_and_stays_right(tmp_path):

@@ -49,7 +49,7 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 
 __all__ = [
     "FEATURE", "active_files", "carries_vectors", "commit", "deleted_in", "has_deletion_vectors", "is_vector_file",
-    "table_root", "vector_file", "vector_files", "write_vectors",
+    "table_root", "vector_file", "vector_files", "vector_location", "write_vectors",
 ]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
@@ -97,10 +97,7 @@ def deleted_in(root: str, adds: Iterable[dict[str, Any]]) -> dict[str, np.ndarra
         if descriptor["storageType"] == "i":
             data = _unz85(descriptor["pathOrInlineDv"])[: descriptor["sizeInBytes"]]
         else:
-            absolute = descriptor["pathOrInlineDv"]  # storage type "p": a URI
-            location = f"{root}/{vector_file(descriptor)}" if descriptor["storageType"] == "u" else (
-                unquote(absolute) if is_s3(absolute) else unquote(urlparse(absolute).path)
-            )
+            location = vector_location(root, descriptor)
             if location not in files:
                 files[location] = read_bytes(location)
             start = int(descriptor.get("offset") or 0)
@@ -184,18 +181,29 @@ def write_vectors(root: str, vectors: list[np.ndarray]) -> list[dict[str, Any]]:
     return descriptors
 
 
-def vector_file(descriptor: dict[str, Any] | None) -> str | None:
-    """The file, relative to the table's folder, holding the vector that
-    `descriptor` (an action's ``deletionVector``) names; None for none, an
-    inline vector, or an absolute path (another folder's: never ours).
-    Storage type ``u``: an optional random prefix (a subfolder), then the
-    UUID in Z85 (its last 20 characters)."""
-    if not descriptor or descriptor.get("storageType") != "u":
+def vector_location(root: str, descriptor: dict[str, Any] | None) -> str | None:
+    """Where the vector `descriptor` (an action's ``deletionVector``) names
+    is stored, a path or ``s3://`` URI; None for none or an inline vector.
+    Storage type ``u``: in the table's folder `root`, under an optional
+    random prefix (a subfolder), named by the UUID in Z85 (its last 20
+    characters); ``p``: an absolute URI."""
+    if not descriptor or descriptor.get("storageType") not in ("u", "p"):
         return None
     encoded = descriptor["pathOrInlineDv"]
+    if descriptor["storageType"] == "p":
+        return unquote(encoded) if is_s3(encoded) else unquote(urlparse(encoded).path)
     prefix, uid = encoded[:-20], uuid.UUID(bytes=_unz85(encoded[-20:]))
     name = f"deletion_vector_{uid}.bin"
-    return f"{prefix}/{name}" if prefix else name
+    return f"{root}/{prefix}/{name}" if prefix else f"{root}/{name}"
+
+
+def vector_file(root: str, descriptor: dict[str, Any] | None) -> str | None:
+    """The vector file `descriptor` names, relative to the table's folder
+    `root`; None for none, an inline vector, or one stored elsewhere."""
+    location = vector_location(root, descriptor)
+    if location is None or not location.startswith(f"{root.rstrip('/')}/"):
+        return None
+    return location[len(root.rstrip("/")) + 1 :]
 
 
 def vector_files(table: DeltaTable) -> list[str]:
@@ -206,8 +214,8 @@ def vector_files(table: DeltaTable) -> list[str]:
     if not has_deletion_vectors(table):
         return []
     root = table_root(table)
-    named = {vector_file(add.get("deletionVector")) for add in active_files(root, table.version()).values()}
-    return [f"{root}/{name}" for name in sorted(named - {None})]
+    named = {vector_location(root, add.get("deletionVector")) for add in active_files(root, table.version()).values()}
+    return sorted(named - {None})
 
 
 def is_vector_file(path: str) -> bool:

@@ -454,6 +454,12 @@ class StateSpec(_Model):
                 f"{self.path}: the job commits those batches itself, with a put-if-absent it has only there; "
                 "drop deletion_vectors for this state"
             )
+        if self.deletion_vectors and self.path.startswith(("s3://", "s3a://")) and re.search(r"[^A-Za-z0-9._~+/-]", self.path.split("://", 1)[1]):
+            raise ValueError(
+                f"deletion_vectors on S3 needs a state path of letters, digits and ._~+/- only, not {self.path!r}: "
+                "delta-rs 1.6.6 looks for a deletion-vector file under a key it percent-encodes twice, so the "
+                "state would become unreadable; rename the path or drop deletion_vectors"
+            )
         return self
 
     @model_validator(mode="after")

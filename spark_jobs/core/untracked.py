@@ -109,11 +109,11 @@ def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
         log.warning("untracked files of %s not removed: version %d cannot be read (%s)", root, keep_from, exc)
         return None
     referenced = {unquote(path) for path in at.get_add_actions(flatten=True).column("path").to_pylist()}
-    vectors_known = not has_deletion_vectors(at)
+    folder, vectors_known = table_root(at), not has_deletion_vectors(at)
     if not vectors_known:
         with contextlib.suppress(FileNotFoundError):  # a log cleaned past any checkpoint: vector files stay
-            adds = active_files(table_root(at), keep_from).values()
-            referenced |= {vector_file(add.get("deletionVector")) for add in adds} - {None}
+            adds = active_files(folder, keep_from).values()
+            referenced |= {vector_file(folder, add.get("deletionVector")) for add in adds} - {None}
             vectors_known = True
     version = keep_from + 1
     while (actions := version_actions(root, version)) is not None:
@@ -121,7 +121,7 @@ def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
             for kind in ("add", "remove"):
                 if kind in action:
                     referenced.add(unquote(action[kind]["path"]))
-                    referenced.add(vector_file(action[kind].get("deletionVector")) or "")
+                    referenced.add(vector_file(folder, action[kind].get("deletionVector")) or "")
         version += 1
     return referenced, version - 1, vectors_known
 

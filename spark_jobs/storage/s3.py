@@ -151,19 +151,38 @@ def s3_client() -> Any:
     Delta log's entries, a file read in ranges) paid at each call. Clients
     are safe to share across threads (sessions are not); keyed by the
     process too, since a forked child must not share its parent's sockets."""
-    return _client(_SUPPLIED.get(), os.getpid(), tuple(os.environ.get(name) for name in _CLIENT_ENVIRONMENT))
+    environment = tuple(os.environ.get(name) for name in _CLIENT_ENVIRONMENT)
+    return _client(_SUPPLIED.get(), os.getpid(), environment, _config_files_changed())
 
 
 #: The settings boto3's standard chain reads from the environment: a client made under others is not reused.
 _CLIENT_ENVIRONMENT = (
-    "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
 )
 
 
+def _config_files_changed() -> tuple[float | None, ...]:
+    """When boto3's config and credentials files were last written (keys
+    rotated in them make a new client, as a new session would read them)."""
+    names = (
+        os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config",
+        os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials",
+    )
+    found = []
+    for name in names:
+        try:
+            found.append(os.stat(os.path.expanduser(name)).st_mtime)
+        except OSError:
+            found.append(None)
+    return tuple(found)
+
+
 @lru_cache(maxsize=16)
-def _client(supplied: _Supplied | None, pid: int, environment: tuple[str | None, ...]) -> Any:
-    # (`pid` and `environment` are only part of the key.) Read in `supplied`'s context, as `s3_client` was called.
+def _client(supplied: _Supplied | None, pid: int, environment: tuple[str | None, ...], files: tuple[float | None, ...]) -> Any:
+    # (`pid`, `environment` and `files` are only part of the key.) Read in `supplied`'s context, as `s3_client` was called.
     return _boto_session().client("s3", endpoint_url=endpoint_url(), region_name=region())
 
 

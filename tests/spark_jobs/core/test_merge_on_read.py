@@ -278,6 +278,7 @@ def test_turned_off_the_state_is_written_copy_on_write_again_and_stays_right(tmp
 @pytest.mark.parametrize(("state", "refusal"), [
     ({"layout": "appended"}, "deletion_vectors is for layout: merged"),
     ({"path": "gs://bucket/state"}, "supported for a state on a local or mounted file system or on S3, not at gs://"),
+    ({"path": "s3://bucket/a b/state"}, "deletion_vectors on S3 needs a state path of letters, digits"),
 ])
 def test_a_spec_that_cannot_merge_on_read_is_refused_by_name(tmp_path, state, refusal):
     spec = oracle_spec_dict()
@@ -444,7 +445,7 @@ def test_vector_files_no_kept_version_names_are_removed_and_every_kept_version_r
     before = {p.name for p in root.glob("deletion_vector_*.bin")}
     keep_from = versions[3]
     reads = {v: _sorted(read_all(DeltaTable(state.path, version=v)).to_pylist()) for v in range(keep_from, versions[-1] + 1)}
-    named = {vector_file(a.get("deletionVector")) for v in reads for a in _adds(state.path, v)} - {None}
+    named = {vector_file(state.path, a.get("deletionVector")) for v in reads for a in _adds(state.path, v)} - {None}
 
     removed = remove_untracked(open_table(state.path), keep_from, 1, [STATE_FENCE])
 
@@ -468,3 +469,37 @@ def _adds(path: str, version: int) -> list[dict]:
     from spark_jobs.core.deletion_vectors import active_files
 
     return list(active_files(path, version).values())
+
+
+def test_vectors_named_by_absolute_path_into_the_table_are_kept_while_a_kept_version_names_them(tmp_path):
+    """A writer may name a vector file by its absolute path (storage type
+    ``p``) rather than by UUID: one inside the table's folder is the
+    table's, kept while a kept version names it and removed after, as the
+    job's own are (a review found such live files deleted)."""
+    import json
+    import os
+    import time
+
+    from spark_jobs.core.deletion_vectors import vector_file
+    from spark_jobs.core.maintain import restorable
+    from spark_jobs.core.untracked import remove_untracked
+
+    state = _state(tmp_path, True)
+    for n, batch in enumerate(_batches(6, seed=15), start=1):
+        commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+    for entry in (Path(state.path) / "_delta_log").glob("*.json"):
+        actions = [json.loads(line) for line in entry.read_text().splitlines() if line.strip()]
+        for action in actions:
+            for kind in ("add", "remove"):
+                descriptor = action.get(kind, {}).get("deletionVector")
+                if descriptor and descriptor["storageType"] == "u":
+                    uri = (Path(state.path) / vector_file(state.path, descriptor)).as_uri()
+                    action[kind]["deletionVector"] = {**descriptor, "storageType": "p", "pathOrInlineDv": uri}
+        entry.write_text("".join(json.dumps(a) + "\n" for a in actions))
+    head = open_table(state.path).version()
+    rows = _rows(state)
+    old = time.time() - 3 * 3600
+    for path in Path(state.path).glob("deletion_vector_*.bin"):
+        os.utime(path, (old, old))
+    removed = remove_untracked(open_table(state.path), head - 1, 1, [STATE_FENCE])
+    assert removed >= 1 and _rows(state) == rows and restorable(state.path, head - 1) and restorable(state.path, head)

@@ -471,3 +471,42 @@ def test_a_batch_merged_on_read_whose_commit_s3_applied_but_failed_is_found_as_i
     landed = state.find_commit(state.open(), Position(0, 3))
     assert landed is not None and landed.metadata.commit_token == metadata.commit_token
     assert '"merge-on-read"' in s3_client().get_object(Bucket=bucket, Key=f"lake/state/_delta_log/{landed.version:020d}.json")["Body"].read().decode()
+
+
+def test_one_s3_client_is_reused_until_the_credentials_it_was_made_from_change(tmp_path, monkeypatch):
+    """`s3_client` keeps one client per session and environment (a new one
+    loads botocore's model again: 0.1-0.25 s), and makes a new one when
+    what boto3's chain reads changes: keys rotated in the credentials file,
+    another profile, other keys in the environment, a forked child."""
+    import os
+
+    from spark_jobs.storage import s3 as storage
+
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    credentials, config = tmp_path / "credentials", tmp_path / "config"
+    config.write_text("")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    storage.reset()
+    key = lambda client: client._request_signer._credentials.get_frozen_credentials().access_key  # noqa: E731
+    try:
+        credentials.write_text("[default]\naws_access_key_id = OLD\naws_secret_access_key = x\n[p2]\naws_access_key_id = P2\naws_secret_access_key = y\n")
+        first = storage.s3_client()
+        assert storage.s3_client() is first and key(first) == "OLD"
+        credentials.write_text("[default]\naws_access_key_id = NEW\naws_secret_access_key = x\n[p2]\naws_access_key_id = P2\naws_secret_access_key = y\n")
+        os.utime(credentials, (os.stat(credentials).st_atime, os.stat(credentials).st_mtime + 1))
+        assert key(storage.s3_client()) == "NEW"
+        monkeypatch.setenv("AWS_DEFAULT_PROFILE", "p2")
+        assert key(storage.s3_client()) == "P2"
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ENV")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "z")
+        assert key(storage.s3_client()) == "ENV"
+        parent = storage.s3_client()
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if storage.s3_client() is not parent else 1)
+        assert os.waitpid(child, 0)[1] == 0, "a forked child reused its parent's client"
+    finally:
+        storage.reset()

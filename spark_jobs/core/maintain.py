@@ -53,7 +53,7 @@ from spark_jobs.core.protocol import reconcile
 from spark_jobs.core.spec import PipelineSpec
 from spark_jobs.core.staged import IN_PROCESS_ROWS
 from spark_jobs.core.state import MAINTENANCE_OPERATIONS
-from spark_jobs.core.untracked import remove_untracked
+from spark_jobs.core.untracked import remove_untracked, removal_floor
 from spark_jobs.core.windows import FINAL_FENCE, keep_marker_in_reach
 from spark_jobs.sources.delta import version_actions
 from spark_jobs.errors import ConcurrentRunError, first_line
@@ -414,10 +414,13 @@ def oldest_rewindable(pipeline: Pipeline, view: LedgerView, table: DeltaTable | 
         def version(i: int) -> int | None:
             return lineage[i].state_version
 
+    floor = removal_floor(table)  # (a batch before it may still be restorable: not rewindable all the same)
+
     def ok(i: int) -> bool:
         v = version(i)
         following = version(i + 1) if i + 1 < len(batch_ids) else None
-        return v is not None and restorable_version(table, pipeline.state.path, v, following) is not None
+        restorable_at = restorable_version(table, pipeline.state.path, v, following) if v is not None else None
+        return restorable_at is not None and (floor is None or restorable_at >= floor)
 
     low, high = 0, len(batch_ids)  # the answer is the first i with ok(i), or len(batch_ids) if none
     while low < high:

@@ -32,6 +32,7 @@ from spark_jobs.core.fencing import COMMIT_FENCE, Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, RowStatus, utcnow
 from spark_jobs.core.identity import SpecIdentity, changes
 from spark_jobs.core.maintain import oldest_rewindable, restorable_version
+from spark_jobs.core.untracked import removal_floor
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.protocol import reconcile
@@ -199,13 +200,15 @@ def rewind_target(
     _check_replay(pipeline, view, target.end_offsets, to_batch, refuse)
     following = view.committed_row(to_batch + 1)
     version = restorable_version(table, pipeline.state.path, target.state_version, following.state_version if following else None) if table else None
-    if table is not None and version is None:
+    # A version before the last removal of untracked files' floor may be losing its files now (`removal_floor`).
+    floor = removal_floor(table) if table is not None else None
+    if table is not None and (version is None or (floor is not None and version < floor)):
         oldest = oldest_rewindable(pipeline, view, table)
         raise refuse(
-            f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: a VACUUM "
-            f"removed its files, and no maintenance-only version after it kept them. Batches that can be "
-            f"rewound to: 0 and {oldest}..{head.batch_id}. `maintenance.keep_batches` sets how many "
-            "batches `microbatch maintain` keeps rewindable."
+            f"batch {to_batch}'s state (version {target.state_version}) can no longer be restored: "
+            f"`microbatch maintain` keeps batches {oldest}..{head.batch_id} rewindable and may have removed "
+            f"this one's files (VACUUM, files no kept version names). Batches that can be rewound to: 0 and "
+            f"{oldest}..{head.batch_id}. `maintenance.keep_batches` sets how many batches it keeps rewindable."
         )
     return version, target.end_offsets
 

@@ -55,13 +55,16 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from spark_jobs.core.deletion_vectors import active_files, has_deletion_vectors, is_vector_file, table_root, vector_file
 from spark_jobs.core.delta_io import is_commit_conflict, version_actions
+from spark_jobs.storage.consumers import JOB_FOLDER, write_json
 from spark_jobs.storage.listing import StoredFile, delete, list_files
-from spark_jobs.storage.s3 import delta_storage_options
+from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
-__all__ = ["MARKER_KEY", "remove_untracked"]
+__all__ = ["MARKER_KEY", "remove_untracked", "removal_floor"]
 
 #: Commit info key of the marker committed before untracked files are deleted.
 MARKER_KEY = "microbatch.untracked"
+#: In the table's job folder: the oldest version the last removal kept (`removal_floor`).
+FLOOR_FILE = f"{JOB_FOLDER}/untracked.json"
 
 log = logging.getLogger("microbatch")
 
@@ -89,12 +92,37 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
         if stored.mtime <= cutoff and (stored.path.endswith(".parquet") or vectors_known and is_vector_file(stored.path))
         and not stored.path.startswith(nested) and stored.path not in referenced and not _skipped(stored.path)
     ]
-    if not doomed or not _mark(root, newest, fences, len(doomed)):
+    if not doomed:
+        return 0
+    # Before the marker: a rewind whose snapshot follows the marker reads it (`removal_floor`).
+    write_json(f"{table_root(table)}/{FLOOR_FILE}", {"keep_from": keep_from, "table_id": table.metadata().id})
+    if not _mark(root, newest, fences, len(doomed)):
         return 0
     for stored in doomed:
         delete(stored)
     log.info("removed %d file(s) no commit of %s references (older than %g h)", len(doomed), root, older_than_hours)
     return len(doomed)
+
+
+def removal_floor(table: DeltaTable) -> int | None:
+    """The oldest version whose files the last removal of untracked files
+    in `table`'s folder kept; None if none ran there (or it was another
+    table's, at the same path).
+
+    A version before it may have lost its files, or be losing them now:
+    the removal keeps what versions from its `keep_from` on name, so a
+    version before it whose data files happen to remain (a batch merged on
+    read removes none) may have lost its vector files, and a rewind to one
+    landing while the files are deleted would leave the state naming files
+    that are gone. So a rewind goes to no version before the floor
+    (`rewind`, `maintain.oldest_rewindable`). The floor is written before
+    the marker: a rewind whose snapshot follows the marker reads it, and
+    one whose snapshot precedes it cannot commit (its fence)."""
+    try:
+        floor = json.loads(read_bytes(f"{table_root(table)}/{FLOOR_FILE}"))
+    except FileNotFoundError:
+        return None
+    return int(floor["keep_from"]) if floor.get("table_id") == table.metadata().id else None
 
 
 def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:

@@ -183,3 +183,47 @@ def test_a_batch_committing_during_maintain_skips_the_state_s_vacuum_and_the_rep
     state_line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  state: ")]
     assert raced and state_line == ["  state: nothing to compact, VACUUM skipped (the table moved meanwhile), checkpoint written"], state_line
     assert_exact(spec_path)
+
+
+def test_a_rewind_goes_to_no_batch_before_the_last_removal_of_untracked_files(tmp_path):
+    """A state merged on read keeps its first batch's data files (its
+    batches remove none), so batch 1 stays restorable by its data files
+    after `maintain`'s removal of untracked files took the vector files of
+    the batches after it. A rewind could then land while those files go
+    (a review's reproduction): so no rewind goes before the removal's floor,
+    and `status` says so, whatever a version's files."""
+    import os
+    import time
+
+    from spark_jobs.core.fencing import STATE_FENCE
+    from spark_jobs.core.maintain import restorable
+    from spark_jobs.core.untracked import remove_untracked
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    spec_dict = oracle_spec_dict()
+    spec_dict["state"] = {**spec_dict["state"], "deletion_vectors": True}
+    spec_path = write_spec(tmp_path, spec_dict)
+    spec = load_spec(spec_path)
+    for wave in range(8):  # a big first batch, then few users coming back: batches merged on read
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=600 if wave == 0 else 12, users=400)
+        assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    lineage = {r.batch_id: r.state_version for r in status_rows(spec)}
+    old = time.time() - 3 * 3600
+    for path in Path(spec.state_path).rglob("*"):
+        if path.is_file() and "_delta_log" not in path.parts:
+            os.utime(path, (old, old))
+    assert remove_untracked(open_table(spec.state_path), lineage[7], 1, [STATE_FENCE]) >= 2
+    assert restorable(spec.state_path, lineage[1]) and not all(restorable(spec.state_path, lineage[b]) for b in range(2, 7))
+    assert status(spec).oldest_rewindable == 7
+    with pytest.raises(RewindError, match=r"batch 1's state .* can no longer be restored.*rewound to: 0 and 7\.\.8"):
+        rewind(spec, 1, run_id="test-rewind")
+    assert rewind(spec, 7, run_id="test-rewind").batch_id == 7
+    write_wave(tmp_path / "landing", 8, files=1, records_per_file=12, users=400)
+    assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    assert_exact(spec_path)
+
+
+def status_rows(spec):
+    from spark_jobs.core.ledger import OffsetLedger
+
+    return OffsetLedger(spec.ledger_path, spec.name).load().lineage()

@@ -100,7 +100,7 @@ def deleted_in(root: str, adds: Iterable[dict[str, Any]]) -> dict[str, np.ndarra
             location = vector_location(root, descriptor)
             if location not in files:
                 files[location] = read_bytes(location)
-            start = int(descriptor.get("offset") or 0)
+            start = int(descriptor.get("offset") or 1)  # (absent: the data after the file's version byte)
             (size,) = struct.unpack(">I", files[location][start : start + 4])
             data = files[location][start + 4 : start + 4 + size]
         rows = _deserialized(data)

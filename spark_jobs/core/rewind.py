@@ -152,7 +152,8 @@ def _restore(pipeline: Pipeline, table: DeltaTable, version: int, metadata: Comm
     except Exception as exc:
         if is_commit_conflict(exc):
             raise ConcurrentRunError(
-                f"pipeline {pipeline.spec.name}: a batch committed while rewinding; run the rewind again", pipeline=pipeline.spec.name
+                f"pipeline {pipeline.spec.name}: another commit (a batch's, or `maintain`'s) landed on the state while "
+                "rewinding; nothing was changed, run the rewind again", pipeline=pipeline.spec.name
             ) from exc
         raise refuse(
             f"could not restore {pipeline.state.path} to version {version}: {exc}. "

@@ -94,8 +94,11 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
     ]
     if not doomed:
         return 0
-    # Before the marker: a rewind whose snapshot follows the marker reads it (`removal_floor`).
-    write_json(f"{table_root(table)}/{FLOOR_FILE}", {"keep_from": keep_from, "table_id": table.metadata().id})
+    # Before the marker: a rewind whose snapshot follows the marker reads it
+    # (`removal_floor`). It never goes down: a later removal keeping more
+    # versions cannot give back the files an earlier one took.
+    floor = max(keep_from, removal_floor(table) or 0)
+    write_json(f"{table_root(table)}/{FLOOR_FILE}", {"keep_from": floor, "table_id": table.metadata().id})
     if not _mark(root, newest, fences, len(doomed)):
         return 0
     for stored in doomed:
@@ -105,9 +108,9 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
 
 
 def removal_floor(table: DeltaTable) -> int | None:
-    """The oldest version whose files the last removal of untracked files
-    in `table`'s folder kept; None if none ran there (or it was another
-    table's, at the same path).
+    """The oldest version whose files every removal of untracked files in
+    `table`'s folder kept (the highest `keep_from` any of them had); None if
+    none ran there (or it was another table's, at the same path).
 
     A version before it may have lost its files, or be losing them now:
     the removal keeps what versions from its `keep_from` on name, so a

@@ -217,6 +217,13 @@ def test_a_rewind_goes_to_no_batch_before_the_last_removal_of_untracked_files(tm
     assert status(spec).oldest_rewindable == 7
     with pytest.raises(RewindError, match=r"batch 1's state .* can no longer be restored.*rewound to: 0 and 7\.\.8"):
         rewind(spec, 1, run_id="test-rewind")
+    # A later removal keeping more (a larger keep_batches) cannot give back what this one took: the floor stays.
+    (Path(spec.state_path) / "part-00000-lost-fold.snappy.parquet").write_bytes(b"PAR1")
+    os.utime(Path(spec.state_path) / "part-00000-lost-fold.snappy.parquet", (old, old))
+    assert remove_untracked(open_table(spec.state_path), lineage[1], 1, [STATE_FENCE]) == 1
+    assert status(spec).oldest_rewindable == 7
+    with pytest.raises(RewindError, match=r"rewound to: 0 and 7\.\.8"):
+        rewind(spec, 3 if restorable(spec.state_path, lineage[3]) else 1, run_id="test-rewind")
     assert rewind(spec, 7, run_id="test-rewind").batch_id == 7
     write_wave(tmp_path / "landing", 8, files=1, records_per_file=12, users=400)
     assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"

@@ -21,6 +21,11 @@ also takes the newest late event time and the oldest on time: the gap
 between them is every watermark that judges the batch's records alike,
 which tells a read made ahead against a guessed watermark whether it stands
 (`spark_jobs.core.event_time.judged_alike`).
+
+The marks depend on the batch's watermark, so they are built for every read,
+as SQL text parsed in one call each: built from `Column` objects, every
+operator and function was a call into the JVM, about 70 of a read's 190
+(docs/benchmarks.md, "Event time: windows beside Structured Streaming").
 """
 
 from __future__ import annotations
@@ -50,22 +55,22 @@ NEWEST_LATE_METRIC, OLDEST_ON_TIME_METRIC = "newest_late_micros", "oldest_on_tim
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None, judged: Column | None = None) -> DataFrame:
+def numbered(parsed: DataFrame, spec: PipelineSpec, watermark: datetime | None, judged: str | None = None) -> DataFrame:
     """Records numbered by line (`REASON` marks the failed), late ones marked;
     under `late: quarantine` they fail with the reason that names their event
     time, and so does a valid record with no event time (always). Only the
-    records `judged` says are judged at all (default: every one)."""
+    records `judged` (a SQL condition) says are judged at all (default: every one)."""
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
-    moment = event_moment(spec)
-    valid = F.col(REASON).isNull() if judged is None else F.col(REASON).isNull() & judged
-    marked = parsed.withColumn(LATE, valid & _older(moment, watermark))
-    reason = F.when(valid & moment.isNull(), F.lit(f"no event time: {spec.event_time.column} is null (event_time.column)"))
+    moment, reason = _moment(spec), spark_identifier(REASON)
+    valid = f"{reason} IS NULL" if judged is None else f"({reason} IS NULL AND {judged})"
+    late = f"({valid} AND {_older(moment, watermark)})"
+    # The column is an identifier (`spec.IDENTIFIER`): nothing in it to escape.
+    cases = [f"WHEN {valid} AND {moment} IS NULL THEN 'no event time: {spec.event_time.column} is null (event_time.column)'"]
     if spec.event_time.late == "quarantine" and watermark is not None:
-        text = F.concat(F.lit("late: event time "), _iso(moment), F.lit(f" is before the watermark {iso(watermark)}"))
-        reason = reason.when(F.col(LATE), text)
-    return marked.withColumn(REASON, reason.otherwise(F.col(REASON)))
+        cases.append(f"WHEN {late} THEN concat('late: event time ', {_iso(moment)}, ' is before the watermark {iso(watermark)}')")
+    return parsed.withColumns({LATE: F.expr(late), REASON: F.expr(f"CASE {' '.join(cases)} ELSE {reason} END")})
 
 
 def native(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> DataFrame:
@@ -75,13 +80,10 @@ def native(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None) -> D
     from pyspark.sql import functions as F
 
     assert spec.event_time is not None
-    moment = event_moment(spec)
-    fine = ~F.col(native_read.SUSPECT)
-    marked = rows.withColumn(LATE, fine & _older(moment, watermark))
-    suspect = F.col(native_read.SUSPECT) | moment.isNull()
-    if spec.event_time.late == "quarantine":
-        suspect = suspect | F.col(LATE)
-    return marked.withColumn(native_read.SUSPECT, suspect)
+    moment, suspect = _moment(spec), spark_identifier(native_read.SUSPECT)
+    late = f"(NOT {suspect} AND {_older(moment, watermark)})"
+    marks = [suspect, f"{moment} IS NULL", *([late] if spec.event_time.late == "quarantine" else [])]
+    return rows.withColumns({LATE: F.expr(late), native_read.SUSPECT: F.expr(" OR ".join(marks))})
 
 
 def versions(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None, table: str, span: str) -> DataFrame:
@@ -106,7 +108,7 @@ def versions(rows: DataFrame, spec: PipelineSpec, watermark: datetime | None, ta
         F.lit(None).cast("string").alias(REASON),
         F.lit(MAX_RAW_CHARS).alias(KEEP),
     )
-    judged = F.col("_change_type") == F.lit("insert") if "_change_type" in rows.columns else None
+    judged = "`_change_type` = 'insert'" if "_change_type" in rows.columns else None
     return numbered(framed, spec, watermark, judged)
 
 
@@ -169,17 +171,21 @@ def event_moment(spec: PipelineSpec) -> Column:
     """The event time as a TIMESTAMP (a DATE counts from its midnight, UTC: the session's zone)."""
     from pyspark.sql import functions as F
 
+    return F.expr(_moment(spec))
+
+
+def _moment(spec: PipelineSpec) -> str:
+    """`event_moment` as SQL text."""
     assert spec.event_time is not None
-    return F.col(spark_identifier(spec.event_time.column)).cast("timestamp")
+    return f"CAST({spark_identifier(spec.event_time.column)} AS TIMESTAMP)"
 
 
-def _older(moment: Column, watermark: datetime | None) -> Column:
-    """Whether `moment` is before `watermark` (never, before the first watermark; null moments are not late)."""
-    from pyspark.sql import functions as F
-
+def _older(moment: str, watermark: datetime | None) -> str:
+    """Whether `moment` is before `watermark`, as SQL text (never, before the
+    first watermark; null moments are not late)."""
     if watermark is None:
-        return F.lit(False)
-    return F.coalesce(moment < instant(watermark), F.lit(False))
+        return "false"
+    return f"coalesce({moment} < timestamp_micros({_micros(watermark)}), false)"
 
 
 def instant(moment: datetime) -> Column:
@@ -188,13 +194,14 @@ def instant(moment: datetime) -> Column:
     calendar, by days)."""
     from pyspark.sql import functions as F
 
-    micros = (moment.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)
-    return F.expr(f"timestamp_micros({micros})")
+    return F.expr(f"timestamp_micros({_micros(moment)})")
 
 
-def _iso(moment: Column) -> Column:
-    """`moment` spelled as `iso` spells a watermark."""
-    from pyspark.sql import functions as F
+def _micros(moment: datetime) -> int:
+    return (moment.astimezone(UTC) - _EPOCH) // timedelta(microseconds=1)
 
-    text = F.date_format(moment, "yyyy-MM-dd'T'HH:mm:ss.SSSSSS")
-    return F.concat(F.regexp_replace(text, r"\.000000$", ""), F.lit("Z"))
+
+def _iso(moment: str) -> str:
+    """`moment` spelled as `iso` spells a watermark, as SQL text."""
+    text = f"""date_format({moment}, "yyyy-MM-dd'T'HH:mm:ss.SSSSSS")"""
+    return f"concat(regexp_replace({text}, '[.]000000$', ''), 'Z')"

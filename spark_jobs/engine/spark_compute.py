@@ -782,8 +782,9 @@ def _python_row(spark: SparkSession, jrow: Any) -> dict[str, Any]:
     """A JVM `Row` of observed metrics as a dict (as pyspark's `Observation.get` converts it)."""
     from pyspark.serializers import CPickleSerializer
 
-    utils = spark.sparkContext._jvm.org.apache.spark.sql.api.python.PythonSQLUtils
-    return CPickleSerializer().loads(utils.toPyRow(jrow)).asDict(recursive=False)
+    # By the name pyspark imports into the JVM's view: each step of a
+    # package path would be a call into the JVM of its own.
+    return CPickleSerializer().loads(spark.sparkContext._jvm.PythonSQLUtils.toPyRow(jrow)).asDict(recursive=False)
 
 
 def _marked(records: DataFrame, spec: PipelineSpec, batch: BatchRange, *, native: bool = False) -> DataFrame:

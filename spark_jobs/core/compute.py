@@ -119,9 +119,12 @@ class FileWriting(Compute, Protocol):
     def result_schema(self, spec: PipelineSpec, batch: BatchRange) -> pa.Schema:
         """The transform's result columns over `batch` (analysed, not run)."""
 
-    def merge_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+    def merge_files(
+        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
+    ) -> tuple[StagedFile, ...]:
         """The state's files `rewritten` (paths in `root`) merged with
-        `updates` by the spec's rules, written into `root` as new files."""
+        `updates` by the spec's rules, written into `root` as new files;
+        with `changes`, their change data files too (paths under `_change_data/`)."""
 
     def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
         """`merge_files` for a small batch: each of the files `rewritten`

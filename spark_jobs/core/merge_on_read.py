@@ -69,13 +69,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable, TableFeatures
-from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
-from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, deleted_in, has_deletion_vectors, table_root, write_vectors
+from spark_jobs.core.deletion_vectors import active_files, deleted_in, has_deletion_vectors, table_root, write_vectors
 from spark_jobs.core.faults import fault_point
-from spark_jobs.core.fencing import STATE_FENCE
+from spark_jobs.core import own_commits
+from spark_jobs.core.own_commits import commit_info, fence, logged, removal
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import files_meeting
 from spark_jobs.storage.files import reader, write_bytes
@@ -126,19 +126,17 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     before = pa.concat_tables([p.before for p in probed]) if probed else schema.empty_table()
     after = pa.concat_tables([p.after for p in probed]) if probed else schema.empty_table()
     now = int(time.time() * 1000)
-    actions = [_commit_info(metadata, now, after.num_rows, inserted.num_rows, len(probed)), _fence(metadata, now)]
+    metrics = {"num_target_rows_updated": after.num_rows, "num_target_rows_inserted": inserted.num_rows, "num_deletion_vectors_added": len(probed)}
+    actions = [commit_info(metadata, now, {"mode": "merge-on-read"}, metrics), fence(metadata, now)]
     if probed:
         vectors = [_union(p.deleted, p.rows) for p in probed]
         for p, descriptor in zip(probed, write_vectors(root, vectors)):
-            actions += _revectored(_logged(added, p.path), descriptor, now)
+            actions += _revectored(logged(added, p.path), descriptor, now)
     actions.append(_data_file(root, pa.concat_tables([after, inserted]), schema, now))
     if spec.state.change_feed:
         actions.append(_change_file(root, before, after, inserted))
     fault_point("mid_state_merge")  # every file written, the commit not made
-    try:
-        commit_entry(root, version + 1, actions)
-    except FileExistsError as exc:
-        raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer since this batch read the state") from exc
+    own_commits.commit(root, version + 1, actions, "since this batch read the state")
     return version + 1, data.num_rows
 
 
@@ -166,14 +164,11 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
         }
     }]
     for add in carrying:
-        actions.append(_removal(add, now, data_change=False))
+        actions.append(removal(add, now, data_change=False))
         live = _live_file(root, add, deleted, schema)
         if live.num_rows:
             actions.append(_data_file(root, live, schema, now, data_change=False))
-    try:
-        commit_entry(root, version + 1, actions)
-    except FileExistsError as exc:
-        raise CommitFailedError(f"version {version + 1} of {root} was committed by another writer while its vectors were purged") from exc
+    own_commits.commit(root, version + 1, actions, "while its vectors were purged")
     return version + 1, len(carrying)
 
 
@@ -212,16 +207,13 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
             "timestamp": now, "operation": "RESTORE", "operationParameters": {"version": version},
             METADATA_KEY: metadata.to_json(),
         }},
-        _fence(metadata, now),
-        *(_removal(a, now) for a in removed),
+        fence(metadata, now),
+        *(removal(a, now) for a in removed),
         *({"add": {**a, "modificationTime": now, "dataChange": True}} for a in added),
     ]
     if change.num_rows:
         actions.append(_cdc(root, change))
-    try:
-        commit_entry(root, now_version + 1, actions)
-    except FileExistsError as exc:
-        raise CommitFailedError(f"version {now_version + 1} of {root} was committed by another writer during the restore") from exc
+    own_commits.commit(root, now_version + 1, actions, "during the restore")
     return now_version + 1
 
 
@@ -294,7 +286,7 @@ def _probe(
     keys = list(spec.state.keys)
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
     meeting = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
-    deleted = deleted_in(root, (_logged(added, path) for path in meeting))
+    deleted = deleted_in(root, (logged(added, path) for path in meeting))
     units, handles = [], []
     for path in meeting:
         handles.append(reader(f"{root}/{unquote(path)}"))
@@ -335,28 +327,6 @@ def _probe(
             pa.concat_tables([f[2] for f in parts]), pa.concat_tables([f[3] for f in parts]), np.concatenate([f[4] for f in parts]),
         ))
     return touched
-
-
-def _commit_info(metadata: CommitMetadata, now: int, updated: int, inserted: int, vectors: int) -> dict[str, Any]:
-    """The commit info, as delta-rs writes a MERGE's with the job's metadata."""
-    return {
-        "commitInfo": {
-            "timestamp": now,
-            "operation": "MERGE",
-            "operationParameters": {"mode": "merge-on-read"},
-            METADATA_KEY: metadata.to_json(),
-            "operationMetrics": {
-                "num_target_rows_updated": updated,
-                "num_target_rows_inserted": inserted,
-                "num_deletion_vectors_added": vectors,
-            },
-        }
-    }
-
-
-def _fence(metadata: CommitMetadata, now: int) -> dict[str, Any]:
-    """The state fence moved to the batch's position."""
-    return {"txn": {"appId": STATE_FENCE, "version": metadata.position.encode(), "lastUpdated": now}}
 
 
 def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int, *, data_change: bool = True) -> dict[str, Any]:
@@ -419,14 +389,9 @@ def _key_range(data: pa.Table, keys: list[str]) -> tuple[Any, Any] | None:
     return None if low is None else (low, high)
 
 
-def _logged(added: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
-    """The log's add action of `path` (delta-rs gives paths decoded; the log may encode them)."""
-    return added[path] if path in added else next(a for p, a in added.items() if unquote(p) == path)
-
-
 def _revectored(add: dict[str, Any], descriptor: dict[str, Any], now: int) -> list[dict[str, Any]]:
     """A file's add action replaced by one with `descriptor` as its vector:
-    the old one removed (`_removal`), the new one added. Its statistics
+    the old one removed (`own_commits.removal`), the new one added. Its statistics
     still bound its rows, no longer tightly."""
     readded = {k: v for k, v in add.items() if v is not None}
     readded.update(modificationTime=now, dataChange=True, deletionVector=descriptor)
@@ -434,19 +399,7 @@ def _revectored(add: dict[str, Any], descriptor: dict[str, Any], now: int) -> li
         stats = json.loads(readded["stats"])
         stats["tightBounds"] = False
         readded["stats"] = json.dumps(stats)
-    return [_removal(add, now), {"add": readded}]
-
-
-def _removal(add: dict[str, Any], now: int, *, data_change: bool = True) -> dict[str, Any]:
-    """The removal of the file `add` added, as it was added (its vector
-    too: a file's identity in the log is its path and its vector)."""
-    remove = {
-        "path": add["path"], "deletionTimestamp": now, "dataChange": data_change, "extendedFileMetadata": True,
-        "partitionValues": add.get("partitionValues") or {}, "size": add["size"],
-    }
-    if add.get("deletionVector"):
-        remove["deletionVector"] = add["deletionVector"]
-    return {"remove": remove}
+    return [removal(add, now), {"add": readded}]
 
 
 def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Table) -> dict[str, Any]:

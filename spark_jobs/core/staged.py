@@ -41,6 +41,7 @@ log = logging.getLogger("microbatch")
 
 __all__ = [
     "CAST_FAILED",
+    "CHANGE_DATA",
     "IN_PROCESS_ROWS",
     "REWRITE_FROM_BYTES",
     "Sink",
@@ -71,6 +72,9 @@ IN_PROCESS_ROWS = 500_000
 #: executors, each file where it stands (`FileWriting.rewrite_files`): a
 #: MERGE here would stream every row of them through the job's process.
 REWRITE_FROM_BYTES = 256 * 1024 * 1024
+
+#: A Delta table's folder of change data files (delta-rs's and delta-spark's name).
+CHANGE_DATA = "_change_data"
 
 #: Starts the message of a value that does not cast to the state's column
 #: type, in a writing task or in the job's process alike; the job turns it

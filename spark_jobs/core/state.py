@@ -30,24 +30,26 @@ from typing import TypeVar
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Field, QueryBuilder, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
 from spark_jobs.core.deletion_vectors import carries_vectors, has_deletion_vectors
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
+from spark_jobs.core.own_commits import commit_rewrite
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import (
-    CAST_FAILED, IN_PROCESS_ROWS, REWRITE_FROM_BYTES, Staged, StagedValues, commit_files, delete_files, files_bytes,
+    CAST_FAILED, CHANGE_DATA, IN_PROCESS_ROWS, REWRITE_FROM_BYTES, Staged, StagedValues, commit_files, delete_files, files_bytes,
     read_staged, require_written, touched_files,
 )
 from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.core.windows import EXPIRE_KEY
-from spark_jobs.core.write_path import merged_by_delta_spark
+from spark_jobs.core.write_path import merged_by_delta_spark, merged_with_changes
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
 __all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
@@ -271,6 +273,8 @@ class StateTable:
             # files as they are, rows their vectors delete too: a big batch is
             # merged here by delta-rs's MERGE, or by delta-spark, which honour them.
             here = small or not merged_by_delta_spark(self.spec)
+        if files is not None and not here and not vectors and merged_with_changes(self.spec):
+            return self._merge_with_changes(table, staged, metadata, files, rewritten)
         if files is not None and not here and merged_by_delta_spark(self.spec):
             done = self._merge_by_delta_spark(staged, metadata, files)
             if done is not None:
@@ -288,6 +292,28 @@ class StateTable:
         # files a `maintain` marked before it chose what to delete.)
         commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
         return self._version_of(metadata.position), staged.rows
+
+    def _merge_with_changes(
+        self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting, rewritten: list[str]
+    ) -> tuple[int, int]:
+        """A batch merged into a state with a change feed by the executors'
+        join, whose tasks write the change data with the merged rows
+        (`FileWriting.merge_files`), committed by the job on `table`'s
+        snapshot (`own_commits.commit_rewrite`). After a lost race the files
+        are deleted, unless the version that exists is this commit's own (a
+        put the store applied but answered with an error): change data is
+        never `maintain`'s to remove."""
+        schema = pa.schema(table.schema().to_arrow())
+        written = files.merge_files(self.spec, self.path, schema, rewritten, staged, changes=True)
+        changes = tuple(f for f in written if f.path.startswith(f"{CHANGE_DATA}/"))
+        data = tuple(f for f in written if f not in changes)
+        try:
+            return commit_rewrite(table, data, rewritten, changes, metadata), staged.rows
+        except CommitFailedError:
+            landed = self.find_commit(self.open(), metadata.position)
+            if landed is None or landed.metadata.commit_token != metadata.commit_token:
+                delete_files(self.path, written)
+            raise
 
     def _merge_by_delta_spark(self, staged: Staged, metadata: CommitMetadata, files: FileWriting) -> tuple[int, int] | None:
         """A batch of files MERGEd into a state with a change feed by

@@ -10,6 +10,10 @@ spec, the planned range and what the engine can do:
 * **By the executors** (`executors_write`): Spark's tasks write the updates
   and the bad records as data files (`spark_jobs.core.staged`); the job's
   process sees their names and statistics only.
+* **Merged with its changes by the executors** (`merged_with_changes`): on
+  S3, a merged state with a change data feed has the executors' join write
+  the change files with the merged rows, and the job commits them itself
+  (`spark_jobs.core.own_commits`, with ``If-None-Match``).
 * **Merged by delta-spark** (`merged_by_delta_spark`): a merged state with a
   change data feed has the executors' files MERGEd by delta-spark, on the
   executors, in one commit that carries the state fence as its ``txn`` and
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange
 
-__all__ = ["EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "read_by_spark"]
+__all__ = ["EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "merged_with_changes", "read_by_spark"]
 
 #: `engine.state_write: auto`: a batch reading more than this many bytes has
 #: its rows written by Spark's executors. A million keys of Parquet input
@@ -74,3 +78,12 @@ def merged_by_delta_spark(spec: PipelineSpec) -> bool:
     zombie, a backfill) are two drivers; delta-rs's conditional put is safe
     across them."""
     return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver" and not is_s3(spec.state_path)
+
+
+def merged_with_changes(spec: PipelineSpec) -> bool:
+    """Whether a batch the executors merge into this state writes its change
+    data with the merged rows, committed by the job (`own_commits.commit_rewrite`):
+    a merged state with a change data feed on S3, where delta-spark cannot
+    fence two drivers (`merged_by_delta_spark`) and the job's process must not
+    hold a big batch's rows for delta-rs's MERGE."""
+    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver" and is_s3(spec.state_path)

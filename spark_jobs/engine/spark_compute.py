@@ -307,9 +307,11 @@ class SparkCompute:
         fields = {f.name: pa.field(f.name, _arrow_type(spec, f.name, f.dataType)) for f in schema.fields}
         return pa.schema([fields[name] for name in [*spec.state.keys, *spec.value_columns]])
 
-    def merge_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
+    def merge_files(
+        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
+    ) -> tuple[StagedFile, ...]:
         with _writing_state(spec):
-            return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates)
+            return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates, changes=changes)
 
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
         with _writing_state(spec):

@@ -45,16 +45,23 @@ from typing import TYPE_CHECKING, Any
 
 from spark_jobs.core import arrow_rows
 from spark_jobs.core.arrow_rows import FileStats, merged_rows
-from spark_jobs.core.staged import CAST_FAILED, Staged, StagedFile
+from spark_jobs.core.staged import CAST_FAILED, CHANGE_DATA, Staged, StagedFile
 
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["MAX_READ_TASKS", "read_files", "rewrite_files", "write_files", "write_table", "writing", "written"]
+__all__ = [
+    "BEFORE", "CHANGE", "CHANGE_TYPE", "MAX_READ_TASKS", "read_files", "rewrite_files", "write_files", "write_table",
+    "writing", "writing_changes", "written",
+]
 
 #: What each task returns: one row per file it wrote.
 WRITTEN = "path STRING, size BIGINT, records BIGINT, stats STRING, nonfinite STRING, bounds STRING"
+#: The column of a change data file that says what each row is.
+CHANGE_TYPE = "_change_type"
+#: `writing_changes`'s columns beside the new rows: the old row's values (this prefix and the name) and the change.
+BEFORE, CHANGE = "__before_", "__change"
 #: At most this many read tasks (one file each below it).
 MAX_READ_TASKS = 64
 
@@ -72,6 +79,19 @@ def write_files(
     file its own way). The job is one Spark action; what comes back to this
     process is one short row a file."""
     return written(writing(frame, root, schema, client, rename).toArrow())
+
+
+def writing_changes(frame: DataFrame, root: str, schema: pa.Schema, client: dict[str, Any]) -> DataFrame:
+    """`writing` for a merge that writes its change feed with it (a merged
+    state with `change_feed`, `spark_state.merge_files`): `frame` holds each
+    row's new values (`schema`'s columns), its old ones (`BEFORE` + name) and
+    `CHANGE`: "update", "insert", or null for a row the batch did not touch.
+    Each task writes its rows as one data file and their changes (the old
+    and new row of an update, a new key's row, with Delta's
+    `CHANGE_TYPE`) as one change data file under `CHANGE_DATA`; a row comes
+    back for each file."""
+    _pickle_by_value()
+    return frame.mapInArrow(_change_writer(root, schema, client), WRITTEN)
 
 
 def writing(
@@ -163,55 +183,115 @@ def _writer(
     root: str, schema: pa.Schema, client: dict[str, Any], rename: tuple[str, dict[str, str]] | None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        import json
-        import os
-        import tempfile
+        import uuid
+
+        out = _Out(root, f"part-{uuid.uuid4()}-c000.snappy.parquet", schema, client)
+        try:
+            for batch in batches:
+                if batch.num_rows:
+                    out.write(_cast(_renamed(batch, rename) if rename else batch, schema))
+            yield from out.close()
+        finally:
+            out.abandon()
+
+    return write
+
+
+def _change_writer(root: str, schema: pa.Schema, client: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import uuid
 
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.compute as pc
 
-        name = f"part-{uuid.uuid4()}-c000.snappy.parquet"
-        s3 = root.startswith("s3://")
-        if s3:
-            handle, local = tempfile.mkstemp(suffix=".parquet")
-            os.close(handle)
-        else:
-            os.makedirs(root, exist_ok=True)
-            local = os.path.join(root, name)
-        stats = FileStats(schema)
-        writer = None
+        changes_schema = schema.append(pa.field(CHANGE_TYPE, pa.string()))
+        data = _Out(root, f"part-{uuid.uuid4()}-c000.snappy.parquet", schema, client)
+        changes = _Out(root, f"{CHANGE_DATA}/cdc-{uuid.uuid4()}.snappy.parquet", changes_schema, client)
         try:
             for batch in batches:
-                if batch.num_rows == 0:
+                if not batch.num_rows:
                     continue
-                batch = _cast(_renamed(batch, rename) if rename else batch, schema)
-                if writer is None:
-                    writer = pq.ParquetWriter(local, schema, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
-                writer.write_batch(batch)
-                stats.add(batch)
-            if writer is None:
-                return
-            writer.close()
-            writer = None
-            size = os.path.getsize(local)
-            if s3:
-                _upload(client, local, f"{root.rstrip('/')}/{name}")
+                rows = _cast(batch, schema)
+                data.write(rows)
+                kind = batch.column(batch.schema.get_field_index(CHANGE))
+                updated = pc.fill_null(pc.equal(kind, "update"), False)
+                inserted = pc.fill_null(pc.equal(kind, "insert"), False)
+                before = pa.RecordBatch.from_arrays([batch.column(batch.schema.get_field_index(BEFORE + f.name)) for f in schema], names=schema.names)
+                parts = [
+                    (_cast(before, schema).filter(updated), "update_preimage"),
+                    (rows.filter(updated), "update_postimage"),
+                    (rows.filter(inserted), "insert"),
+                ]
+                for part, change_type in parts:
+                    if part.num_rows:
+                        label = pa.array([change_type] * part.num_rows, pa.string())
+                        changes.write(pa.RecordBatch.from_arrays([*part.columns, label], schema=changes_schema))
+            yield from data.close()
+            yield from changes.close()
         finally:
-            if writer is not None:
-                writer.close()
-            if s3 and os.path.exists(local):
-                os.unlink(local)
-        row = {
-            "path": name, "size": size, "records": stats.records, "stats": stats.json(),
-            "nonfinite": json.dumps(sorted(stats.nonfinite)), "bounds": stats.bounds(),
-        }
-        yield pa.RecordBatch.from_pylist(
-            [row],
-            schema=pa.schema([(n, pa.int64() if n in ("size", "records") else pa.string()) for n in row]),
-        )
+            data.abandon()
+            changes.abandon()
 
     return write
+
+
+class _Out:
+    """One Parquet file a task writes into a table's folder `root` (a local
+    folder, or an S3 prefix: written locally, then uploaded), and the row
+    that tells the job's process of it."""
+
+    def __init__(self, root: str, name: str, schema: pa.Schema, client: dict[str, Any]) -> None:
+        import os
+        import tempfile
+
+        self.root, self.name, self.schema, self.client = root, name, schema, client
+        self.s3 = root.startswith("s3://")
+        if self.s3:
+            handle, self.local = tempfile.mkstemp(suffix=".parquet")
+            os.close(handle)
+        else:
+            self.local = os.path.join(root, name)
+            os.makedirs(os.path.dirname(self.local), exist_ok=True)
+        self.stats = FileStats(schema)
+        self.writer: Any = None
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        import pyarrow.parquet as pq
+
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.local, self.schema, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
+        self.writer.write_batch(batch)
+        self.stats.add(batch)
+
+    def close(self) -> Iterator[pa.RecordBatch]:
+        """Finish the file and yield its row (nothing, if no row was written)."""
+        import json
+        import os
+
+        import pyarrow as pa
+
+        if self.writer is None:
+            return
+        self.writer.close()
+        self.writer = None
+        size = os.path.getsize(self.local)
+        if self.s3:
+            _upload(self.client, self.local, f"{self.root.rstrip('/')}/{self.name}")
+        row = {
+            "path": self.name, "size": size, "records": self.stats.records, "stats": self.stats.json(),
+            "nonfinite": json.dumps(sorted(self.stats.nonfinite)), "bounds": self.stats.bounds(),
+        }
+        yield pa.RecordBatch.from_pylist([row], schema=pa.schema([(n, pa.int64() if n in ("size", "records") else pa.string()) for n in row]))
+
+    def abandon(self) -> None:
+        """Close a file left open by a failure; drop the local copy of an S3 upload."""
+        import os
+
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.s3 and os.path.exists(self.local):
+            os.unlink(self.local)
 
 
 def _reader(root: str, schema: pa.Schema, client: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:

@@ -28,7 +28,7 @@ from spark_jobs.core.staged import IN_PROCESS_ROWS, Sink, Staged, StagedFile, de
 from spark_jobs.core.state import merge_expression
 from spark_jobs.engine.parse import FILE, KEEP, LINE, RAW, REASON
 from spark_jobs.engine import spark_files
-from spark_jobs.engine.spark_files import read_files, writing, written
+from spark_jobs.engine.spark_files import BEFORE, CHANGE, read_files, writing, writing_changes, written
 from spark_jobs.storage.s3 import client_settings, is_s3
 
 if TYPE_CHECKING:
@@ -193,12 +193,14 @@ def _check_unique(spark: SparkSession, spec: PipelineSpec, staged: Staged, root:
 
 
 def merge_files(
-    spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged
+    spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
 ) -> tuple[StagedFile, ...]:
     """The state's files `rewritten` merged with `updates` by the spec's
     rules, as the MERGE does (`state.merge_expression`), written as new files
     into `root`: a full outer join on the keys, every column of a key the
-    batch does not touch kept as it is."""
+    batch does not touch kept as it is. With `changes`, each task also
+    writes the change data of its rows, as delta-rs's MERGE would
+    (`spark_files.writing_changes`: their paths start with `CHANGE_DATA`)."""
     from pyspark.sql import functions as F
 
     keys = list(spec.state.keys)
@@ -225,7 +227,11 @@ def merge_files(
             merged = F.expr(merge_expression(name, spec.state.merge[name], quote=spark_identifier))
             value = F.when(untouched, t).when(inserted, s).otherwise(merged)
         columns.append(value.alias(name))
-    return written(writing(joined.select(*columns), root, schema, settings).toArrow())
+    if not changes:
+        return written(writing(joined.select(*columns), root, schema, settings).toArrow())
+    before = [F.col(f"t.{spark_identifier(name)}").alias(BEFORE + name) for name in schema.names]
+    change = F.when(untouched, F.lit(None)).when(inserted, F.lit("insert")).otherwise(F.lit("update")).alias(CHANGE)
+    return written(writing_changes(joined.select(*columns, *before, change), root, schema, settings).toArrow())
 
 
 def rewrite_files(

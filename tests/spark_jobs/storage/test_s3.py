@@ -510,3 +510,78 @@ def test_one_s3_client_is_reused_until_the_credentials_it_was_made_from_change(t
         assert os.waitpid(child, 0)[1] == 0, "a forked child reused its parent's client"
     finally:
         storage.reset()
+
+
+def test_a_change_feed_state_on_s3_is_merged_by_the_executors_with_its_changes_through_a_race(tmp_path, bucket, compute):
+    """A merged state with `change_feed` on S3, merged by the executors'
+    join (`state_write: executors`; delta-spark cannot fence two drivers on
+    S3, and before, every such batch was merged in the job's process): the
+    tasks write the change data with the merged rows, and the job commits
+    the entry with ``If-None-Match``. The state is exact; the change feed
+    of each batch is the old and new row of each returning key and the row
+    of each new one; a commit landing between the join and the job's commit
+    loses it that attempt, whose files are deleted, and the batch merges
+    again from the new snapshot."""
+    from deltalake import DeltaTable
+
+    from spark_jobs.core import faults
+    from spark_jobs.core.delta_io import arrow, commit_info
+    from spark_jobs.storage.s3 import read_bytes
+
+    mirror = tmp_path / "mirror"
+    base = oracle_spec_dict()
+    spec_file = _s3_spec(tmp_path, bucket, state={**base["state"], "path": f"s3://{bucket}/lake/state", "change_feed": True},
+                         engine={"state_write": "executors"})
+    spec = load_spec(spec_file)
+    client = s3_client()
+
+    def run() -> None:
+        assert run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+
+    def keys(prefix: str) -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}
+
+    _land(mirror, bucket, 0, files=2, records_per_file=200, users=40)
+    run()
+    raced, written_before = [], set()
+
+    def race(point: str) -> None:
+        # Once the join has written its change data (the commit not made):
+        # a tool's property change, a commit of no fence, takes the version the batch wanted.
+        if point == "mid_state_merge" and not raced and keys("lake/state/_change_data/") - written_before:
+            raced.append(point)
+            DeltaTable(spec.state_path, storage_options=delta_storage_options(spec.state_path)).alter.set_table_properties({"delta.logRetentionDuration": "interval 31 days"})
+
+    for wave in (1, 2):
+        _land(mirror, bucket, wave, files=2, records_per_file=200, users=60)
+        before = {r["user_id"]: r for r in read_all(open_table(spec.state_path)).to_pylist()}
+        written_before = keys("lake/state/_change_data/")
+        faults.set_hook(race if wave == 2 else None)
+        try:
+            run()
+        finally:
+            faults.set_hook(None)
+        table = open_table(spec.state_path)
+        entry = read_bytes(f"{spec.state_path}/_delta_log/{table.version():020d}.json").decode()
+        assert "executors' join" in entry and '"cdc"' in entry
+        after = {r["user_id"]: r for r in read_all(table).to_pylist()}
+        feed = arrow(table.load_cdf(starting_version=table.version(), ending_version=table.version()).read_all()).to_pylist()
+        by_type: dict[str, dict] = {}
+        for row in feed:
+            by_type.setdefault(row["_change_type"], {})[row["user_id"]] = {k: v for k, v in row.items() if not k.startswith("_c")}
+        changed = {k for k in after if after[k] != before.get(k)}
+        assert set(by_type.get("update_preimage", {})) == set(by_type.get("update_postimage", {})) == changed & set(before)
+        assert set(by_type.get("insert", {})) == changed - set(before)
+        assert all(by_type["update_preimage"][k] == before[k] and by_type["update_postimage"][k] == after[k] for k in changed & set(before))
+    assert raced, "the race ran"
+    history = [commit_info(spec.state_path, v)["operation"] for v in range(open_table(spec.state_path).version() + 1)]
+    assert history[-2:] == ["SET TBLPROPERTIES", "MERGE"], history
+    assert_exact(spec_file, mirror=mirror)
+    named = set()
+    table = open_table(spec.state_path)
+    for version in range(table.version() + 1):
+        for line in read_bytes(f"{spec.state_path}/_delta_log/{version:020d}.json").decode().splitlines():
+            action = json.loads(line)
+            if "cdc" in action:
+                named.add(f"lake/state/{action['cdc']['path']}")
+    assert keys("lake/state/_change_data/") == named, "the lost attempt's change data was deleted"

@@ -1,0 +1,100 @@
+"""The job's own entries in a state table's Delta log.
+
+delta-rs 1.6.6 commits the files it writes and data files written by
+others (`staged.commit_files`), but neither a deletion vector nor a change
+data file (``cdc``) written by others. Where a batch needs one (a state
+merged on read, `merge_on_read`; a state with a change feed whose big batch
+the executors merge, `commit_rewrite`), the job writes the log entry itself,
+as delta-rs would have: the commit info carries the batch's metadata
+(`commits.METADATA_KEY`, which `find_commit`, reconcile and the ledger read
+alike), a ``txn`` moves the state fence, and files are removed as they were
+added.
+
+An entry is committed at the snapshot's version + 1 and only there
+(`commit`): written aside and linked into place on a local disk, put with
+``If-None-Match: *`` on S3 (`storage.files.create`). Any commit since the
+snapshot (a racing run, a zombie, `maintain`) makes that version exist, and
+the commit fails with delta-rs's `CommitFailedError`, which step 4 judges as
+every other state conflict.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import unquote
+
+from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
+
+from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
+from spark_jobs.core.deletion_vectors import active_files, commit as commit_entry, table_root
+from spark_jobs.core.faults import fault_point
+from spark_jobs.core.fencing import STATE_FENCE
+from spark_jobs.core.staged import StagedFile
+
+__all__ = ["commit", "commit_info", "commit_rewrite", "fence", "logged", "removal"]
+
+
+def commit(root: str, version: int, actions: list[dict[str, Any]], during: str) -> None:
+    """`actions` as the log entry `version` of the table at `root`; raises
+    `CommitFailedError` (saying it happened `during` what) if that version
+    exists: another writer committed since the snapshot."""
+    try:
+        commit_entry(root, version, actions)
+    except FileExistsError as exc:
+        raise CommitFailedError(f"version {version} of {root} was committed by another writer {during}") from exc
+
+
+def commit_info(metadata: CommitMetadata, now: int, parameters: dict[str, Any], metrics: dict[str, int]) -> dict[str, Any]:
+    """A MERGE's commit info, as delta-rs writes it, with the batch's metadata."""
+    return {
+        "commitInfo": {
+            "timestamp": now, "operation": "MERGE", "operationParameters": parameters,
+            METADATA_KEY: metadata.to_json(), "operationMetrics": metrics,
+        }
+    }
+
+
+def fence(metadata: CommitMetadata, now: int) -> dict[str, Any]:
+    """The state fence moved to the batch's position."""
+    return {"txn": {"appId": STATE_FENCE, "version": metadata.position.encode(), "lastUpdated": now}}
+
+
+def removal(add: dict[str, Any], now: int, *, data_change: bool = True) -> dict[str, Any]:
+    """The removal of the file `add` added, as it was added (its vector
+    too: a file's identity in the log is its path and its vector)."""
+    remove = {
+        "path": add["path"], "deletionTimestamp": now, "dataChange": data_change, "extendedFileMetadata": True,
+        "partitionValues": add.get("partitionValues") or {}, "size": add["size"],
+    }
+    if add.get("deletionVector"):
+        remove["deletionVector"] = add["deletionVector"]
+    return {"remove": remove}
+
+
+def logged(added: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    """The log's add action of `path` (delta-rs gives paths decoded; the log may encode them)."""
+    return added[path] if path in added else next(a for p, a in added.items() if unquote(p) == path)
+
+
+def commit_rewrite(
+    table: DeltaTable, added: tuple[StagedFile, ...], removed: list[str], changes: tuple[StagedFile, ...], metadata: CommitMetadata
+) -> int:
+    """The executors' merge of a batch into a state with a change feed
+    (`spark_state.merge_files` with `changes`), committed on `table`'s
+    snapshot: the files `removed` (paths as delta-rs gives them) replaced by
+    `added`, with the change data files `changes`; returns the version.
+    Raises `CommitFailedError` if any commit landed since the snapshot."""
+    root, version, now = table_root(table), table.version(), int(time.time() * 1000)
+    active = active_files(root, version)
+    actions = [
+        commit_info(metadata, now, {"mode": "executors' join"}, {"num_removed_files": len(removed), "num_added_files": len(added), "num_cdc_files": len(changes)}),
+        fence(metadata, now),
+        *(removal(logged(active, path), now) for path in removed),
+        *({"add": {"path": f.path, "partitionValues": {}, "size": f.size, "modificationTime": now, "dataChange": True, "stats": f.stats}} for f in added),
+        *({"cdc": {"path": f.path, "partitionValues": {}, "size": f.size, "dataChange": False}} for f in changes),
+    ]
+    fault_point("mid_state_merge")  # every file written, the commit not made
+    commit(root, version + 1, actions, "since this batch read the state")
+    return version + 1

@@ -116,7 +116,7 @@ from spark_jobs.core import shutdown
 from spark_jobs.core.agreement import check_spec, check_unchanged, lagging_commit
 from spark_jobs.core.commits import CommitKind, CommitMetadata
 from spark_jobs.core.compute import Compute, Engine
-from spark_jobs.core.delta_io import is_commit_conflict, refreshed, storage_errors
+from spark_jobs.core.delta_io import is_commit_conflict, storage_errors
 from spark_jobs.core.dedup import judged
 from spark_jobs.core.event_time import check_replay, is_quiet, quiet_batch, quiet_updates, watermark_after
 from spark_jobs.core.faults import fault_point, watch_for_new_files
@@ -285,11 +285,9 @@ def reconcile(pipeline: Pipeline, *, own_commit: bool = False) -> LedgerView:
     `own_commit`: step 5, recording the commit this run just made, which its
     outcome reports; a row recorded at any other time completes what an
     earlier run left, and is logged."""
-    table = None
     for _ in range(RECONCILE_TRIES):
         view = pipeline.ledger.load()
-        # The next look reads only the state's commits since the last.
-        table = refreshed(table, pipeline.state.path)
+        table = pipeline.state.open()
         state_at = pipeline.state.position(table)
         try:
             commit = lagging_commit(pipeline, view, table, state_at)

@@ -300,9 +300,9 @@ class StateTable:
         join, whose tasks write the change data with the merged rows
         (`FileWriting.merge_files`), committed by the job on `table`'s
         snapshot (`own_commits.commit_rewrite`). After a lost race the files
-        are deleted, unless the version that exists is this commit's own (a
-        put the store applied but answered with an error): change data is
-        never `maintain`'s to remove."""
+        are deleted at once (else `maintain` removes them after its window),
+        unless the version that exists is this commit's own (a put the store
+        applied but answered with an error)."""
         schema = pa.schema(table.schema().to_arrow())
         written = files.merge_files(self.spec, self.path, schema, rewritten, staged, changes=True)
         changes = tuple(f for f in written if f.path.startswith(f"{CHANGE_DATA}/"))

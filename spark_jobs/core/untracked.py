@@ -26,9 +26,12 @@ oldest version `maintain` keeps restorable) and its vectors' files, and
 every file (and vector file) any later log entry adds or removes, up to the newest entry in storage (not only the
 handle's: a commit landing meanwhile names its files there). Files a commit
 removed before `keep_from` and VACUUM left are not needed by any kept
-version either. The log (`_delta_log`), change data (`_change_data`, whose
-files are named only by `cdc` actions and pruned by `maintain` apart) and
-the job's own folder (`_microbatch`) are never touched, nor hidden files.
+version either. The log (`_delta_log`) and the job's own folder
+(`_microbatch`) are never touched, nor hidden files. Change data
+(`_change_data`, named only by `cdc` actions; `maintain` prunes the files of
+versions every downstream has read apart) is removed here only when no log
+entry still in storage names it: the change files of a commit that never
+landed.
 
 A file no commit names may still be one a run is about to commit: a batch
 held or frozen between the executors' writing its files and its commit (a
@@ -55,6 +58,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from spark_jobs.core.deletion_vectors import active_files, has_deletion_vectors, is_vector_file, table_root, vector_file
 from spark_jobs.core.delta_io import is_commit_conflict, version_actions
+from spark_jobs.core.staged import CHANGE_DATA
 from spark_jobs.storage.consumers import JOB_FOLDER, write_json
 from spark_jobs.storage.listing import StoredFile, delete, list_files
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
@@ -78,7 +82,7 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
     found = _referenced(root, keep_from)
     if found is None:
         return 0
-    referenced, newest, vectors_known = found
+    referenced, newest, vectors_known, changes = found
     if older_than_hours < 1:
         log.warning(
             "maintenance.untracked_files_hours is %g: a write of a run still going that long may lose its files; "
@@ -92,6 +96,7 @@ def remove_untracked(table: DeltaTable, keep_from: int, older_than_hours: float,
         if stored.mtime <= cutoff and (stored.path.endswith(".parquet") or vectors_known and is_vector_file(stored.path))
         and not stored.path.startswith(nested) and stored.path not in referenced and not _skipped(stored.path)
     ]
+    doomed += _unnamed_change_data(root, files, changes, keep_from, cutoff)
     if not doomed:
         return 0
     # Before the marker: a rewind whose snapshot follows the marker reads it
@@ -128,11 +133,12 @@ def removal_floor(table: DeltaTable) -> int | None:
     return int(floor["keep_from"]) if floor.get("table_id") == table.metadata().id else None
 
 
-def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
+def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool, set[str]] | None:
     """The files a version from `keep_from` on references (vector files
     too), relative to the table's folder and decoded, the newest version
-    read, and whether the vector files of `keep_from`'s snapshot are among
-    them (read from the log: delta-rs does not expose them); None if `keep_from`'s snapshot cannot be read (its log
+    read, whether the vector files of `keep_from`'s snapshot are among
+    them (read from the log: delta-rs does not expose them), and the change
+    data files the entries after `keep_from` name; None if `keep_from`'s snapshot cannot be read (its log
     entries cleaned up): nothing is removed then."""
     try:
         at = DeltaTable(root, version=keep_from, storage_options=delta_storage_options(root))
@@ -146,15 +152,39 @@ def _referenced(root: str, keep_from: int) -> tuple[set[str], int, bool] | None:
             adds = active_files(folder, keep_from).values()
             referenced |= {vector_file(folder, add.get("deletionVector")) for add in adds} - {None}
             vectors_known = True
-    version = keep_from + 1
+    version, changes = keep_from + 1, set()
     while (actions := version_actions(root, version)) is not None:
         for action in actions:
             for kind in ("add", "remove"):
                 if kind in action:
                     referenced.add(unquote(action[kind]["path"]))
                     referenced.add(vector_file(folder, action[kind].get("deletionVector")) or "")
+            if "cdc" in action:
+                changes.add(unquote(action["cdc"]["path"]))
         version += 1
-    return referenced, version - 1, vectors_known
+    return referenced, version - 1, vectors_known, changes
+
+
+def _unnamed_change_data(root: str, files: list[StoredFile], named: set[str], keep_from: int, cutoff: float) -> list[StoredFile]:
+    """The change data files older than `cutoff` that no log entry still in
+    storage names: written for a commit that never landed (the executors'
+    join with its changes, `own_commits.commit_rewrite`, killed before its
+    commit). `named`: those the entries after `keep_from` name; the
+    entries before it are read only when there is such a file to judge
+    (their change data is `maintain`'s to prune while downstreams read it).
+    A version whose entry is gone has no change feed to read anyway."""
+    candidates = [
+        f for f in files
+        if f.path.startswith(f"{CHANGE_DATA}/") and f.path.endswith(".parquet") and f.mtime <= cutoff and unquote(f.path) not in named
+    ]
+    if not candidates:
+        return []
+    entries = (f.path.removeprefix("_delta_log/").removesuffix(".json") for f in files if f.path.startswith("_delta_log/"))
+    for version in sorted(int(e) for e in entries if e.isdigit() and int(e) <= keep_from):
+        for action in version_actions(root, version) or []:
+            if "cdc" in action:
+                named.add(unquote(action["cdc"]["path"]))
+    return [f for f in candidates if unquote(f.path) not in named]
 
 
 def _mark(root: str, newest: int, fences: list[str], count: int) -> bool:

@@ -234,3 +234,40 @@ def status_rows(spec):
     from spark_jobs.core.ledger import OffsetLedger
 
     return OffsetLedger(spec.ledger_path, spec.name).load().lineage()
+
+
+def test_change_data_no_log_entry_names_is_removed_and_named_change_data_kept(tmp_path):
+    """A run killed between the executors' join with its changes and its
+    commit leaves change files no version names (a review's reproduction:
+    `maintain` never removed them). The removal of untracked files takes
+    those, once older than its window, and keeps every change file a log
+    entry still names: the kept versions' and the older ones' that
+    downstreams may still read."""
+    import os
+    import shutil
+    import time
+
+    from spark_jobs.core.fencing import STATE_FENCE
+    from spark_jobs.core.untracked import remove_untracked
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    spec_dict = oracle_spec_dict()
+    spec_dict["state"] = {**spec_dict["state"], "change_feed": True}
+    spec = load_spec(write_spec(tmp_path, spec_dict))
+    for wave in range(4):  # users coming back: delta-rs's MERGE writes change files
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=200, users=40)
+        assert run_batch(spec, RunOptions(run_id="test"), ArrowCompute).status == "committed"
+    folder = Path(spec.state_path) / "_change_data"
+    named = sorted(p.name for p in folder.iterdir())
+    assert len(named) >= 3
+    orphan = folder / "cdc-orphan-of-a-killed-run.snappy.parquet"
+    shutil.copy(folder / named[0], orphan)
+    old = time.time() - 3 * 3600
+    for path in Path(spec.state_path).rglob("*"):
+        if path.is_file() and "_delta_log" not in path.parts:
+            os.utime(path, (old, old))
+    latest = open_table(spec.state_path).version()
+    assert remove_untracked(open_table(spec.state_path), latest, 1, [STATE_FENCE]) >= 1  # (and the data files the MERGEs replaced)
+    assert sorted(p.name for p in folder.iterdir()) == named, "only the change file no entry names went"
+    table = open_table(spec.state_path)
+    assert table.load_cdf(starting_version=1, ending_version=latest).read_all().num_rows > 0

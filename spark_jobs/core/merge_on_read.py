@@ -136,8 +136,7 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     if spec.state.change_feed:
         actions.append(_change_file(root, before, after, inserted))
     fault_point("mid_state_merge")  # every file written, the commit not made
-    own_commits.commit(root, version + 1, actions, "since this batch read the state")
-    return version + 1, data.num_rows
+    return own_commits.commit(table, actions, "since this batch read the state"), data.num_rows
 
 
 def purge(table: DeltaTable) -> tuple[int, int] | None:
@@ -168,8 +167,7 @@ def purge(table: DeltaTable) -> tuple[int, int] | None:
         live = _live_file(root, add, deleted, schema)
         if live.num_rows:
             actions.append(_data_file(root, live, schema, now, data_change=False))
-    own_commits.commit(root, version + 1, actions, "while its vectors were purged")
-    return version + 1, len(carrying)
+    return own_commits.commit(table, actions, "while its vectors were purged"), len(carrying)
 
 
 def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) -> int | None:
@@ -213,8 +211,7 @@ def restore(table: DeltaTable, version: int | None, metadata: CommitMetadata) ->
     ]
     if change.num_rows:
         actions.append(_cdc(root, change))
-    own_commits.commit(root, now_version + 1, actions, "during the restore")
-    return now_version + 1
+    return own_commits.commit(table, actions, "during the restore")
 
 
 def _live_rows(root: str, adds: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:

@@ -20,6 +20,7 @@ every other state conflict.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -32,18 +33,36 @@ from spark_jobs.core.deletion_vectors import active_files, commit as commit_entr
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.staged import StagedFile
+from spark_jobs.storage.s3 import delta_storage_options
 
 __all__ = ["commit", "commit_info", "commit_rewrite", "fence", "logged", "removal"]
 
+log = logging.getLogger("microbatch")
 
-def commit(root: str, version: int, actions: list[dict[str, Any]], during: str) -> None:
-    """`actions` as the log entry `version` of the table at `root`; raises
-    `CommitFailedError` (saying it happened `during` what) if that version
-    exists: another writer committed since the snapshot."""
+#: The table property delta-rs checkpoints by (`delta_io.TABLE_DEFAULTS` sets it on the job's tables).
+CHECKPOINT_INTERVAL = "delta.checkpointInterval"
+
+
+def commit(table: DeltaTable, actions: list[dict[str, Any]], during: str) -> int:
+    """`actions` as the log entry after `table`'s snapshot; returns its
+    version. Raises `CommitFailedError` (saying it happened `during` what)
+    if that version exists: another writer committed since the snapshot.
+
+    A checkpoint follows at the table's interval, as delta-rs writes one
+    after its own commits: without it a state whose every batch is the
+    job's own entry would be opened from ever more log entries."""
+    root, version = table_root(table), table.version() + 1
     try:
         commit_entry(root, version, actions)
     except FileExistsError as exc:
         raise CommitFailedError(f"version {version} of {root} was committed by another writer {during}") from exc
+    interval = int(table.metadata().configuration.get(CHECKPOINT_INTERVAL) or 100)
+    if version % interval == 0:
+        try:
+            DeltaTable(root, version=version, storage_options=delta_storage_options(root)).create_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the commit stands; the next interval, or `maintain`, checkpoints
+            log.warning("no checkpoint at version %d of %s (%s)", version, root, exc)
+    return version
 
 
 def commit_info(metadata: CommitMetadata, now: int, parameters: dict[str, Any], metrics: dict[str, int]) -> dict[str, Any]:
@@ -96,5 +115,4 @@ def commit_rewrite(
         *({"cdc": {"path": f.path, "partitionValues": {}, "size": f.size, "dataChange": False}} for f in changes),
     ]
     fault_point("mid_state_merge")  # every file written, the commit not made
-    commit(root, version + 1, actions, "since this batch read the state")
-    return version + 1
+    return commit(table, actions, "since this batch read the state")

@@ -509,3 +509,33 @@ def test_vectors_named_by_absolute_path_into_the_table_are_kept_while_a_kept_ver
         os.utime(path, (old, old))
     removed = remove_untracked(open_table(state.path), head - 1, 1, [STATE_FENCE])
     assert removed >= 1 and _rows(state) == rows and restorable(state.path, head - 1) and restorable(state.path, head)
+
+
+def test_the_job_s_own_commits_checkpoint_at_the_table_s_interval(tmp_path):
+    """delta-rs checkpoints after its own commits; a state whose batches
+    are all the job's own entries got none, and every open read every
+    entry since the table began. Now an own commit at the interval
+    (`delta.checkpointInterval`, 10 on the job's tables) writes one, which
+    delta-rs and the job's log reader (`active_files`) read alike."""
+    from spark_jobs.core.deletion_vectors import active_files
+
+    mor = _state(tmp_path / "mor", True)
+    batches = _batches(12, seed=5)
+    commit_updates(mor, mor.create(batches[0]), batches[0], Position(0, 1))
+    n = 1
+    while open_table(mor.path).version() < 20:
+        n += 1
+        batch = batches[n % len(batches)]
+        commit_updates(mor, mor.open(), batch, Position(0, n))
+    log_folder = Path(mor.path) / "_delta_log"
+    own = [v for v in (10, 20) if _merged_on_read_at(mor, v)]
+    assert own, "a version at the interval was the job's own commit"
+    for v in own:
+        assert (log_folder / f"{v:020d}.checkpoint.parquet").exists(), f"no checkpoint at own version {v}"
+    latest = open_table(mor.path).version()
+    assert len({r["k"] for r in _rows(mor)}) == len(_rows(mor))
+    assert set(active_files(mor.path, latest)) == {a for a in open_table(mor.path).get_add_actions(flatten=True).column("path").to_pylist()}
+
+
+def _merged_on_read_at(state, version: int) -> bool:
+    return '"merge-on-read"' in (Path(state.path) / "_delta_log" / f"{version:020d}.json").read_text()

@@ -77,7 +77,7 @@ from spark_jobs.core.faults import fault_point
 from spark_jobs.core import own_commits
 from spark_jobs.core.own_commits import commit_info, fence, logged, removal
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
-from spark_jobs.core.staged import files_meeting
+from spark_jobs.core.staged import CHANGE_DATA, files_meeting
 from spark_jobs.storage.files import reader, write_bytes
 
 __all__ = ["ENABLED", "commit", "enable", "enabled", "purge", "restore"]
@@ -407,5 +407,5 @@ def _change_file(root: str, before: pa.Table, after: pa.Table, inserted: pa.Tabl
 
 def _cdc(root: str, rows: pa.Table) -> dict[str, Any]:
     """`rows` (with `_change_type`) as one change data file (Delta's `_change_data` folder), and its ``cdc`` action."""
-    path = f"_change_data/cdc-{uuid.uuid4()}.snappy.parquet"
+    path = f"{CHANGE_DATA}/cdc-{uuid.uuid4()}.snappy.parquet"
     return {"cdc": {"path": path, "partitionValues": {}, "size": _write_parquet(f"{root}/{path}", rows), "dataChange": False}}

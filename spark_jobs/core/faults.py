@@ -89,6 +89,10 @@ WINDOW_POINTS = ("after_final_rows",)
 _hook: Callable[[str], None] | None = None
 
 
+#: The points this process stopped at (`ACTION_ENV` ``stop``).
+_stopped: set[str] = set()
+
+
 def set_hook(hook: Callable[[str], None] | None) -> None:
     """Install (or, with None, remove) the in-process hook called at every point."""
     global _hook
@@ -107,9 +111,12 @@ def _armed() -> bool:
 
 
 def _die(point: str) -> None:
+    if point in _stopped:
+        return  # a point a run passes twice (a file watch, then the point itself) stops it once
     sys.stderr.write(f"{MARKER} {point} pid={os.getpid()}\n")
     sys.stderr.flush()
     if os.environ.get(ACTION_ENV) == "stop":
+        _stopped.add(point)
         os.kill(os.getpid(), signal.SIGSTOP)  # returns after SIGCONT; the run goes on
         return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -442,6 +442,19 @@ class StateSpec(_Model):
         return self
 
     @model_validator(mode="after")
+    def _change_feed_names_free(self) -> StateSpec:
+        # Delta's change data feed adds these columns to each row it gives: a
+        # state column of such a name cannot be read as one (delta-rs's MERGE
+        # fails from the state's second batch on, and every retry with it).
+        taken = [c for c in (*self.keys, *self.merge) if c.lower() in CHANGE_COLUMNS] if self.change_feed else []
+        if taken:
+            raise ValueError(
+                f"state column {taken[0]!r} has a name Delta's change data feed gives its own column "
+                f"({', '.join(CHANGE_COLUMNS)}); rename it with AS in the transform, or drop change_feed"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deletion_vectors_where_written(self) -> StateSpec:
         if self.deletion_vectors and self.layout == "appended":
             raise ValueError(

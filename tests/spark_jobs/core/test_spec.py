@@ -344,3 +344,18 @@ def test_a_kafka_spec_has_no_storage_location_to_confine(tmp_path):
     path.write_text(yaml.safe_dump(_kafka_spec()))
     spec = load_spec(path, storage_roots=[str(tmp_path)])
     assert spec.source_path == "kafka://clicks" and [f.name for f in spec.source.fields] == ["user_id", "amount"]
+
+
+@pytest.mark.parametrize("column", ["_change_type", "_commit_version", "_COMMIT_TIMESTAMP"])
+def test_a_change_feed_state_column_named_like_the_feed_s_own_is_refused_by_name(tmp_path, column):
+    """Delta's change data feed gives each row `_change_type`,
+    `_commit_version` and `_commit_timestamp`: a state column of such a name,
+    with `change_feed`, failed every batch after the first (delta-rs's MERGE:
+    "Projections require unique expression names"). Refused before any write,
+    naming the column; without a change feed the name is free."""
+    base = oracle_spec_dict()
+    spec = oracle_spec_dict(state={**base["state"], "change_feed": True, "merge": {**base["state"]["merge"], column: "max"}})
+    message = _error_for(tmp_path, spec)
+    assert repr(column) in message and "change data feed" in message and "rename it with AS" in message
+    spec["state"]["change_feed"] = False
+    assert load_spec(write_spec(tmp_path, spec)).state.merge[column] == "max"

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -285,17 +286,67 @@ def spec_path(tmp_path) -> Path:
     return write_spec(tmp_path, oracle_spec_dict())
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run `microbatch` as a user would (a new process, the installed entry point)."""
+#: `microbatch` whose batches all count as big (more than `IN_PROCESS_ROWS`
+#: rows): a test's batch of hundreds of rows takes the path of one of millions.
+BIG_BATCHES = (
+    "-c", "import sys; import spark_jobs.core.state as s; s.IN_PROCESS_ROWS = 0; from spark_jobs.cli import main; sys.exit(main(sys.argv[1:]))",
+)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300, big: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run `microbatch` as a user would (a new process, the installed entry
+    point); `big`: its batches all count as big (`BIG_BATCHES`)."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "spark_jobs", *args],
+        [sys.executable, *(BIG_BATCHES if big else ("-m", "spark_jobs")), *args],
         capture_output=True,
         text=True,
         env=full_env,
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def feed_by_type(table, version: int) -> dict[str, dict]:
+    """One version of a state's change feed (`table`: a delta-rs handle):
+    each change type's rows by user, without the feed's own columns."""
+    from spark_jobs.core.delta_io import arrow
+
+    by_type: dict[str, dict] = {}
+    for row in arrow(table.load_cdf(starting_version=version, ending_version=version).read_all()).to_pylist():
+        by_type.setdefault(row["_change_type"], {})[row["user_id"]] = {k: v for k, v in row.items() if not k.startswith("_c")}
+    return by_type
+
+
+def assert_feed_is_the_change(table, before: dict, after: dict) -> dict[str, dict]:
+    """The change feed of `table`'s latest version is what it changed, the
+    state by user `before` and `after` it: each returning user's old and new
+    row, each new user's row, and nothing else. Returns the feed by type."""
+    feed = feed_by_type(table, table.version())
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert set(feed.get("update_preimage", {})) == set(feed.get("update_postimage", {})) == changed & set(before)
+    assert set(feed.get("insert", {})) == changed - set(before)
+    assert all(feed["update_preimage"][k] == before[k] and feed["update_postimage"][k] == after[k] for k in changed & set(before))
+    return feed
+
+
+def winner_first(monkeypatch, owner: object, name: str, winner: Callable[[], str], seen: Callable[..., None] | None = None) -> list[str]:
+    """A race lost at a step: the first call of `owner`'s `name` (a
+    function a batch calls on its way to its commit) first runs `winner`
+    (another run of the same batch, in full) and hands its arguments to
+    `seen`, then goes on. Returns the winner's statuses, filled when it ran."""
+    real = getattr(owner, name)
+    statuses: list[str] = []
+
+    def first(*args, **kwargs):
+        monkeypatch.setattr(owner, name, real)
+        if seen is not None:
+            seen(*args, **kwargs)
+        statuses.append(winner())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, first)
+    return statuses
 
 
 def marked_processes_left(mark: str, within: float = 60) -> list[int]:
@@ -317,10 +368,10 @@ def marked_processes_left(mark: str, within: float = 60) -> list[int]:
         time.sleep(0.2)
 
 
-def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_cli(*args: str, env: dict[str, str] | None = None, big: bool = False) -> subprocess.Popen[str]:
     full_env = {**os.environ, **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "spark_jobs", *args],
+        [sys.executable, *(BIG_BATCHES if big else ("-m", "spark_jobs")), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

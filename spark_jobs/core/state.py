@@ -262,16 +262,19 @@ class StateTable:
         (`FileWriting.rewrite_files`); a bigger one by the executors' join
         (`FileWriting.merge_files`). The executors' files are committed as
         the rewritten files' removal and the new files' addition, from
-        `table`'s snapshot. A state with a change feed is merged by
-        delta-spark instead, change files and all (`_merge_by_delta_spark`),
-        or here where it cannot be (on S3, a session without delta-spark)."""
+        `table`'s snapshot. A state with a change feed is merged by the
+        executors' join that writes the change files too (`_merge_with_changes`);
+        once its files carry deletion vectors, by delta-spark
+        (`_merge_by_delta_spark`), or here where it cannot be (on S3, a
+        session without delta-spark)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
         vectors = carries_vectors(table)
         if vectors or (small and self.spec.state.deletion_vectors):
-            # Merged on read here; and the executors' rewrite reads the state's
-            # files as they are, rows their vectors delete too: a big batch is
-            # merged here by delta-rs's MERGE, or by delta-spark, which honour them.
+            # Merged on read here, whatever `state_write` says (the executors
+            # cannot: their merges read the state's files as they are, rows
+            # their vectors delete too): a big batch is merged here by
+            # delta-rs's MERGE, or by delta-spark, which honour them.
             here = small or not merged_by_delta_spark(self.spec)
         if files is not None and not here and not vectors and merged_with_changes(self.spec):
             return self._merge_with_changes(table, staged, metadata, files, rewritten)
@@ -339,10 +342,11 @@ class StateTable:
 
     def _rewritten_by_executors(self, table: DeltaTable) -> bool:
         """Whether a small batch held here goes to the executors to merge:
-        a merged state without a change feed, under `state_write: auto`,
-        whose files weigh more than `REWRITE_FROM_BYTES` (the files it
-        touches are found once its rows are files: `_merge_staged`)."""
-        if is_appended(self.spec) or self.spec.state.change_feed or self.spec.engine.state_write != "auto":
+        a merged state under `state_write: auto` whose files weigh more than
+        `REWRITE_FROM_BYTES` (the files it touches are found once its rows
+        are files: `_merge_staged`), rewritten file by file, or with a
+        change feed by the join that writes the change data too."""
+        if is_appended(self.spec) or self.spec.engine.state_write != "auto":
             return False
         if carries_vectors(table):
             return False  # the executors read the files as they are, deleted rows and all

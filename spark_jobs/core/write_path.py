@@ -10,16 +10,19 @@ spec, the planned range and what the engine can do:
 * **By the executors** (`executors_write`): Spark's tasks write the updates
   and the bad records as data files (`spark_jobs.core.staged`); the job's
   process sees their names and statistics only.
-* **Merged with its changes by the executors** (`merged_with_changes`): on
-  S3, a merged state with a change data feed has the executors' join write
-  the change files with the merged rows, and the job commits them itself
-  (`spark_jobs.core.own_commits`, with ``If-None-Match``).
-* **Merged by delta-spark** (`merged_by_delta_spark`): a merged state with a
-  change data feed has the executors' files MERGEd by delta-spark, on the
-  executors, in one commit that carries the state fence as its ``txn`` and
-  the batch's metadata (`spark_jobs.engine.delta_merge`): the change files
-  a downstream reads are written with the rows, which delta-rs cannot
-  commit for others.
+* **Merged with its changes by the executors** (`merged_with_changes`): a
+  merged state with a change data feed has the executors' join write the
+  change files with the merged rows, and the job commits them itself
+  (`spark_jobs.core.own_commits`: at the checked snapshot's version + 1
+  only, put with ``If-None-Match`` on S3), the state fence and the batch's
+  metadata in the same entry.
+* **Merged by delta-spark** (`merged_by_delta_spark`): the one batch the
+  join cannot merge, a big one into such a state whose files carry deletion
+  vectors (merge-on-read: the join reads a file's rows as they are, deleted
+  ones too), is MERGEd by delta-spark on the executors, in one commit that
+  carries the state fence as its ``txn`` and the batch's metadata
+  (`spark_jobs.engine.delta_merge`). Not on S3, where delta-spark's commits
+  are atomic only within one driver.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange
 
-__all__ = ["EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "merged_with_changes", "read_by_spark"]
+__all__ = [
+    "EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "merged_with_changes", "needs_delta_spark", "read_by_spark",
+]
 
 #: `engine.state_write: auto`: a batch reading more than this many bytes has
 #: its rows written by Spark's executors. A million keys of Parquet input
@@ -69,21 +74,31 @@ def read_by_spark(spec: PipelineSpec, batch: BatchRange) -> bool:
 
 
 def merged_by_delta_spark(spec: PipelineSpec) -> bool:
-    """Whether the executors' files of a batch into this state are MERGEd by
-    delta-spark: a merged state with a change data feed, not on S3.
+    """Whether a big batch into this state, once its files carry deletion
+    vectors, is MERGEd by delta-spark (`StateTable._merge_staged`): a merged
+    state with a change data feed, not on S3.
 
-    On S3 delta-rs keeps the MERGE (in the job's process, as before issue
-    64): delta-spark's S3 log store makes a commit atomic only among the
-    writers of one driver JVM, and two runs of a pipeline (a retry racing a
-    zombie, a backfill) are two drivers; delta-rs's conditional put is safe
-    across them."""
-    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver" and not is_s3(spec.state_path)
+    On S3 delta-rs keeps that MERGE (in the job's process): delta-spark's S3
+    log store makes a commit atomic only among the writers of one driver
+    JVM, and two runs of a pipeline (a retry racing a zombie, a backfill)
+    are two drivers; delta-rs's conditional put is safe across them."""
+    return merged_with_changes(spec) and not is_s3(spec.state_path)
+
+
+def needs_delta_spark(spec: PipelineSpec) -> bool:
+    """Whether a run's Spark session loads delta-spark to merge this state's
+    big batches (`merged_by_delta_spark`): only a state that merges on read
+    (`state.deletion_vectors`) gets files with vectors; delta-spark made a
+    session's start 1.6 s slower. (A state whose vectors outlive the setting
+    turned off has such a batch merged in the job's process, as on S3.)"""
+    return merged_by_delta_spark(spec) and spec.state.deletion_vectors
 
 
 def merged_with_changes(spec: PipelineSpec) -> bool:
     """Whether a batch the executors merge into this state writes its change
     data with the merged rows, committed by the job (`own_commits.commit_rewrite`):
-    a merged state with a change data feed on S3, where delta-spark cannot
-    fence two drivers (`merged_by_delta_spark`) and the job's process must not
-    hold a big batch's rows for delta-rs's MERGE."""
-    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver" and is_s3(spec.state_path)
+    a merged state with a change data feed. Measured against delta-spark's
+    MERGE of the same batch (1M returning keys, docs/benchmarks.md "Chain
+    upstream"), its commit took a third of the time; and it fences two
+    drivers on S3, where delta-spark cannot."""
+    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver"

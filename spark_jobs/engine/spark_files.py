@@ -52,15 +52,16 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = [
-    "BEFORE", "CHANGE", "CHANGE_TYPE", "MAX_READ_TASKS", "read_files", "rewrite_files", "write_files", "write_table",
-    "writing", "writing_changes", "written",
+    "CHANGE_TYPE", "MAX_READ_TASKS", "read_files", "rewrite_files", "working_names", "write_files",
+    "write_table", "writing", "writing_changes", "written",
 ]
 
 #: What each task returns: one row per file it wrote.
 WRITTEN = "path STRING, size BIGINT, records BIGINT, stats STRING, nonfinite STRING, bounds STRING"
 #: The column of a change data file that says what each row is.
 CHANGE_TYPE = "_change_type"
-#: `writing_changes`'s columns beside the new rows: the old row's values (this prefix and the name) and the change.
+#: `writing_changes`'s columns beside the new rows: the old row's values (this prefix and the name) and the change
+#: (`working_names`: with more underscores in front while a state column is named like one).
 BEFORE, CHANGE = "__before_", "__change"
 #: At most this many read tasks (one file each below it).
 MAX_READ_TASKS = 64
@@ -81,15 +82,27 @@ def write_files(
     return written(writing(frame, root, schema, client, rename).toArrow())
 
 
+def working_names(names: list[str]) -> tuple[str, str]:
+    """`writing_changes`'s working columns for a state of columns `names`:
+    the prefix of the old row's values and the change's name, `BEFORE` and
+    `CHANGE` with as many more leading underscores as it takes for no state
+    column to be named like one (a state's columns may have any name, and
+    Spark refuses a query that names two columns alike)."""
+    mark = ""
+    while any(n.startswith(mark + BEFORE) or n == mark + CHANGE for n in names):
+        mark += "_"
+    return mark + BEFORE, mark + CHANGE
+
+
 def writing_changes(frame: DataFrame, root: str, schema: pa.Schema, client: dict[str, Any]) -> DataFrame:
     """`writing` for a merge that writes its change feed with it (a merged
-    state with `change_feed`, `spark_state.merge_files`): `frame` holds each
-    row's new values (`schema`'s columns), its old ones (`BEFORE` + name) and
-    `CHANGE`: "update", "insert", or null for a row the batch did not touch.
-    Each task writes its rows as one data file and their changes (the old
-    and new row of an update, a new key's row, with Delta's
-    `CHANGE_TYPE`) as one change data file under `CHANGE_DATA`; a row comes
-    back for each file."""
+    state with `change_feed`, `spark_state.merge_files`): `frame` holds, in
+    this order, each row's new values (`schema`'s columns), its old ones
+    (as many, named by `working_names`) and the change: "update",
+    "insert", or null for a row the batch did not touch. Each task writes
+    its rows as one data file and their changes (the old and new row of an
+    update, a new key's row, with Delta's `CHANGE_TYPE`) as one change data
+    file under `CHANGE_DATA`; a row comes back for each file."""
     _pickle_by_value()
     return frame.mapInArrow(_change_writer(root, schema, client), WRITTEN)
 
@@ -211,12 +224,14 @@ def _change_writer(root: str, schema: pa.Schema, client: dict[str, Any]) -> Call
             for batch in batches:
                 if not batch.num_rows:
                     continue
-                rows = _cast(batch, schema)
+                # By position (`writing_changes`): the new values, the old ones, the change.
+                width = len(schema)
+                rows = _cast(pa.RecordBatch.from_arrays(batch.columns[:width], names=schema.names), schema)
                 data.write(rows)
-                kind = batch.column(batch.schema.get_field_index(CHANGE))
+                kind = batch.column(2 * width)
                 updated = pc.fill_null(pc.equal(kind, "update"), False)
                 inserted = pc.fill_null(pc.equal(kind, "insert"), False)
-                before = pa.RecordBatch.from_arrays([batch.column(batch.schema.get_field_index(BEFORE + f.name)) for f in schema], names=schema.names)
+                before = pa.RecordBatch.from_arrays(batch.columns[width : 2 * width], names=schema.names)
                 parts = [
                     (_cast(before, schema).filter(updated), "update_preimage"),
                     (rows.filter(updated), "update_postimage"),

@@ -28,7 +28,7 @@ from spark_jobs.core.staged import IN_PROCESS_ROWS, Sink, Staged, StagedFile, de
 from spark_jobs.core.state import merge_expression
 from spark_jobs.engine.parse import FILE, KEEP, LINE, RAW, REASON
 from spark_jobs.engine import spark_files
-from spark_jobs.engine.spark_files import BEFORE, CHANGE, read_files, writing, writing_changes, written
+from spark_jobs.engine.spark_files import read_files, working_names, writing, writing_changes, written
 from spark_jobs.storage.s3 import client_settings, is_s3
 
 if TYPE_CHECKING:
@@ -229,8 +229,9 @@ def merge_files(
         columns.append(value.alias(name))
     if not changes:
         return written(writing(joined.select(*columns), root, schema, settings).toArrow())
-    before = [F.col(f"t.{spark_identifier(name)}").alias(BEFORE + name) for name in schema.names]
-    change = F.when(untouched, F.lit(None)).when(inserted, F.lit("insert")).otherwise(F.lit("update")).alias(CHANGE)
+    prefix, change_name = working_names(schema.names)
+    before = [F.col(f"t.{spark_identifier(name)}").alias(prefix + name) for name in schema.names]
+    change = F.when(untouched, F.lit(None)).when(inserted, F.lit("insert")).otherwise(F.lit("update")).alias(change_name)
     return written(writing_changes(joined.select(*columns, *before, change), root, schema, settings).toArrow())
 
 

@@ -1,5 +1,13 @@
 """A change-feed state MERGEd by delta-spark on the executors (issue 64).
 
+delta-spark merges the one batch the executors' join cannot
+(`write_path.merged_by_delta_spark`): a big batch into a state merged on read,
+whose files carry deletion vectors. So each test below first leaves vectors
+(`_with_vectors`: a first batch, then a few returning users merged on read in
+the job's process), then has a batch of more than `IN_PROCESS_ROWS` rows
+(the bound lowered to none, in this process or in the CLI's: `BIG_BATCHES`)
+written by the executors (`state_write: executors`).
+
 Real Spark (the suite's session, which has delta-spark), real Delta tables
 in `tmp_path`, the real protocol. What the fence relies on is shown on real
 races: a commit carrying the state fence landing while delta-spark's MERGE
@@ -19,6 +27,7 @@ import pytest
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from spark_jobs.core.commits import METADATA_KEY
+from spark_jobs.core.deletion_vectors import carries_vectors
 from spark_jobs.core.delta_io import commit_info, is_commit_conflict, read_all
 from spark_jobs.core.fencing import STATE_FENCE, Position
 from spark_jobs.core.protocol import RunOptions, run_batch
@@ -27,14 +36,14 @@ from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine import delta_merge
 from spark_jobs.engine.spark_compute import _writing_state
 from spark_jobs.core.faults import MARKER
-from tests.conftest import assert_exact, assert_versions_carry_batches, oracle_spec_dict, run_cli, write_spec
+from tests.conftest import assert_exact, assert_versions_carry_batches, oracle_spec_dict, run_cli, winner_first, write_spec
 from tests.spark_jobs.engine.test_spark_state import arrow_rows  # noqa: F401 - a fixture
 
 
-def _spec(tmp_path, state_write: str = "executors"):
+def _spec(tmp_path, state_write: str = "executors", vectors: bool = True):
     base = oracle_spec_dict()
     return write_spec(tmp_path, oracle_spec_dict(
-        state={**base["state"], "change_feed": True},
+        state={**base["state"], "change_feed": True, "deletion_vectors": vectors},
         engine={"state_write": state_write},
         batch={"max_files": 1},
     ))
@@ -44,15 +53,37 @@ def _run(spec_path, compute) -> str:
     return run_batch(load_spec(spec_path), RunOptions(run_id="test"), compute_factory=compute).status
 
 
-def test_returning_keys_are_merged_by_delta_spark_with_the_fence_the_metadata_and_the_change_feed(tmp_path, compute, spark, arrow_rows):  # noqa: F811
-    """Two batches of the same 500 users: the second is one MERGE commit by
-    delta-spark carrying the state fence and the batch's metadata; its change
-    feed has each returning user's row before and after, and no row of the
-    batch came back to the job's process."""
-    spec_path = _spec(tmp_path)
-    for wave in (0, 1):
-        write_wave(tmp_path / "landing", wave, files=1, records_per_file=1000, users=500)
-        assert _run(spec_path, compute) == "committed"
+def _all_big(monkeypatch) -> None:
+    """This process's batches from now on all count as big (`BIG_BATCHES`)."""
+    import spark_jobs.core.state as state_module
+
+    monkeypatch.setattr(state_module, "IN_PROCESS_ROWS", 0)
+
+
+def _with_vectors(tmp_path, run, users: int = 500) -> object:
+    """A state merged on read whose files carry vectors, then set to be
+    written by the executors: batch 1 writes `users` users, batch 2 (a few
+    of them, under `state_write: auto`) is merged on read in the job's
+    process. `run(spec_path)` runs one batch and returns its status."""
+    spec_path = _spec(tmp_path, state_write="auto")
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=2 * users, users=users)
+    assert run(spec_path) == "committed"
+    write_wave(tmp_path / "landing", 1, files=1, records_per_file=max(2, users // 25), users=users)
+    assert run(spec_path) == "committed"
+    assert carries_vectors(DeltaTable(load_spec(spec_path).state_path)), "batch 2 was merged on read"
+    return _spec(tmp_path)
+
+
+def test_returning_keys_are_merged_by_delta_spark_with_the_fence_the_metadata_and_the_change_feed(tmp_path, compute, spark, arrow_rows, monkeypatch):  # noqa: F811
+    """A batch of the same 500 users into a state whose files carry vectors:
+    one MERGE commit by delta-spark carrying the state fence and the batch's
+    metadata; its change feed has each returning user's row before and
+    after, and no row of the batch came back to the job's process."""
+    spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute))
+    _all_big(monkeypatch)
+    write_wave(tmp_path / "landing", 2, files=1, records_per_file=1000, users=500)
+    arrow_rows.clear()  # (batches 1 and 2 came back to be merged in the job's process)
+    assert _run(spec_path, compute) == "committed"
     assert max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
     assert_exact(spec_path)
     assert_versions_carry_batches(spec_path)
@@ -60,8 +91,8 @@ def test_returning_keys_are_merged_by_delta_spark_with_the_fence_the_metadata_an
     table = DeltaTable(spec.state_path)
     info = commit_info(spec.state_path, table.version())
     assert info["operation"] == "MERGE" and "engineInfo" in info and "Delta-Lake" in info["engineInfo"], info.get("engineInfo")
-    assert json.loads(info[METADATA_KEY])["txn"] == Position(0, 2).encode()
-    assert table.transaction_version(STATE_FENCE) == Position(0, 2).encode()
+    assert json.loads(info[METADATA_KEY])["txn"] == Position(0, 3).encode()
+    assert table.transaction_version(STATE_FENCE) == Position(0, 3).encode()
     changes = spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", table.version()).load(spec.state_path)
     kinds = {r["_change_type"]: r["count"] for r in changes.groupBy("_change_type").count().collect()}
     returning = kinds.get("update_postimage", 0)
@@ -76,7 +107,7 @@ def test_returning_keys_are_merged_by_delta_spark_with_the_fence_the_metadata_an
 def test_a_small_batch_stays_with_delta_rs_and_a_first_batch_needs_no_merge(tmp_path, compute):
     """`state_write: auto` with small batches: delta-rs merges them in the
     job's process as before (no delta-spark commit in the state's log)."""
-    spec_path = _spec(tmp_path, state_write="auto")
+    spec_path = _spec(tmp_path, state_write="auto", vectors=False)
     for wave in (0, 1):
         write_wave(tmp_path / "landing", wave, files=1, records_per_file=400, users=200)
         assert _run(spec_path, compute) == "committed"
@@ -87,24 +118,14 @@ def test_a_small_batch_stays_with_delta_rs_and_a_first_batch_needs_no_merge(tmp_
 
 
 def test_a_run_that_lost_the_race_before_delta_spark_merged_is_a_no_op(tmp_path, compute, monkeypatch):
-    """Another run commits batch 2 after this run checked the fence and
+    """Another run commits batch 3 after this run checked the fence and
     before delta-spark's MERGE: delta-spark skips the MERGE (the fence
-    already reads 2), and the run ends as one that lost the race does, with
+    already reads 3), and the run ends as one that lost the race does, with
     the winner's batch recorded and nothing merged twice."""
-    spec_path = _spec(tmp_path)
-    write_wave(tmp_path / "landing", 0, files=1, records_per_file=1000, users=500)
-    assert _run(spec_path, compute) == "committed"
-    write_wave(tmp_path / "landing", 1, files=1, records_per_file=1000, users=500)
-    real = delta_merge.merge
-    winner: list[str] = []
-
-    def after_a_winner(spark, spec, updates, fence, user_metadata):
-        # The winner: another run of the same batch, in full (its own compute).
-        monkeypatch.setattr(delta_merge, "merge", real)
-        winner.append(_run(spec_path, compute))
-        return real(spark, spec, updates, fence, user_metadata)
-
-    monkeypatch.setattr(delta_merge, "merge", after_a_winner)
+    spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute))
+    _all_big(monkeypatch)
+    write_wave(tmp_path / "landing", 2, files=1, records_per_file=1000, users=500)
+    winner = winner_first(monkeypatch, delta_merge, "merge", lambda: _run(spec_path, compute))
     assert _run(spec_path, compute) == "already_committed"
     assert winner == ["committed"]
     assert_exact(spec_path)
@@ -174,9 +195,11 @@ def test_a_fenced_commit_landing_during_delta_spark_s_merge_fails_it_as_a_confli
 
 
 def test_the_session_of_a_one_batch_run_loads_delta_spark_only_for_a_batch_it_merges(tmp_path):
-    """`SparkFactory.expect`: a change-feed state's big batch gets a session
-    with delta-spark; a small one (merged by delta-rs), or a state without
-    a change feed, does not pay its start."""
+    """`SparkFactory.expect`: a big batch into a change-feed state merged
+    on read (which delta-spark merges once its files carry vectors) gets a
+    session with delta-spark; a small one (merged in the job's process), a
+    state the executors' join merges, or one without a change feed does
+    not pay its start."""
     from spark_jobs.engine import compute_factory
     from spark_jobs.sources.base import BatchRange
 
@@ -187,10 +210,10 @@ def test_the_session_of_a_one_batch_run_loads_delta_spark_only_for_a_batch_it_me
         def input_bytes(self):
             return self.size
 
-    def wants(state_write, change_feed, size):
+    def wants(state_write, change_feed, size, vectors=True):
         base = oracle_spec_dict()
         spec = load_spec(write_spec(tmp_path, oracle_spec_dict(
-            state={**base["state"], "change_feed": change_feed}, engine={"state_write": state_write})))
+            state={**base["state"], "change_feed": change_feed, "deletion_vectors": vectors}, engine={"state_write": state_write})))
         factory = compute_factory(spec, "local[1]")
         factory.expect(spec, BatchRange(None, None, Manifest(size)))
         return factory._delta
@@ -198,6 +221,7 @@ def test_the_session_of_a_one_batch_run_loads_delta_spark_only_for_a_batch_it_me
     assert wants("auto", True, 64 * 2**20)
     assert not wants("auto", True, 2**20)
     assert wants("executors", True, 10)
+    assert not wants("executors", True, 64 * 2**20, vectors=False), "merged by the executors' join"
     assert not wants("executors", False, 64 * 2**20)
     assert not wants("driver", True, 64 * 2**20)
 
@@ -236,16 +260,14 @@ def test_a_run_killed_amid_delta_spark_s_merge_or_after_its_commit_is_exact_afte
     run (a replay, whose session also loads delta-spark) replays the batch
     or records the commit; the batch is delta-spark's commit, and the state
     is exact."""
-    spec_path = _spec(tmp_path)
+    spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute), users=100)
     landing = tmp_path / "landing"
-    write_wave(landing, 0, files=1, records_per_file=600, users=60)
-    assert _run(spec_path, compute) == "committed"
-    write_wave(landing, 1, files=1, records_per_file=600, users=60)
-    crashed = run_cli("run", str(spec_path), env={"MICROBATCH_FAULT_POINT": point, "MICROBATCH_SPARK_MASTER": "local[2]"})
+    write_wave(landing, 2, files=1, records_per_file=600, users=100)
+    crashed = run_cli("run", str(spec_path), big=True, env={"MICROBATCH_FAULT_POINT": point, "MICROBATCH_SPARK_MASTER": "local[2]"})
     assert f"{MARKER} {point}" in crashed.stderr, crashed.stderr[-2000:]
     assert crashed.returncode == -signal.SIGKILL
-    write_wave(landing, 2, files=1, records_per_file=600, users=60)
-    recovered = run_cli("run", str(spec_path), "--json", env={"MICROBATCH_SPARK_MASTER": "local[2]"})
+    write_wave(landing, 3, files=1, records_per_file=600, users=100)
+    recovered = run_cli("run", str(spec_path), "--json", big=True, env={"MICROBATCH_SPARK_MASTER": "local[2]"})
     assert recovered.returncode == 0, recovered.stderr[-2000:]
     assert json.loads(recovered.stdout)["status"] == "committed"
     while _run(spec_path, compute) != "no_new_data":
@@ -253,19 +275,23 @@ def test_a_run_killed_amid_delta_spark_s_merge_or_after_its_commit_is_exact_afte
     assert_exact(spec_path)
     lineage = assert_versions_carry_batches(spec_path)
     spec = load_spec(spec_path)
-    merged_by = commit_info(spec.state_path, lineage[1].state_version).get("engineInfo", "")
-    assert "Delta-Lake" in merged_by, f"batch 2 was merged by {merged_by or 'delta-rs'}"
+    merged_by = commit_info(spec.state_path, lineage[2].state_version).get("engineInfo", "")
+    assert "Delta-Lake" in merged_by, f"batch 3 was merged by {merged_by or 'delta-rs'}"
 
 
 def test_over_spark_connect_the_server_s_delta_spark_merges_the_batch(tmp_path, on_connect):
     """A run that is a thin client of a Connect server started with
     delta-spark (the project's, `tests.spark_servers`): the server's
-    executors MERGE the batch, with the fence and the metadata."""
-    spec_path = _spec(tmp_path)
-    for wave in (0, 1):
-        write_wave(tmp_path / "landing", wave, files=1, records_per_file=600, users=60)
-        result = run_cli("run", str(spec_path), "--json")
-        assert result.returncode == 0 and json.loads(result.stdout)["status"] == "committed", result.stderr[-2000:]
+    executors MERGE the batch into a state whose files carry vectors, with
+    the fence and the metadata."""
+    def run(path, big: bool = False) -> str:
+        result = run_cli("run", str(path), "--json", big=big)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)["status"]
+
+    spec_path = _with_vectors(tmp_path, run, users=100)
+    write_wave(tmp_path / "landing", 2, files=1, records_per_file=600, users=100)
+    assert run(spec_path, big=True) == "committed"
     assert_exact(spec_path)
     assert_versions_carry_batches(spec_path)
     spec = load_spec(spec_path)

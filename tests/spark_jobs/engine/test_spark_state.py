@@ -21,7 +21,9 @@ from spark_jobs.core.protocol import RunOptions, run_batch
 from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
-from tests.conftest import assert_exact, assert_versions_carry_batches, oracle_spec_dict, write_spec
+from tests.conftest import (
+    assert_exact, assert_feed_is_the_change, assert_versions_carry_batches, feed_by_type, oracle_spec_dict, winner_first, write_spec,
+)
 
 
 @pytest.fixture
@@ -344,3 +346,159 @@ def test_two_keys_that_are_one_in_the_state_s_type_are_refused(tmp_path, compute
         run_batch(spec("k DOUBLE"), RunOptions(run_id="b2"), compute_factory=compute)
     keys = open_table(str(tmp_path / "lake" / "state")).to_pyarrow_table(columns=["k"]).column("k").to_pylist()
     assert sorted(keys) == [1.5, 2.5]
+
+
+def test_a_change_feed_state_is_merged_by_the_executors_join_with_its_changes_through_a_race(tmp_path, compute, arrow_rows, spark):
+    """A merged state with `change_feed` on a local disk, big batches
+    (`state_write: executors`): the executors' join writes the change data
+    with the merged rows and the job commits the entry (at the checked
+    version + 1, hard-linked into place), no row coming back. The state is
+    exact; each batch's feed is each returning key's old and new row and each
+    new key's row, as delta-rs and delta-spark read it; a tool's commit landing
+    between the join's files and the commit loses that attempt, whose files
+    are deleted, and the batch merges again from the new snapshot."""
+    import json
+
+    from deltalake import DeltaTable
+
+    from spark_jobs.core import faults
+    from spark_jobs.core.delta_io import commit_info
+    from spark_jobs.core.fencing import STATE_FENCE, Position
+
+    spec_path = _spec(tmp_path, state_write="executors", change_feed=True)
+    spec = load_spec(spec_path)
+    change_data = tmp_path / "lake" / "state" / "_change_data"
+    raced: list[str] = []
+    written_before: set = set()
+
+    def race(point: str) -> None:
+        # Once the join has written its change data (the commit not made): a
+        # tool's property change, a commit of no fence, takes the version the batch wanted.
+        if point == "mid_state_merge" and not raced and set(change_data.glob("*")) - written_before:
+            raced.append(point)
+            DeltaTable(spec.state_path).alter.set_table_properties({"delta.logRetentionDuration": "interval 31 days"})
+
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=600, users=200)
+    assert _run(spec_path, compute) == "committed"
+    for wave in (1, 2):
+        write_wave(tmp_path / "landing", wave, files=1, records_per_file=600, users=300)
+        before = _by_key(spec.state_path)
+        written_before = set(change_data.glob("*"))
+        faults.set_hook(race if wave == 2 else None)
+        try:
+            assert _run(spec_path, compute) == "committed"
+        finally:
+            faults.set_hook(None)
+        table = open_table(spec.state_path)
+        info = commit_info(spec.state_path, table.version())
+        assert info["operation"] == "MERGE" and info["operationParameters"]["mode"] == "executors' join", info
+        assert json.loads(info["microbatch"])["txn"] == Position(0, wave + 1).encode()
+        assert table.transaction_version(STATE_FENCE) == Position(0, wave + 1).encode()
+        feed = assert_feed_is_the_change(table, before, _by_key(spec.state_path))
+        assert feed.get("insert"), "new users came"
+        # delta-spark reads the same feed from the job's entry.
+        kinds = {r["_change_type"]: r["count"] for r in spark.read.format("delta").option("readChangeFeed", "true")
+                 .option("startingVersion", table.version()).load(spec.state_path).groupBy("_change_type").count().collect()}
+        assert kinds == {t: len(rows) for t, rows in feed.items()}, kinds
+    assert raced, "the race ran"
+    assert max(arrow_rows) <= 8, f"rows brought back to the job's process: {arrow_rows}"
+    history = [commit_info(spec.state_path, v)["operation"] for v in range(open_table(spec.state_path).version() + 1)]
+    assert history[-2:] == ["SET TBLPROPERTIES", "MERGE"], history
+    assert_exact(spec_path)
+    assert_versions_carry_batches(spec_path)
+    named = set()
+    for entry in (tmp_path / "lake" / "state" / "_delta_log").glob("*.json"):
+        named |= {json.loads(line)["cdc"]["path"] for line in entry.read_text().splitlines() if '"cdc"' in line}
+    assert {f"_change_data/{p.name}" for p in change_data.glob("*.parquet")} == named, "the lost attempt's change data was deleted"
+
+
+def test_a_run_that_lost_the_race_to_the_join_s_commit_is_a_no_op(tmp_path, compute, monkeypatch):
+    """Another run commits batch 2 after this run's join wrote its files and
+    before its commit: the commit at the checked version + 1 fails, step 4
+    finds the winner's batch (the fence at 2) and the run ends as one that
+    lost the race does; its files are deleted, nothing is merged twice."""
+    import spark_jobs.core.state as state_module
+
+    spec_path = _spec(tmp_path, state_write="executors", change_feed=True)
+    write_wave(tmp_path / "landing", 0, files=1, records_per_file=600, users=200)
+    assert _run(spec_path, compute) == "committed"
+    write_wave(tmp_path / "landing", 1, files=1, records_per_file=600, users=200)
+    joined: list = []
+
+    def seen(table, data, rewritten, changes, metadata):
+        joined.extend(f.path for f in (*data, *changes))
+
+    winner = winner_first(monkeypatch, state_module, "commit_rewrite", lambda: _run(spec_path, compute), seen)
+    assert _run(spec_path, compute) == "already_committed"
+    assert winner == ["committed"]
+    assert_exact(spec_path)
+    assert_versions_carry_batches(spec_path)
+    state = tmp_path / "lake" / "state"
+    assert joined and any(p.startswith("_change_data/") for p in joined)
+    assert not [p for p in joined if (state / p).exists()], "the loser's merged rows and change data were deleted"
+
+
+def test_a_small_batch_into_a_big_change_feed_state_is_merged_by_the_join_with_the_changes_delta_rs_writes(tmp_path, compute, monkeypatch):
+    """`state_write: auto`: a small batch into a change-feed state whose
+    files weigh more than `REWRITE_FROM_BYTES` (here, any) is staged and
+    merged by the executors' join, which writes the change data (delta-rs's
+    MERGE in the job's process would hold every file it rewrites): the same
+    state and the same change feed, version by version, as delta-rs's."""
+    import spark_jobs.core.state as state_module
+
+    from spark_jobs.core.delta_io import commit_info
+
+    found = {}
+    for joined in (True, False):
+        folder = tmp_path / ("join" if joined else "delta-rs")
+        spec_path = _spec(folder, change_feed=True)
+        with monkeypatch.context() as patched:
+            if joined:
+                patched.setattr(state_module, "REWRITE_FROM_BYTES", 0)
+            for wave in range(3):
+                write_wave(folder / "landing", wave, files=1, records_per_file=900, users=300 + 100 * wave, seed=7)
+                assert _run(spec_path, compute) == "committed"
+        assert_exact(spec_path)
+        spec = load_spec(spec_path)
+        table = open_table(spec.state_path)
+        modes = [commit_info(spec.state_path, v).get("operationParameters", {}).get("mode") for v in range(table.version() - 1, table.version() + 1)]
+        assert (modes == ["executors' join"] * 2) == joined, modes
+        feeds = [feed_by_type(table, v) for v in range(table.version() - 1, table.version() + 1)]
+        assert all(feed.get("update_preimage") and feed.get("insert") for feed in feeds), "users came back, and new ones"
+        found[joined] = (_by_key(spec.state_path), feeds)
+    assert found[True] == found[False]
+
+
+def test_state_columns_named_like_the_join_s_working_columns_are_merged_as_any_other(tmp_path, compute):
+    """A change-feed state may have columns of any name: ones named like the
+    join's working columns (`__change`, `__before_<column>`; found by a
+    review: Spark refused the query as ambiguous, and every retry failed)
+    are merged by the executors' join as delta-rs merges them in the job's
+    process: the same state, the same change feed."""
+    from tests.conftest import ORACLE_TRANSFORM
+
+    transform = ORACLE_TRANSFORM.replace("count(*) AS events", "count(*) AS events, count(*) AS `__change`, sum(amount) AS `__before_amount`")
+    assert transform != ORACLE_TRANSFORM
+    found = {}
+    for setting in ("executors", "driver"):
+        folder = tmp_path / setting
+        base = oracle_spec_dict()
+        spec_path = write_spec(folder, oracle_spec_dict(
+            transform=transform,
+            state={**base["state"], "change_feed": True, "merge": {**base["state"]["merge"], "__change": "sum", "__before_amount": "sum"}},
+            engine={"state_write": setting},
+            batch={"max_files": 1},
+        ))
+        for wave in range(3):
+            write_wave(folder / "landing", wave, files=1, records_per_file=600, users=150 + 50 * wave, seed=wave)
+            assert _run(spec_path, compute) == "committed"
+        spec = load_spec(spec_path)
+        table = open_table(spec.state_path)
+        if setting == "executors":
+            from spark_jobs.core.delta_io import commit_info
+
+            assert commit_info(spec.state_path, table.version())["operationParameters"]["mode"] == "executors' join"
+        state = _by_key(spec.state_path)
+        assert all(r["__change"] == r["events"] for r in state.values())
+        found[setting] = (state, [feed_by_type(table, v) for v in range(table.version() - 1, table.version() + 1)])
+    assert found["executors"] == found["driver"]

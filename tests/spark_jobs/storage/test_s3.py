@@ -34,6 +34,7 @@ from tests.conftest import (
     BatchesLineage,
     TEST_AWS_SECRET,
     assert_exact,
+    assert_feed_is_the_change,
     oracle_spec_dict,
     run_cli,
     start_cli,
@@ -525,7 +526,7 @@ def test_a_change_feed_state_on_s3_is_merged_by_the_executors_with_its_changes_t
     from deltalake import DeltaTable
 
     from spark_jobs.core import faults
-    from spark_jobs.core.delta_io import arrow, commit_info
+    from spark_jobs.core.delta_io import commit_info
     from spark_jobs.storage.s3 import read_bytes
 
     mirror = tmp_path / "mirror"
@@ -564,15 +565,7 @@ def test_a_change_feed_state_on_s3_is_merged_by_the_executors_with_its_changes_t
         table = open_table(spec.state_path)
         entry = read_bytes(f"{spec.state_path}/_delta_log/{table.version():020d}.json").decode()
         assert "executors' join" in entry and '"cdc"' in entry
-        after = {r["user_id"]: r for r in read_all(table).to_pylist()}
-        feed = arrow(table.load_cdf(starting_version=table.version(), ending_version=table.version()).read_all()).to_pylist()
-        by_type: dict[str, dict] = {}
-        for row in feed:
-            by_type.setdefault(row["_change_type"], {})[row["user_id"]] = {k: v for k, v in row.items() if not k.startswith("_c")}
-        changed = {k for k in after if after[k] != before.get(k)}
-        assert set(by_type.get("update_preimage", {})) == set(by_type.get("update_postimage", {})) == changed & set(before)
-        assert set(by_type.get("insert", {})) == changed - set(before)
-        assert all(by_type["update_preimage"][k] == before[k] and by_type["update_postimage"][k] == after[k] for k in changed & set(before))
+        assert_feed_is_the_change(table, before, {r["user_id"]: r for r in read_all(table).to_pylist()})
     assert raced, "the race ran"
     history = [commit_info(spec.state_path, v)["operation"] for v in range(open_table(spec.state_path).version() + 1)]
     assert history[-2:] == ["SET TBLPROPERTIES", "MERGE"], history

@@ -14,6 +14,7 @@ import signal
 import pytest
 import yaml
 
+from spark_jobs.core.faults import ARM_FILE_ENV, ENV, MARKER
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import assert_exact, kill_some, oracle_spec_dict, run_cli, start_cli, write_spec
 
@@ -31,16 +32,31 @@ def _drain(spec_path, tries: int, *, races_lost: bool = False) -> None:
             return
 
 
-def _chaos(spec_path, rounds: int, seed: int) -> dict[str, int]:
+def _chaos(spec_path, rounds: int, seed: int, *, armed: str | None = None) -> dict[str, int]:
+    """`armed`: a fault point the first run to reach it dies at (armed once,
+    for all waves), so that one kill lands there however fast this machine
+    runs the batches the random kills may miss; it counts as a kill."""
     rng = random.Random(seed)
     landing = spec_path.parent / "landing"
     counts = {"runs": 0, "killed": 0}
+    env = None
+    if armed:
+        arm = spec_path.parent / "armed"
+        arm.touch()
+        env = {ENV: armed, ARM_FILE_ENV: str(arm)}
     for wave in range(rounds):
         write_wave(landing, wave, files=rng.randint(1, 3), records_per_file=150, users=40, seed=seed, bad_every=41)
-        procs = [start_cli("run", str(spec_path), "--max-files", "2") for _ in range(2)]
+        procs = [start_cli("run", str(spec_path), "--max-files", "2", env=env) for _ in range(2)]
         for code, err in kill_some(procs, rng, counts, within=12.0, chance=0.7, timeout=300):
             # A run that was not killed must have succeeded (0) whatever happened around it.
             assert code in (0, -signal.SIGKILL), err
+            counts["killed"] += f"{MARKER} {armed}" in err
+    if armed and arm.exists():  # every run that got there was killed first: one more, alone
+        write_wave(landing, rounds, files=1, records_per_file=150, users=40, seed=seed, bad_every=41)
+        alone = run_cli("run", str(spec_path), env=env)
+        assert alone.returncode == -signal.SIGKILL and f"{MARKER} {armed}" in alone.stderr, alone.stderr[-2000:]
+        counts["runs"] += 1
+        counts["killed"] += 1
     _drain(spec_path, rounds * 3 + 2)
     assert_exact(spec_path)
     return counts
@@ -55,11 +71,13 @@ def test_the_executors_merging_every_batch_ends_exact_through_the_same_kills(tmp
     """Issue 47: the same chaos with every merge made by Spark's executors
     (`engine.state_write: executors`: a copy-on-write merge of the state's
     files, committed by the job), so kills land between their writes and
-    the commit. The runs are a shared Connect server's clients: a killed
-    run's executors write on without it, files no commit names. The soak
-    below kills runs on their own Spark, inside the executors' writes."""
+    the commit (one surely: the first run to reach `mid_state_merge`, after
+    the executors' files and before the commit, dies there). The runs are a
+    shared Connect server's clients: a killed run's executors write on
+    without it, files no commit names. The soak below kills runs on their
+    own Spark, inside the executors' writes."""
     spec_path = write_spec(tmp_path, oracle_spec_dict(engine={"state_write": "executors"}))
-    counts = _chaos(spec_path, rounds=3, seed=5)
+    counts = _chaos(spec_path, rounds=3, seed=5, armed="mid_state_merge")
     print(counts)
     assert counts["killed"], counts
 
@@ -112,7 +130,11 @@ def _chain_chaos(
     now and then rewinds the upstream or maintains it (keeping 2 batches).
     The drain must leave the downstream equal to the upstream's state, summed.
     `upstream_write`: the upstream's `engine.state_write` (`executors`: its
-    batches MERGEd by delta-spark); `vectors`: the upstream's state merged
+    batches merged by the executors' join, change files and all;
+    `alternate`: `auto` and `executors` wave by wave, as a user may switch
+    it, its runs' batches all counting as big (`BIG_BATCHES`): with
+    `vectors`, the executors' waves are MERGEd by delta-spark);
+    `vectors`: the upstream's state merged
     on read (`state.deletion_vectors`), its dead vector files removed by
     `maintain` after 18 s; `wave_size`: records a file in the first wave and in the others, users."""
     from tests.conftest import assert_chain_exact, chain_specs
@@ -120,7 +142,7 @@ def _chain_chaos(
     rng = random.Random(seed)
     upstream, downstream = chain_specs(folder, reader)
     spec = yaml.safe_load(upstream.read_text())
-    if upstream_write != "auto":
+    if upstream_write not in ("auto", "alternate"):
         spec["engine"] = {"state_write": upstream_write}
     spec["state"]["deletion_vectors"] = vectors
     if vectors:  # `maintain` removes the vector files of versions it does not keep (18 s: longer than any run here)
@@ -130,12 +152,19 @@ def _chain_chaos(
     counts = {"runs": 0, "killed": 0, "rewinds": 0, "maintains": 0}
     for wave in range(rounds):
         first, records, users = wave_size
+        if upstream_write == "alternate":
+            spec = yaml.safe_load(upstream.read_text())
+            spec["engine"] = {"state_write": "executors" if wave % 2 else "auto"}
+            upstream.write_text(yaml.safe_dump(spec, sort_keys=False))
         write_wave(landing, wave, files=rng.randint(1, 2), records_per_file=records if wave else first, users=users, seed=seed)
-        procs = [start_cli("run", str(upstream)), start_cli("run", str(downstream))]
+        procs = [start_cli("run", str(upstream), big=upstream_write == "alternate"), start_cli("run", str(downstream))]
         for code, err in kill_some(procs, rng, counts, within=10.0, chance=0.5, timeout=300):
             # Before the upstream's first commit, its state is not a table yet: retryable.
             assert code in (0, -signal.SIGKILL) or (code == 1 and "does not exist yet" in err), err
-        _rewind_or_maintain(upstream, rng, counts, wave, rounds, chance=0.5, back=2, keep=2)
+        if upstream_write != "alternate" or wave % 2:
+            # (Alternating, not after an `auto` wave: its rewind or compaction
+            # would take back the vectors the next wave is to be merged over.)
+            _rewind_or_maintain(upstream, rng, counts, wave, rounds, chance=0.5, back=2, keep=2)
     for spec in (upstream, downstream):
         for _ in range(rounds * 4 + 4):  # drain
             result = run_cli("run", str(spec), "--json")
@@ -180,13 +209,29 @@ def test_a_chain_read_by_spark_ends_exact_through_the_same_chaos(tmp_path, on_co
 
 
 @pytest.mark.slow
-def test_a_chain_whose_upstream_delta_spark_merges_ends_exact_through_the_same_chaos(tmp_path, on_connect):
-    """The upstream's batches written by the executors and MERGEd by the
-    Connect server's delta-spark (issue 64): kills, rewinds and `maintain`
-    racing its MERGE, the same exact end downstream."""
+def test_a_chain_whose_upstream_the_executors_join_merges_ends_exact_through_the_same_chaos(tmp_path, on_connect):
+    """The upstream's batches merged by the Connect server's executors, whose
+    join writes the change files the job commits (issue 64): kills amid
+    them, racing runs, rewinds and `maintain` racing the commit, the same
+    exact end downstream."""
     counts = _chain_chaos(tmp_path, rounds=4, seed=23, upstream_write="executors")
     print(counts)
     assert counts["maintains"], counts
+    log = (tmp_path / "lake" / "state" / "_delta_log").glob("*.json")
+    assert any("executors' join" in p.read_text() for p in log), "no batch was merged by the join"
+
+
+@pytest.mark.slow
+def test_a_chain_whose_upstream_delta_spark_merges_over_vectors_ends_exact_through_the_same_chaos(tmp_path, on_connect):
+    """The upstream merged on read, its writer switched wave by wave: the
+    `auto` waves leave vectors, and the `executors` waves are MERGEd over
+    them by the Connect server's delta-spark (issue 64): kills, rewinds and
+    `maintain` racing its MERGE, the same exact end downstream."""
+    counts = _chain_chaos(tmp_path, rounds=6, seed=24, upstream_write="alternate", vectors=True, wave_size=(1500, 30, 2000))
+    print(counts)
+    assert counts["maintains"], counts
+    log = (tmp_path / "lake" / "state" / "_delta_log").glob("*.json")
+    assert any("Delta-Lake" in p.read_text() for p in log), "no batch was merged by delta-spark"
 
 
 @pytest.mark.slow

@@ -7,11 +7,15 @@ upstream has it), one batch of N clicks whose users are drawn from all N
 * Structured Streaming: a seed run puts the N users into its RocksDB state,
   then one `AvailableNow` batch over the same clicks (its `triggerExecution`);
 * the project, `microbatch run` in a new process with default settings: the
-  executors write the batch and delta-spark MERGEs it, change files and all
-  (`spark_jobs.engine.delta_merge`);
-* the project's path before issue 64, the same run in a session without
-  delta-spark (`MICROBATCH_SPARK_JARS=none`): the batch's rows read into the
-  job's process and MERGEd there by delta-rs.
+  executors write the batch, and their join merges it into the state's files
+  and writes the change data, committed by the job
+  (`StateTable._merge_with_changes`);
+* the project's path before issue 64, the same run with
+  `engine.state_write: driver`: the batch's rows read into the job's process
+  and MERGEd there by delta-rs.
+
+(Until 2026-12-04 the default was delta-spark's MERGE: its figures stay in
+docs/benchmarks.md.)
 
 Then the chain's downstream (`type: delta`, `read: changes`, default
 settings) takes its first batch: every change of the upstream, the seed's
@@ -64,13 +68,13 @@ def clicks(path: Path, size: int) -> None:
             ))
 
 
-def run_watched(spec: Path, env: dict[str, str]) -> tuple[float, float, dict[str, Any]]:
+def run_watched(spec: Path) -> tuple[float, float, dict[str, Any]]:
     """`microbatch run SPEC --json` in a new process: wall seconds, the Python
     process's peak resident MB, and its outcome."""
     args = [sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json"]
     started = time.perf_counter()
     with open(spec.parent / "run.out", "w+") as out, open(spec.parent / "run.err", "w+") as err:
-        proc = subprocess.Popen(args, stdout=out, stderr=err, env={**os.environ, **env}, cwd=ROOT)
+        proc = subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT)
         peak = 0.0
         while proc.poll() is None:
             try:
@@ -103,23 +107,23 @@ def measure(work: Path, size: int) -> dict[str, Any]:
     shutil.rmtree(base / "ss-checkpoint")
     shutil.rmtree(base / "ss-seed")
 
-    for label, env in (("delta_spark", {}), ("in_process", {"MICROBATCH_SPARK_JARS": "none"})):
+    for label, write in (("executors", "auto"), ("in_process", "driver")):
         folder = base / label
         state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "change_feed": True}
-        spec = write_spec(folder, f"chain_{label}", state=state)
+        spec = write_spec(folder, f"chain_{label}", state=state, engine={"state_write": write})
         shutil.copytree(base / "seed-state", folder / "state")
         os.link(base / "clicks" / "clicks-0000.json", folder / "landing" / "clicks-0000.json")
-        seconds, peak, outcome = run_watched(spec, env)
+        seconds, peak, outcome = run_watched(spec)
         assert outcome["status"] == "committed", outcome
         figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
         figures[f"{label}_keys_updated"] = outcome.get("keys_updated")
         figures[f"{label}_steps_ms"] = outcome.get("steps_ms")
         print(f"  {size:,} keys, {label}: {seconds:.1f} s, Python peak {peak:.0f} MB, steps {outcome.get('steps_ms')}", file=sys.stderr)
-        if label == "delta_spark":
+        if label == "executors":
             # The chain's downstream reads the upstream's changes: the seed's N inserts and the batch's updates.
             down = write_spec(folder, "chain_downstream", source={"type": "delta", "path": "state", "read": "changes"},
                               transform=DOWNSTREAM, state={"path": "buckets", "keys": ["bucket"], "merge": {"events": "sum"}})
-            seconds, peak, outcome = run_watched(down, env)
+            seconds, peak, outcome = run_watched(down)
             assert outcome["status"] == "committed", outcome
             figures["downstream_s"], figures["downstream_peak_mb"] = seconds, peak
             print(f"  {size:,} keys, downstream: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
@@ -143,18 +147,19 @@ def main() -> None:
         "",
         measured_by("`bench/chain_upstream.py`", (time.perf_counter() - started) / 60) + ".",
         "A merged state with `change_feed: true` (a chain's upstream) of N users; one batch of N clicks of users drawn "
-        "from all N. The project's runs are new processes with default settings; \"before\" is the same run in a session "
-        "without delta-spark, which merges in the job's process with delta-rs (the only path before issue 64). "
+        "from all N. The project's runs are new processes with default settings (the executors' join writes the rows and the "
+        "change data; the job commits them); \"before\" is the same run with `engine.state_write: driver`, which merges "
+        "in the job's process with delta-rs (the only path before issue 64). "
         "Structured Streaming: the same batch into its RocksDB state (writing no table, no change feed). "
         "Peak memory is the job's Python process's.",
         "",
-        "| keys | Structured Streaming | delta-spark MERGE | / SS | before (delta-rs in process) | / SS | Python peak, delta-spark | before | downstream (its first batch: every change) | its Python peak |",
+        "| keys | Structured Streaming | the executors' join | / SS | before (delta-rs in process) | / SS | Python peak, the join | before | downstream (its first batch: every change) | its Python peak |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['keys']:,} | {r['ss_s']:.1f} s | {r['delta_spark_s']:.1f} s | **{r['delta_spark_s'] / r['ss_s']:.2f}** | "
-            f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['delta_spark_peak_mb']:.0f} MB | "
+            f"| {r['keys']:,} | {r['ss_s']:.1f} s | {r['executors_s']:.1f} s | **{r['executors_s'] / r['ss_s']:.2f}** | "
+            f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['executors_peak_mb']:.0f} MB | "
             f"{r['in_process_peak_mb']:.0f} MB | {r['downstream_s']:.1f} s | {r['downstream_peak_mb']:.0f} MB |"
         )
     write_section("benchmarks.md", lines)

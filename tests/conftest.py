@@ -60,7 +60,7 @@ def pytest_configure(config):
 #: long file alone at the end while the other idles.
 LONG_FILES = (
     "tests/spark_jobs/engine/test_engines.py",
-    "tests/spark_jobs/engine/test_delta_merge.py",
+    "tests/spark_jobs/engine/test_merge_over_vectors.py",
     "tests/plugins/test_airflow_live.py",
     "tests/spark_jobs/test_chaos.py",
     "tests/spark_jobs/test_crash_and_race.py",

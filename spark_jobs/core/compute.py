@@ -120,11 +120,14 @@ class FileWriting(Compute, Protocol):
         """The transform's result columns over `batch` (analysed, not run)."""
 
     def merge_files(
-        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
+        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *,
+        changes: bool = False, vectors: dict[str, dict[str, Any]] | None = None,
     ) -> tuple[StagedFile, ...]:
         """The state's files `rewritten` (paths in `root`) merged with
         `updates` by the spec's rules, written into `root` as new files;
-        with `changes`, their change data files too (paths under `_change_data/`)."""
+        with `changes`, their change data files too (paths under `_change_data/`).
+        `vectors`: the deletion vector descriptors of the files among them
+        that carry one (by path): the rows those delete are not merged."""
 
     def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
         """`merge_files` for a small batch: each of the files `rewritten`
@@ -137,13 +140,6 @@ class FileWriting(Compute, Protocol):
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
         """An appended state's files `paths` folded into one row per key
         (`folding.state_sql`), written into `root` as new files."""
-
-    def merge_delta(self, spec: PipelineSpec, updates: Staged, fence: tuple[str, int], user_metadata: str) -> bool:
-        """`updates` MERGEd into the state table by delta-spark, by the spec's
-        rules, in one commit carrying `fence` (app id, version) as its
-        ``txn`` and `user_metadata`; skipped by delta-spark if the table's
-        fence already reads that version or later. False, with nothing
-        done, if this engine's session has no delta-spark."""
 
 
 def writes_files(compute: Compute) -> bool:

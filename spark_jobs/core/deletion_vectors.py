@@ -34,7 +34,7 @@ import json
 import struct
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -49,7 +49,7 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 
 __all__ = [
     "FEATURE", "active_files", "carries_vectors", "commit", "deleted_in", "has_deletion_vectors", "is_vector_file",
-    "table_root", "vector_file", "vector_files", "vector_location", "write_vectors",
+    "table_root", "vector_file", "vector_files", "vector_location", "vector_rows", "vectors_of", "write_vectors",
 ]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
@@ -94,20 +94,36 @@ def deleted_in(root: str, adds: Iterable[dict[str, Any]]) -> dict[str, np.ndarra
     found = {}
     for add in carrying:
         descriptor = add["deletionVector"]
-        if descriptor["storageType"] == "i":
-            data = _unz85(descriptor["pathOrInlineDv"])[: descriptor["sizeInBytes"]]
-        else:
-            location = vector_location(root, descriptor)
-            if location not in files:
-                files[location] = read_bytes(location)
-            start = int(descriptor.get("offset") or 1)  # (absent: the data after the file's version byte)
-            (size,) = struct.unpack(">I", files[location][start : start + 4])
-            data = files[location][start + 4 : start + 4 + size]
-        rows = _deserialized(data)
+        location = vector_location(root, descriptor)
+        if location is not None and location not in files:
+            files[location] = read_bytes(location)
+        stored = files.get(location, b"")
+        rows = vector_rows(descriptor, lambda start, size: stored[start : start + size])
         if len(rows) != int(descriptor["cardinality"]):
             raise ValueError(f"{root}: the deletion vector of {add['path']} holds {len(rows)} rows, its descriptor says {descriptor['cardinality']}")
         found[unquote(add["path"])] = rows
     return found
+
+
+def vector_rows(descriptor: dict[str, Any], read: Callable[[int, int], bytes]) -> np.ndarray:
+    """The row indexes (sorted, ``uint64``) the vector `descriptor` deletes:
+    inline, or read from the file it is stored in (`vector_location`) by
+    `read(start, size)`, which gives that file's bytes from `start`.
+
+    Pure, with numpy only: Spark's executors decode the vectors of the files
+    they read with it (`spark_files.read_files`), this module pickled by value."""
+    if descriptor["storageType"] == "i":
+        return _deserialized(_unz85(descriptor["pathOrInlineDv"])[: descriptor["sizeInBytes"]])
+    start = int(descriptor.get("offset") or 1)  # (absent: the data after the file's version byte)
+    (size,) = struct.unpack(">I", read(start, 4))
+    return _deserialized(read(start + 4, size))
+
+
+def vectors_of(table: DeltaTable, paths: list[str]) -> dict[str, dict[str, Any]]:
+    """The deletion vector descriptor of each file of `paths` (as delta-rs
+    gives them: decoded) that carries one in `table`'s snapshot, by path."""
+    active = {unquote(path): add for path, add in active_files(table_root(table), table.version()).items()}
+    return {path: active[path]["deletionVector"] for path in paths if (active.get(path) or {}).get("deletionVector")}
 
 
 def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:

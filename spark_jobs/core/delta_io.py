@@ -39,7 +39,6 @@ __all__ = [
     "strings",
     "SMALL_FILE_BYTES",
     "TABLE_DEFAULTS",
-    "FenceSkipped",
     "Stats",
     "describe_os_error",
     "ensure_table",
@@ -330,26 +329,10 @@ def describe_os_error(exc: Exception) -> str:
     return ": ".join(line for line in lines if line) or type(exc).__name__
 
 
-#: How delta-spark's conflict errors read, through py4j (the Java class) or
-#: Spark Connect (the error class): another commit won the race.
-_DELTA_SPARK_CONFLICT = re.compile(
-    r"io\.delta\.exceptions\.(Concurrent\w+|MetadataChanged|ProtocolChanged)Exception"
-    r"|\[DELTA_(CONCURRENT_\w+|METADATA_CHANGED|PROTOCOL_CHANGED)\]"
-)
-
-
-class FenceSkipped(Exception):
-    """A fenced commit that delta-spark skipped: the table's fence already
-    read its version or a later one when the commit was made (another run
-    committed first). A conflict like delta-rs's, to whoever made it."""
-
-
 def is_commit_conflict(exc: BaseException) -> bool:
-    """True for the error delta-rs or delta-spark raises when another commit
-    won the race (`FenceSkipped` too)."""
-    if isinstance(exc, (CommitFailedError, FenceSkipped)):
-        return True
-    return type(exc).__module__.startswith(("py4j", "pyspark")) and bool(_DELTA_SPARK_CONFLICT.search(str(exc)))
+    """True for the error delta-rs raises when another commit won the race
+    (and the job's own log entries: `own_commits.commit`)."""
+    return isinstance(exc, CommitFailedError)
 
 
 def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
@@ -371,7 +354,8 @@ def commit_info(table_uri: str, version: int) -> dict[str, Any] | None:
 
 def with_user_metadata(info: dict[str, Any], actions: list[dict[str, Any]]) -> dict[str, Any]:
     """A commit info with the batch metadata a commit by delta-spark carries
-    in its ``userMetadata`` (`engine.delta_merge` puts there, under
+    in its ``userMetadata`` (the job's big batches were MERGEd by delta-spark
+    until 2026-12-04, which put there, under
     ``microbatch``, what delta-rs puts in the commit info itself), so that
     its readers read both alike. Only a commit of the job's: the metadata's
     position is the one the commit's own ``txn`` action moves the state

@@ -89,10 +89,10 @@ Where the rows go: on an engine whose executors write files (Spark), step 3
 has them write the batch's updates and bad records as data files
 (`spark_jobs.core.staged`), and steps 3 and 4 commit those files, with the
 same fences and metadata; no row passes through this process. (A state
-with a change feed has delta-spark MERGE them on the executors, the fence
-as its commit's ``txn``: `spark_jobs.engine.delta_merge`.) The commits,
-and so every crash point, are the same; which path a batch takes is
-`spark_jobs.core.write_path`'s.
+with a change feed, or merged on read, has the executors' join write its
+change files too, in a log entry the job writes: `spark_jobs.core.own_commits`.)
+The commits, and so every crash point, are the same; which path a batch
+takes is `spark_jobs.core.write_path`'s.
 
 A process that runs batches back to back (`spark_jobs.core.catch_up`) runs
 these same steps per batch, through an engine that reads the next ranges
@@ -501,8 +501,7 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
     watch_for_new_files("mid_state_merge", pipeline.state.path)
     if isinstance(processed.updates, Staged) and not merged_with_changes(spec):
         # The batch's files are written, their commit not made. (A change-feed
-        # state's join has its point after the files it writes; delta-spark's
-        # MERGE, over vectors, writes files of its own: the watch above dies amid them.)
+        # state's join has its point after the files it writes: `own_commits`.)
         fault_point("mid_state_merge")
     for attempt in range(1, STATE_COMMIT_TRIES + 1):
         table = _checked_snapshot(pipeline, plan)

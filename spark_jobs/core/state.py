@@ -34,9 +34,9 @@ from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.deletion_vectors import carries_vectors, has_deletion_vectors
+from spark_jobs.core.deletion_vectors import carries_vectors, has_deletion_vectors, vectors_of
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
-from spark_jobs.core.delta_io import FenceSkipped, commit_infos, ensure_table, is_commit_conflict, open_table
+from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
 from spark_jobs.core.own_commits import commit_rewrite
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
@@ -49,7 +49,7 @@ from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.core.windows import EXPIRE_KEY
-from spark_jobs.core.write_path import merged_by_delta_spark, merged_with_changes
+from spark_jobs.core.write_path import merged_with_changes
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
 __all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
@@ -262,26 +262,17 @@ class StateTable:
         (`FileWriting.rewrite_files`); a bigger one by the executors' join
         (`FileWriting.merge_files`). The executors' files are committed as
         the rewritten files' removal and the new files' addition, from
-        `table`'s snapshot. A state with a change feed is merged by the
-        executors' join that writes the change files too (`_merge_with_changes`);
-        once its files carry deletion vectors, by delta-spark
-        (`_merge_by_delta_spark`), or here where it cannot be (on S3, a
-        session without delta-spark)."""
+        `table`'s snapshot. A state with a change feed, or whose files carry
+        deletion vectors, is merged by the executors' join committed by the
+        job (`_merge_by_join`); a small batch into a state merged on read
+        here, whatever `state_write` says (`merge_on_read`: its cost follows
+        the batch)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
         vectors = carries_vectors(table)
-        if vectors or (small and self.spec.state.deletion_vectors):
-            # Merged on read here, whatever `state_write` says (the executors
-            # cannot: their merges read the state's files as they are, rows
-            # their vectors delete too): a big batch is merged here by
-            # delta-rs's MERGE, or by delta-spark, which honour them.
-            here = small or not merged_by_delta_spark(self.spec)
-        if files is not None and not here and not vectors and merged_with_changes(self.spec):
-            return self._merge_with_changes(table, staged, metadata, files, rewritten)
-        if files is not None and not here and merged_by_delta_spark(self.spec):
-            done = self._merge_by_delta_spark(staged, metadata, files)
-            if done is not None:
-                return done
+        here = here or (small and (vectors or self.spec.state.deletion_vectors))
+        if files is not None and not here and (vectors or merged_with_changes(self.spec)):
+            return self._merge_by_join(table, staged, metadata, files, rewritten, vectors)
         if files is None or self.spec.state.change_feed or here or vectors:
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
         schema = pa.schema(table.schema().to_arrow())
@@ -296,18 +287,22 @@ class StateTable:
         commit_files(table, merged, table.schema(), _fenced(metadata), removed=rewritten)
         return self._version_of(metadata.position), staged.rows
 
-    def _merge_with_changes(
-        self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting, rewritten: list[str]
+    def _merge_by_join(
+        self, table: DeltaTable, staged: Staged, metadata: CommitMetadata, files: FileWriting, rewritten: list[str], vectors: bool
     ) -> tuple[int, int]:
-        """A batch merged into a state with a change feed by the executors'
-        join, whose tasks write the change data with the merged rows
-        (`FileWriting.merge_files`), committed by the job on `table`'s
-        snapshot (`own_commits.commit_rewrite`). After a lost race the files
-        are deleted at once (else `maintain` removes them after its window),
-        unless the version that exists is this commit's own (a put the store
-        applied but answered with an error)."""
+        """A batch merged by the executors' join (`FileWriting.merge_files`),
+        whose tasks write the change data with the merged rows when the
+        state has a change feed, and read the rewritten files without the
+        rows their deletion vectors delete (`vectors`: some carry one);
+        committed by the job on `table`'s snapshot
+        (`own_commits.commit_rewrite`: delta-rs can commit neither change
+        files written by others nor the removal of a file with a vector).
+        After a lost race the files are deleted at once (else `maintain`
+        removes them after its window), unless the version that exists is
+        this commit's own (a put the store applied but answered with an error)."""
         schema = pa.schema(table.schema().to_arrow())
-        written = files.merge_files(self.spec, self.path, schema, rewritten, staged, changes=True)
+        deleted = vectors_of(table, rewritten) if vectors else None
+        written = files.merge_files(self.spec, self.path, schema, rewritten, staged, changes=self.spec.state.change_feed, vectors=deleted)
         changes = tuple(f for f in written if f.path.startswith(f"{CHANGE_DATA}/"))
         data = tuple(f for f in written if f not in changes)
         try:
@@ -317,28 +312,6 @@ class StateTable:
             if landed is None or landed.metadata.commit_token != metadata.commit_token:
                 delete_files(self.path, written)
             raise
-
-    def _merge_by_delta_spark(self, staged: Staged, metadata: CommitMetadata, files: FileWriting) -> tuple[int, int] | None:
-        """A batch of files MERGEd into a state with a change feed by
-        delta-spark on the executors (`spark_jobs.engine.delta_merge`): the
-        change files are written with the rows, in a commit that carries
-        the fence and `metadata` as delta-rs's would. None if the engine's
-        session has no delta-spark (the caller merges here, as before).
-
-        delta-spark MERGEs into the table's latest snapshot, not the one
-        step 4 checked: a run that committed this batch meanwhile, or a
-        rewind, left the fence at or past its version, and delta-spark
-        skips the MERGE (`FenceSkipped`, which step 4 judges as it judges
-        a lost race)."""
-        position = metadata.position
-        user_metadata = json.dumps({METADATA_KEY: metadata.to_json()})
-        if not files.merge_delta(self.spec, staged, (STATE_FENCE, position.encode()), user_metadata):
-            log.warning("pipeline %s: this Spark session has no delta-spark: %s is merged in the job's process", self.spec.name, position)
-            return None
-        landed = self.find_commit(self.open(), position)
-        if landed is None or landed.metadata.commit_token != metadata.commit_token:
-            raise FenceSkipped(f"the state's fence was at or past {position} when delta-spark merged it: another run committed first")
-        return landed.version, landed.keys_updated
 
     def _rewritten_by_executors(self, table: DeltaTable) -> bool:
         """Whether a small batch held here goes to the executors to merge:

@@ -10,19 +10,20 @@ spec, the planned range and what the engine can do:
 * **By the executors** (`executors_write`): Spark's tasks write the updates
   and the bad records as data files (`spark_jobs.core.staged`); the job's
   process sees their names and statistics only.
-* **Merged with its changes by the executors** (`merged_with_changes`): a
-  merged state with a change data feed has the executors' join write the
-  change files with the merged rows, and the job commits them itself
+* **Merged by the executors' join, committed by the job** (`merged_with_changes`):
+  a big batch into a merged state with a change data feed, or whose files
+  carry deletion vectors (merge-on-read), is merged by the executors' join,
+  which writes the change files with the merged rows and reads each file
+  without the rows its vector deletes; the job commits the entry itself
   (`spark_jobs.core.own_commits`: at the checked snapshot's version + 1
   only, put with ``If-None-Match`` on S3), the state fence and the batch's
-  metadata in the same entry.
-* **Merged by delta-spark** (`merged_by_delta_spark`): the one batch the
-  join cannot merge, a big one into such a state whose files carry deletion
-  vectors (merge-on-read: the join reads a file's rows as they are, deleted
-  ones too), is MERGEd by delta-spark on the executors, in one commit that
-  carries the state fence as its ``txn`` and the batch's metadata
-  (`spark_jobs.engine.delta_merge`). Not on S3, where delta-spark's commits
-  are atomic only within one driver.
+  metadata in it: delta-rs can commit neither change files written by
+  others nor the removal of a file with a vector.
+
+No batch is MERGEd by delta-spark: its MERGE of a change-feed state took
+three times the join's commit, 82-94 s a batch over vectors at 20M keys,
+and its commits are atomic on S3 only among one driver's writers
+(docs/benchmarks.md "Chain upstream").
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spark_jobs.core.folding import is_appended
-from spark_jobs.storage.s3 import is_s3
 
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange
 
 __all__ = [
-    "EXECUTORS_FROM_BYTES", "executors_write", "merged_by_delta_spark", "merged_with_changes", "needs_delta_spark", "read_by_spark",
+    "EXECUTORS_FROM_BYTES", "executors_write", "merged_with_changes", "read_by_spark",
 ]
 
 #: `engine.state_write: auto`: a batch reading more than this many bytes has
@@ -73,31 +73,12 @@ def read_by_spark(spec: PipelineSpec, batch: BatchRange) -> bool:
     return reader_for is not None and reader_for(getattr(spec.source, "reader", "driver")) == "spark"
 
 
-def merged_by_delta_spark(spec: PipelineSpec) -> bool:
-    """Whether a big batch into this state, once its files carry deletion
-    vectors, is MERGEd by delta-spark (`StateTable._merge_staged`): a merged
-    state with a change data feed, not on S3.
-
-    On S3 delta-rs keeps that MERGE (in the job's process): delta-spark's S3
-    log store makes a commit atomic only among the writers of one driver
-    JVM, and two runs of a pipeline (a retry racing a zombie, a backfill)
-    are two drivers; delta-rs's conditional put is safe across them."""
-    return merged_with_changes(spec) and not is_s3(spec.state_path)
-
-
-def needs_delta_spark(spec: PipelineSpec) -> bool:
-    """Whether a run's Spark session loads delta-spark to merge this state's
-    big batches (`merged_by_delta_spark`): only a state that merges on read
-    (`state.deletion_vectors`) gets files with vectors; delta-spark made a
-    session's start 1.6 s slower. (A state whose vectors outlive the setting
-    turned off has such a batch merged in the job's process, as on S3.)"""
-    return merged_by_delta_spark(spec) and spec.state.deletion_vectors
-
-
 def merged_with_changes(spec: PipelineSpec) -> bool:
     """Whether a batch the executors merge into this state writes its change
     data with the merged rows, committed by the job (`own_commits.commit_rewrite`):
-    a merged state with a change data feed. Measured against delta-spark's
+    a merged state with a change data feed. (A state whose files carry
+    deletion vectors is merged so too, change data or not: that is seen in
+    its log, `StateTable._merge_staged`.) Measured against delta-spark's
     MERGE of the same batch (1M returning keys, docs/benchmarks.md "Chain
     upstream"), its commit took a third of the time; and it fences two
     drivers on S3, where delta-spark cannot."""

@@ -155,16 +155,19 @@ def state_totals(spec: PipelineSpec) -> dict[str, Totals]:
 
 
 def totals_of(rows: Iterable[dict]) -> dict[str, Totals]:
-    """State rows (one per user, whoever read them) as `Totals`."""
-    return {
-        row["user_id"]: Totals(
+    """State rows (one per user, whoever read them) as `Totals`. A user in
+    two rows is an error of the state, never a row quietly dropped here."""
+    totals: dict[str, Totals] = {}
+    for row in rows:
+        if row["user_id"] in totals:
+            raise ValueError(f"the state holds user {row['user_id']!r} in more than one row")
+        totals[row["user_id"]] = Totals(
             events=row.get("events") or 0,
             amount=row.get("amount") or 0.0,
             idhash=row.get("idhash") or 0,
             last_seen=row.get("last_seen"),
         )
-        for row in rows
-    }
+    return totals
 
 
 def differences(expected: dict[str, Totals], actual: dict[str, Totals], *, check_hash: bool = True) -> list[str]:

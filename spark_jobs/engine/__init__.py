@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from spark_jobs.core.write_path import executors_write, needs_delta_spark, read_by_spark
+from spark_jobs.core.write_path import read_by_spark
 
 if TYPE_CHECKING:
     from spark_jobs.core.compute import Compute
@@ -58,13 +58,10 @@ class SparkFactory:
 
     def expect(self, spec: PipelineSpec, batch: BatchRange) -> None:
         """The first batch this factory's compute runs, before it starts: a
-        batch that delta-spark may MERGE into its state
-        (`write_path.needs_delta_spark`), or a Delta source's batch that
-        Spark reads (`write_path.read_by_spark`), gets a session with delta-spark.
-        Only then: delta-spark made a session's start 1.6 s slower (a fifth
-        of a small batch's run), and a batch whose rows come back to this
-        process is merged by delta-rs."""
-        if read_by_spark(spec, batch) or (needs_delta_spark(spec) and executors_write(spec, batch, writes_files=True)):
+        Delta source's batch that Spark reads (`write_path.read_by_spark`)
+        gets a session with delta-spark. Only then: delta-spark made a
+        session's start 1.6 s slower (a fifth of a small batch's run)."""
+        if read_by_spark(spec, batch):
             self._delta = True
 
     def __call__(self) -> Compute:
@@ -124,11 +121,11 @@ def compute_factory(
     spec = with_reader(spec, resolved)
     remote = resolved is not None and resolved.startswith("sc://")
     # A run of many batches (`short_lived` False) starts its session once:
-    # with delta-spark for a state it MERGEs into, or a Delta source it may
-    # read by Spark (`auto` on `local[*]` chooses per batch); a one-batch
-    # run, if its batch needs it (`SparkFactory.expect`).
+    # with delta-spark for a Delta source it may read by Spark (`auto` on
+    # `local[*]` chooses per batch); a one-batch run, if its batch needs it
+    # (`SparkFactory.expect`).
     may_read = spec.source.type == "delta" and spec.source.reader == "auto"
-    delta = (spec.source.type == "delta" and spec.source.reader == "spark") or (not short_lived and (needs_delta_spark(spec) or may_read))
+    delta = (spec.source.type == "delta" and spec.source.reader == "spark") or (not short_lived and may_read)
     hint = IdleHint(spec) if start_driver and not remote else None
     if hint is not None and hint.unchanged():
         log.debug("the source is as the last run, which found nothing new, left it: no early driver launch")

@@ -41,7 +41,7 @@ from spark_jobs.core.spec import KAFKA_COLUMNS, PipelineSpec
 from spark_jobs.core.sql_text import spark_identifier
 from spark_jobs.core.quarantine import SCHEMA as QUARANTINE_SCHEMA
 from spark_jobs.core.staged import CAST_FAILED, Sink, Staged, StagedFile, delete_files
-from spark_jobs.engine import dedup_rows, event_marks, delta_merge, delta_read, exact_read, native_read, spark_files, spark_state
+from spark_jobs.engine import dedup_rows, event_marks, delta_read, exact_read, native_read, spark_files, spark_state
 from spark_jobs.engine.failures import never_retried
 from spark_jobs.engine.spark_state import Out
 from spark_jobs.engine.parse import FILE, KEEP, LINE, MAX_RAW_CHARS, RAW, REASON
@@ -308,10 +308,11 @@ class SparkCompute:
         return pa.schema([fields[name] for name in [*spec.state.keys, *spec.value_columns]])
 
     def merge_files(
-        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
+        self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *,
+        changes: bool = False, vectors: dict[str, dict[str, Any]] | None = None,
     ) -> tuple[StagedFile, ...]:
         with _writing_state(spec):
-            return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates, changes=changes)
+            return spark_state.merge_files(self.spark, spec, root, schema, rewritten, updates, changes=changes, vectors=vectors)
 
     def fold_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, paths: list[str]) -> tuple[StagedFile, ...]:
         with _writing_state(spec):
@@ -320,13 +321,6 @@ class SparkCompute:
     def rewrite_files(self, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged) -> tuple[StagedFile, ...]:
         with _writing_state(spec):
             return spark_state.rewrite_files(self.spark, spec, root, schema, rewritten, updates)
-
-    def merge_delta(self, spec: PipelineSpec, updates: Staged, fence: tuple[str, int], user_metadata: str) -> bool:
-        if not delta_merge.has_delta_spark(self.spark):
-            return False
-        with _writing_state(spec):
-            delta_merge.merge(self.spark, spec, updates, fence, user_metadata)
-        return True
 
     def stage(self, root: str, rows: pa.Table, schema: pa.Schema) -> tuple[StagedFile, ...]:
         return spark_files.write_table(rows, root, schema, spark_state.client(root))

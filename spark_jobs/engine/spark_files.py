@@ -43,8 +43,9 @@ import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from spark_jobs.core import arrow_rows
+from spark_jobs.core import arrow_rows, deletion_vectors
 from spark_jobs.core.arrow_rows import FileStats, merged_rows
+from spark_jobs.core.deletion_vectors import vector_location, vector_rows
 from spark_jobs.core.staged import CAST_FAILED, CHANGE_DATA, Staged, StagedFile
 
 if TYPE_CHECKING:
@@ -125,16 +126,24 @@ def written(result: pa.Table) -> tuple[StagedFile, ...]:
     )
 
 
-def read_files(spark: SparkSession, root: str, paths: list[str], schema: pa.Schema, client: dict[str, Any]) -> DataFrame:
+def read_files(
+    spark: SparkSession, root: str, paths: list[str], schema: pa.Schema, client: dict[str, Any], vectors: dict[str, dict[str, Any]] | None = None
+) -> DataFrame:
     """The rows of the data files `paths` (relative to the table's folder
-    `root`) as a DataFrame of `schema`, read by the executors."""
+    `root`) as a DataFrame of `schema`, read by the executors. `vectors`:
+    the deletion vector (the log's descriptor) of each file of `paths` that
+    carries one, by path; the rows it deletes are not read."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     _pickle_by_value()
     spark_schema = from_arrow_schema(schema)
     if not paths:
         return spark.createDataFrame([], spark_schema)
-    frame = spark.createDataFrame([(p,) for p in paths], "path STRING")
+    rows = []
+    for path in paths:
+        vector = (vectors or {}).get(path)
+        rows.append((path, json.dumps(vector) if vector else None, vector_location(root, vector)))
+    frame = spark.createDataFrame(rows, "path STRING, vector STRING, stored STRING")
     frame = frame.repartition(max(1, min(len(paths), MAX_READ_TASKS)))
     return frame.mapInArrow(_reader(root, schema, client), spark_schema)
 
@@ -190,6 +199,7 @@ def _pickle_by_value() -> None:
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cloudpickle.register_pickle_by_value(arrow_rows)
+    cloudpickle.register_pickle_by_value(deletion_vectors)
 
 
 def _writer(
@@ -312,18 +322,40 @@ class _Out:
 def _reader(root: str, schema: pa.Schema, client: dict[str, Any]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
-            for path in batch.column(0).to_pylist():
-                yield from _file_batches(root, path, schema, client)
+            for path, vector, stored in zip(*(batch.column(i).to_pylist() for i in range(3)), strict=True):
+                deleted = _deleted_rows(json.loads(vector), stored, client) if vector else None
+                yield from _file_batches(root, path, schema, client, deleted)
 
     return read
 
 
-def _file_batches(root: str, path: str, schema: pa.Schema, client: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+def _deleted_rows(vector: dict[str, Any], stored: str | None, client: dict[str, Any]) -> Any:
+    """The row indexes the deletion vector `vector` deletes, read from the
+    file `stored` (a path or ``s3://`` URI; None for an inline vector): only
+    its bytes, as ranges (one file may hold the vectors of many)."""
+
+    def read(start: int, size: int) -> bytes:
+        if stored.startswith("s3://"):
+            import boto3
+
+            bucket, _, key = stored.split("://", 1)[1].partition("/")
+            s3 = boto3.session.Session().client("s3", **client)
+            return s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + size - 1}")["Body"].read()
+        with open(stored, "rb") as file:
+            file.seek(start)
+            return file.read(size)
+
+    return vector_rows(vector, read)
+
+
+def _file_batches(root: str, path: str, schema: pa.Schema, client: dict[str, Any], deleted: Any = None) -> Iterator[pa.RecordBatch]:
     """The rows of the data file `path` (relative to `root`) in `schema`: a
-    column the file lacks (added to the table after it) as nulls."""
+    column the file lacks (added to the table after it) as nulls; without
+    the rows whose indexes are in `deleted` (sorted, of the file's deletion vector)."""
     import io
     from urllib.parse import unquote
 
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -337,12 +369,21 @@ def _file_batches(root: str, path: str, schema: pa.Schema, client: dict[str, Any
     else:
         source = pq.ParquetFile(location)
     present = set(source.schema_arrow.names)
+    start = 0
     for part in source.iter_batches(columns=[f.name for f in schema if f.name in present]):
         columns = [
             part.column(part.schema.get_field_index(f.name)).cast(f.type) if f.name in present else pa.nulls(part.num_rows, f.type)
             for f in schema
         ]
-        yield pa.RecordBatch.from_arrays(columns, schema=schema)
+        rows = pa.RecordBatch.from_arrays(columns, schema=schema)
+        if deleted is not None and len(deleted):
+            here = deleted[np.searchsorted(deleted, start) : np.searchsorted(deleted, start + rows.num_rows)] - start
+            if len(here):
+                keep = np.ones(rows.num_rows, bool)
+                keep[here.astype(np.int64)] = False
+                rows = rows.filter(pa.array(keep))
+        start += part.num_rows
+        yield rows
 
 
 def _file_table(root: str, paths: list[str], schema: pa.Schema, client: dict[str, Any]) -> pa.Table:

@@ -193,19 +193,22 @@ def _check_unique(spark: SparkSession, spec: PipelineSpec, staged: Staged, root:
 
 
 def merge_files(
-    spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *, changes: bool = False
+    spark: SparkSession, spec: PipelineSpec, root: str, schema: pa.Schema, rewritten: list[str], updates: Staged, *,
+    changes: bool = False, vectors: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[StagedFile, ...]:
     """The state's files `rewritten` merged with `updates` by the spec's
     rules, as the MERGE does (`state.merge_expression`), written as new files
     into `root`: a full outer join on the keys, every column of a key the
     batch does not touch kept as it is. With `changes`, each task also
     writes the change data of its rows, as delta-rs's MERGE would
-    (`spark_files.writing_changes`: their paths start with `CHANGE_DATA`)."""
+    (`spark_files.writing_changes`: their paths start with `CHANGE_DATA`).
+    `vectors`: the deletion vectors of the files that carry one (by path),
+    whose rows they delete are not read, so not written again."""
     from pyspark.sql import functions as F
 
     keys = list(spec.state.keys)
     settings = client(root)
-    old = read_files(spark, root, rewritten, schema, settings).alias("t")
+    old = read_files(spark, root, rewritten, schema, settings, vectors).alias("t")
     new = read_files(spark, updates.root, [f.path for f in updates.files], updates.schema, client(updates.root)).alias("s")
     condition = None
     for key in keys:

@@ -207,9 +207,9 @@ def _fenced_merge(spark, path: str, version: int, keys) -> list:
             spark.conf.unset(key)
 
 
-# In `make soak`: what a design of issue 64 relies on (deletion vectors,
-# RESTORE), not yet a path of the job. The fence, metadata and change feed
-# of delta-spark's MERGE on the job's path are engine/test_delta_merge.py's.
+# In `make soak`: what a design of issue 64 weighed (deletion vectors,
+# RESTORE), not a path of the job: its big batches are merged by the
+# executors' join (engine/test_merge_over_vectors.py), never by delta-spark.
 @pytest.mark.slow
 def test_delta_spark_fenced_merges_with_deletion_vectors_and_what_restore_does_to_the_fence(tmp_path, spark):
     """What docs/state-at-scale.md relies on, pinned (issue 35): a MERGE with

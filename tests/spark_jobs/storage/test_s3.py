@@ -578,3 +578,44 @@ def test_a_change_feed_state_on_s3_is_merged_by_the_executors_with_its_changes_t
             if "cdc" in action:
                 named.add(f"lake/state/{action['cdc']['path']}")
     assert keys("lake/state/_change_data/") == named, "the lost attempt's change data was deleted"
+
+
+def test_a_big_batch_into_a_state_merged_on_read_on_s3_is_joined_without_the_deleted_rows(tmp_path, bucket, compute, monkeypatch):
+    """A state merged on read on S3 whose files carry vectors (a few users
+    merged on read in the job's process), then a batch too big for it (the
+    bound lowered to none): the executors' join reads each file from the
+    bucket without the rows its vector deletes (the vector's bytes fetched
+    by range), and the job puts the entry removing the files with their
+    vectors. No user is in two rows; the state is exact; the feed is the change."""
+    import spark_jobs.core.state as state_module
+    from spark_jobs.core.deletion_vectors import carries_vectors
+    from spark_jobs.storage.s3 import read_bytes
+
+    mirror = tmp_path / "mirror"
+    base = oracle_spec_dict()
+    state = {**base["state"], "path": f"s3://{bucket}/lake/state", "change_feed": True, "deletion_vectors": True}
+    spec_file = _s3_spec(tmp_path, bucket, state=state, batch={"max_files": 2})
+    spec = load_spec(spec_file)
+
+    def run() -> None:
+        assert run_batch(load_spec(spec_file), RunOptions(run_id="test"), compute_factory=compute).status == "committed"
+
+    _land(mirror, bucket, 0, files=2, records_per_file=300, users=200)
+    run()
+    _land(mirror, bucket, 1, files=1, records_per_file=8, users=200)
+    run()
+    assert carries_vectors(open_table(spec.state_path)), "batch 2 was merged on read"
+    spec_file = _s3_spec(tmp_path, bucket, state=state, batch={"max_files": 2}, engine={"state_write": "executors"})
+    monkeypatch.setattr(state_module, "IN_PROCESS_ROWS", 0)
+    _land(mirror, bucket, 2, files=2, records_per_file=300, users=200)
+    before = {r["user_id"]: r for r in read_all(open_table(spec.state_path)).to_pylist()}
+    run()
+    table = open_table(spec.state_path)
+    actions = [json.loads(line) for line in read_bytes(f"{spec.state_path}/_delta_log/{table.version():020d}.json").decode().splitlines()]
+    assert any(a.get("commitInfo", {}).get("operationParameters", {}).get("mode") == "executors' join" for a in actions)
+    assert any(a.get("remove", {}).get("deletionVector") for a in actions), "a file with a vector was rewritten"
+    rows = read_all(table).to_pylist()
+    after = {r["user_id"]: r for r in rows}
+    assert len(after) == len(rows), "a deleted row was read again"
+    assert_feed_is_the_change(table, before, after)
+    assert_exact(spec_file, mirror=mirror)

@@ -12,7 +12,12 @@ upstream has it), one batch of N clicks whose users are drawn from all N
   (`StateTable._merge_with_changes`);
 * the project's path before issue 64, the same run with
   `engine.state_write: driver`: the batch's rows read into the job's process
-  and MERGEd there by delta-rs.
+  and MERGEd there by delta-rs;
+* the state merged on read (`state.deletion_vectors: true`), after a batch
+  of 2,000 returning clicks left vectors on its files: the same big batch,
+  merged by the executors' join reading each file without the rows its
+  vector deletes (MERGEd by delta-spark until 2026-12-04). Only the big
+  batch's run is timed.
 
 (Until 2026-12-04 the default was delta-spark's MERGE: its figures stay in
 docs/benchmarks.md.)
@@ -54,12 +59,12 @@ FROM batch GROUP BY substr(user_id, -2, 2)
 """
 
 
-def clicks(path: Path, size: int) -> None:
-    """N clicks as one JSON file, users drawn uniformly from all N."""
+def clicks(path: Path, size: int, among: int | None = None) -> None:
+    """N clicks as one JSON file, users drawn uniformly from all N (or from `among` users)."""
     import numpy as np
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    drawn = np.random.default_rng(size + 11).integers(0, size, size)
+    drawn = np.random.default_rng(size + 11).integers(0, among or size, size)
     with path.open("w") as out:
         for start in range(0, size, 500_000):
             out.write("".join(
@@ -107,12 +112,15 @@ def measure(work: Path, size: int) -> dict[str, Any]:
     shutil.rmtree(base / "ss-checkpoint")
     shutil.rmtree(base / "ss-seed")
 
-    for label, write in (("executors", "auto"), ("in_process", "driver")):
+    for label, write in (("executors", "auto"), ("in_process", "driver"), ("vectors", "auto")):
         folder = base / label
-        state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "change_feed": True}
+        state = {"path": "state", "keys": ["user_id"], "merge": MERGE, "change_feed": True, "deletion_vectors": label == "vectors"}
         spec = write_spec(folder, f"chain_{label}", state=state, engine={"state_write": write})
         shutil.copytree(base / "seed-state", folder / "state")
-        os.link(base / "clicks" / "clicks-0000.json", folder / "landing" / "clicks-0000.json")
+        if label == "vectors":  # a few returning users merged on read first: their rows' vectors on the state's files
+            clicks(folder / "landing" / "clicks-0000.json", 2_000, among=size)
+            assert run_watched(spec)[2]["status"] == "committed"
+        os.link(base / "clicks" / "clicks-0000.json", folder / "landing" / "clicks-0001.json")
         seconds, peak, outcome = run_watched(spec)
         assert outcome["status"] == "committed", outcome
         figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
@@ -149,18 +157,21 @@ def main() -> None:
         "A merged state with `change_feed: true` (a chain's upstream) of N users; one batch of N clicks of users drawn "
         "from all N. The project's runs are new processes with default settings (the executors' join writes the rows and the "
         "change data; the job commits them); \"before\" is the same run with `engine.state_write: driver`, which merges "
-        "in the job's process with delta-rs (the only path before issue 64). "
+        "in the job's process with delta-rs (the only path before issue 64); \"over vectors\": the state merged on read "
+        "(`deletion_vectors: true`), a batch of 2,000 returning clicks first leaving vectors on its files, then the same "
+        "batch, which the join merges reading each file without its deleted rows (only that run timed). "
         "Structured Streaming: the same batch into its RocksDB state (writing no table, no change feed). "
         "Peak memory is the job's Python process's.",
         "",
-        "| keys | Structured Streaming | the executors' join | / SS | before (delta-rs in process) | / SS | Python peak, the join | before | downstream (its first batch: every change) | its Python peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| keys | Structured Streaming | the executors' join | / SS | before (delta-rs in process) | / SS | the join over vectors | / SS | Python peak, the join | before | over vectors | downstream (its first batch: every change) | its Python peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['keys']:,} | {r['ss_s']:.1f} s | {r['executors_s']:.1f} s | **{r['executors_s'] / r['ss_s']:.2f}** | "
-            f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['executors_peak_mb']:.0f} MB | "
-            f"{r['in_process_peak_mb']:.0f} MB | {r['downstream_s']:.1f} s | {r['downstream_peak_mb']:.0f} MB |"
+            f"{r['in_process_s']:.1f} s | {r['in_process_s'] / r['ss_s']:.2f} | {r['vectors_s']:.1f} s | {r['vectors_s'] / r['ss_s']:.2f} | "
+            f"{r['executors_peak_mb']:.0f} MB | {r['in_process_peak_mb']:.0f} MB | {r['vectors_peak_mb']:.0f} MB | "
+            f"{r['downstream_s']:.1f} s | {r['downstream_peak_mb']:.0f} MB |"
         )
     write_section("benchmarks.md", lines)
 

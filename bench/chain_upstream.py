@@ -9,7 +9,7 @@ upstream has it), one batch of N clicks whose users are drawn from all N
 * the project, `microbatch run` in a new process with default settings: the
   executors write the batch, and their join merges it into the state's files
   and writes the change data, committed by the job
-  (`StateTable._merge_with_changes`);
+  (`StateTable._merge_by_join`);
 * the project's path before issue 64, the same run with
   `engine.state_write: driver`: the batch's rows read into the job's process
   and MERGEd there by delta-rs;

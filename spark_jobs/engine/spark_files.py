@@ -27,13 +27,15 @@ files a merge rewrites, a batch's written files checked for duplicate keys)
 read by the executors with pyarrow, local or on S3, into a DataFrame; the
 job's sessions read no Delta table through delta-spark or Hadoop's S3A (for
 their start-up cost, docs/architecture.md), and the tables they read have
-no deletion vectors or column mapping, so a snapshot is exactly its files
-(a state merged on read, whose files carry vectors, is never read here:
-`StateTable._merge_staged`). A column a file lacks (added to the table
-after it) reads as null.
+no column mapping, so a snapshot is its files less the rows their deletion
+vectors delete (a state merged on read: the caller passes each file's
+vector descriptor, and the task reads the vector's bytes alone and drops
+those rows). A column a file lacks (added to the table after it) reads as
+null.
 
-The functions below run on executors, which need pyarrow (and boto3 for S3)
-but not this package: the module is pickled by value, as
+The functions below run on executors, which need pyarrow and numpy (and
+boto3 for S3) but not this package: the module is pickled by value (with
+`deletion_vectors`'s decoding and `arrow_rows`), as
 `spark_jobs.engine.s3_read` is.
 """
 

@@ -349,6 +349,31 @@ def winner_first(monkeypatch, owner: object, name: str, winner: Callable[[], str
     return statuses
 
 
+def lose_the_race_to_the_join(monkeypatch, spec_path: Path, run: Callable[[], str]) -> list[str]:
+    """`run` (a batch merged by the executors' join) loses the race for its
+    entry: another run of the same batch commits between the join's files
+    and this one's commit (`winner_first` on `commit_rewrite`). Asserts the
+    loser ends as a lost race does (`already_committed`), the winner
+    committed and the state is exact, and that the loser's files are
+    deleted; returns their paths (relative to the state's folder)."""
+    import spark_jobs.core.state as state_module
+    from spark_jobs.core.spec import load_spec
+
+    joined: list[str] = []
+
+    def seen(table, data, rewritten, changes, metadata):
+        joined.extend(f.path for f in (*data, *changes))
+
+    winner = winner_first(monkeypatch, state_module, "commit_rewrite", run, seen)
+    assert run() == "already_committed"
+    assert winner == ["committed"]
+    assert_exact(spec_path)
+    assert_versions_carry_batches(spec_path)
+    state = Path(load_spec(spec_path).state_path)
+    assert joined and not [p for p in joined if (state / p).exists()], "the loser's merged rows and change data were deleted"
+    return joined
+
+
 def marked_processes_left(mark: str, within: float = 60) -> list[int]:
     """Pids of processes (other than this one) whose environment holds
     ``MICROBATCH_TEST_MARK=<mark>`` (a CLI run given that mark, and the JVMs

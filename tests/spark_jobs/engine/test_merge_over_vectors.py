@@ -37,7 +37,7 @@ from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
 from spark_jobs.engine.spark_files import read_files
 from tests.conftest import (
-    assert_exact, assert_feed_is_the_change, assert_versions_carry_batches, oracle_spec_dict, run_cli, winner_first, write_spec,
+    assert_exact, assert_feed_is_the_change, assert_versions_carry_batches, lose_the_race_to_the_join, oracle_spec_dict, run_cli, write_spec,
 )
 from tests.spark_jobs.engine.test_spark_state import _by_key, arrow_rows  # noqa: F401 - a fixture
 
@@ -125,22 +125,10 @@ def test_a_run_that_lost_the_race_to_the_join_over_vectors_is_a_no_op(tmp_path, 
     its files and before its commit: the commit fails, step 4 finds the
     winner's batch, and the run ends as one that lost the race does; its
     files are deleted, nothing is merged twice."""
-    import spark_jobs.core.state as state_module
-
     spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute))
     _all_big(monkeypatch)
     write_wave(tmp_path / "landing", 2, files=1, records_per_file=1000, users=500)
-    joined: list = []
-
-    def seen(table, data, rewritten, changes, metadata):
-        joined.extend(f.path for f in (*data, *changes))
-
-    winner = winner_first(monkeypatch, state_module, "commit_rewrite", lambda: _run(spec_path, compute), seen)
-    assert _run(spec_path, compute) == "already_committed"
-    assert winner == ["committed"]
-    assert_exact(spec_path)
-    assert_versions_carry_batches(spec_path)
-    assert joined and not [p for p in joined if (tmp_path / "lake" / "state" / p).exists()], "the loser's files were deleted"
+    lose_the_race_to_the_join(monkeypatch, spec_path, lambda: _run(spec_path, compute))
 
 
 def test_a_file_is_read_without_the_rows_its_vector_deletes_across_its_row_groups(tmp_path, spark):

@@ -22,7 +22,7 @@ from spark_jobs.core.rewind import rewind
 from spark_jobs.core.spec import load_spec
 from spark_jobs.demo.clickstream import write_wave
 from tests.conftest import (
-    assert_exact, assert_feed_is_the_change, assert_versions_carry_batches, feed_by_type, oracle_spec_dict, winner_first, write_spec,
+    assert_exact, assert_feed_is_the_change, assert_versions_carry_batches, feed_by_type, lose_the_race_to_the_join, oracle_spec_dict, write_spec,
 )
 
 
@@ -417,25 +417,12 @@ def test_a_run_that_lost_the_race_to_the_join_s_commit_is_a_no_op(tmp_path, comp
     before its commit: the commit at the checked version + 1 fails, step 4
     finds the winner's batch (the fence at 2) and the run ends as one that
     lost the race does; its files are deleted, nothing is merged twice."""
-    import spark_jobs.core.state as state_module
-
     spec_path = _spec(tmp_path, state_write="executors", change_feed=True)
     write_wave(tmp_path / "landing", 0, files=1, records_per_file=600, users=200)
     assert _run(spec_path, compute) == "committed"
     write_wave(tmp_path / "landing", 1, files=1, records_per_file=600, users=200)
-    joined: list = []
-
-    def seen(table, data, rewritten, changes, metadata):
-        joined.extend(f.path for f in (*data, *changes))
-
-    winner = winner_first(monkeypatch, state_module, "commit_rewrite", lambda: _run(spec_path, compute), seen)
-    assert _run(spec_path, compute) == "already_committed"
-    assert winner == ["committed"]
-    assert_exact(spec_path)
-    assert_versions_carry_batches(spec_path)
-    state = tmp_path / "lake" / "state"
-    assert joined and any(p.startswith("_change_data/") for p in joined)
-    assert not [p for p in joined if (state / p).exists()], "the loser's merged rows and change data were deleted"
+    joined = lose_the_race_to_the_join(monkeypatch, spec_path, lambda: _run(spec_path, compute))
+    assert any(p.startswith("_change_data/") for p in joined)
 
 
 def test_a_small_batch_into_a_big_change_feed_state_is_merged_by_the_join_with_the_changes_delta_rs_writes(tmp_path, compute, monkeypatch):

@@ -8,7 +8,9 @@ fired proves nothing). Unset, every call is a dictionary lookup.
 With ``MICROBATCH_FAULT_ARM_FILE=<path>`` also set, the point fires only if
 it can delete that file: a test arms one crash by creating the file, and
 exactly one process (the first to reach the point) dies. That is how an
-Airflow retry test kills the first attempt and lets the retry through.
+Airflow retry test kills the first attempt and lets the retry through. A
+watched point (below) takes the arm when its file appears, not when the
+watch starts: a write that puts no new file there leaves it to the point.
 
 ``mid_state_merge`` and ``mid_quarantine_write`` cannot be hooked inside
 delta-rs, so a watcher thread kills the process as soon as the write has
@@ -152,7 +154,8 @@ def watch_for_new_files(point: str, folder: str) -> None:
     """
     if _hook is not None:
         _hook(point)
-    if os.environ.get(ENV) != point or "://" in folder or not _armed():
+    arm_file = os.environ.get(ARM_FILE_ENV)
+    if os.environ.get(ENV) != point or "://" in folder or (arm_file and not os.path.exists(arm_file)):
         return
 
     def data_files() -> set[str]:
@@ -166,7 +169,10 @@ def watch_for_new_files(point: str, folder: str) -> None:
     def watch() -> None:
         while True:
             if data_files() - before:
-                _die(point)
+                # Armed once: taken only now, so that a run whose write puts no
+                # new file here leaves the arm to the point itself, or to another run.
+                if _armed():
+                    _die(point)
                 return
             time.sleep(0.0005)
 

@@ -130,7 +130,7 @@ from spark_jobs.core.run_report import StepTimes, moved_past, note_fold_due, not
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
 from spark_jobs.core.staged import Sink, Staged
 from spark_jobs.core.windows import check_windows, settle
-from spark_jobs.core.write_path import merged_with_changes
+from spark_jobs.core.write_path import merged_by_join
 from spark_jobs.errors import ConcurrentRunError, StateBehindLedgerError, StateLedgerMismatchError
 from spark_jobs.sources import BatchRange, Caps
 
@@ -499,9 +499,9 @@ def commit_state(pipeline: Pipeline, plan: Plan, processed: Processed, options: 
     spec, n = pipeline.spec, plan.position
     metadata = _batch_metadata(pipeline, plan, processed, options, started)
     watch_for_new_files("mid_state_merge", pipeline.state.path)
-    if isinstance(processed.updates, Staged) and not merged_with_changes(spec):
-        # The batch's files are written, their commit not made. (A change-feed
-        # state's join has its point after the files it writes: `own_commits`.)
+    if isinstance(processed.updates, Staged) and not merged_by_join(spec):
+        # The batch's files are written, their commit not made. (The join has
+        # its point after the files it writes: `own_commits.commit_rewrite`.)
         fault_point("mid_state_merge")
     for attempt in range(1, STATE_COMMIT_TRIES + 1):
         table = _checked_snapshot(pipeline, plan)

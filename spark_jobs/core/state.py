@@ -49,7 +49,7 @@ from spark_jobs.core.sql_text import datafusion_identifier as _q
 from spark_jobs.core.untracked import MARKER_KEY as UNTRACKED_MARKER
 from spark_jobs.core.widen import check_merge, sql_type, widens
 from spark_jobs.core.windows import EXPIRE_KEY
-from spark_jobs.core.write_path import merged_with_changes
+from spark_jobs.core.write_path import merged_by_join
 from spark_jobs.errors import ConcurrentRunError, MicrobatchError, TransformError
 
 __all__ = ["BATCH_COLUMN", "CHANGE_FEED", "MAINTENANCE_OPERATIONS", "WIDEN_KEY", "StateTable", "merge_expression"]
@@ -271,7 +271,7 @@ class StateTable:
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
         vectors = carries_vectors(table)
         here = here or (small and (vectors or self.spec.state.deletion_vectors))
-        if files is not None and not here and (vectors or merged_with_changes(self.spec)):
+        if files is not None and not here and (vectors or merged_by_join(self.spec)):
             return self._merge_by_join(table, staged, metadata, files, rewritten, vectors)
         if files is None or self.spec.state.change_feed or here or vectors:
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)

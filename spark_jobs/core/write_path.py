@@ -10,7 +10,7 @@ spec, the planned range and what the engine can do:
 * **By the executors** (`executors_write`): Spark's tasks write the updates
   and the bad records as data files (`spark_jobs.core.staged`); the job's
   process sees their names and statistics only.
-* **Merged by the executors' join, committed by the job** (`merged_with_changes`):
+* **Merged by the executors' join, committed by the job** (`merged_by_join`):
   a big batch into a merged state with a change data feed, or whose files
   carry deletion vectors (merge-on-read), is merged by the executors' join,
   which writes the change files with the merged rows and reads each file
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from spark_jobs.sources import BatchRange
 
 __all__ = [
-    "EXECUTORS_FROM_BYTES", "executors_write", "merged_with_changes", "read_by_spark",
+    "EXECUTORS_FROM_BYTES", "executors_write", "merged_by_join", "read_by_spark",
 ]
 
 #: `engine.state_write: auto`: a batch reading more than this many bytes has
@@ -73,13 +73,16 @@ def read_by_spark(spec: PipelineSpec, batch: BatchRange) -> bool:
     return reader_for is not None and reader_for(getattr(spec.source, "reader", "driver")) == "spark"
 
 
-def merged_with_changes(spec: PipelineSpec) -> bool:
-    """Whether a batch the executors merge into this state writes its change
-    data with the merged rows, committed by the job (`own_commits.commit_rewrite`):
-    a merged state with a change data feed. (A state whose files carry
-    deletion vectors is merged so too, change data or not: that is seen in
-    its log, `StateTable._merge_staged`.) Measured against delta-spark's
-    MERGE of the same batch (1M returning keys, docs/benchmarks.md "Chain
+def merged_by_join(spec: PipelineSpec) -> bool:
+    """Whether a batch the executors merge into this state is merged by
+    their join and committed by the job (`own_commits.commit_rewrite`): a
+    merged state with a change data feed (the join writes its change data
+    with the merged rows) or merged on read (`state.deletion_vectors`: the
+    join reads its files without the rows their vectors delete; a state
+    whose vectors outlived the setting is seen in its log,
+    `StateTable._merge_staged`). Measured against delta-spark's MERGE of
+    the same batch (1M returning keys, docs/benchmarks.md "Chain
     upstream"), its commit took a third of the time; and it fences two
     drivers on S3, where delta-spark cannot."""
-    return spec.state.change_feed and not is_appended(spec) and spec.engine.state_write != "driver"
+    merges = spec.state.change_feed or spec.state.deletion_vectors
+    return merges and not is_appended(spec) and spec.engine.state_write != "driver"

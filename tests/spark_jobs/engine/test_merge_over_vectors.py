@@ -156,14 +156,21 @@ def test_a_file_is_read_without_the_rows_its_vector_deletes_across_its_row_group
 # files over vectors and the job's commit, on the run's own Spark. The other
 # points in `make soak`.
 @pytest.mark.parametrize(
-    "point", ["mid_state_merge", pytest.param("after_plan", marks=pytest.mark.slow), pytest.param("after_state_commit", marks=pytest.mark.slow)]
+    ("point", "change_feed"),
+    [
+        ("mid_state_merge", True),
+        pytest.param("mid_state_merge", False, marks=pytest.mark.slow),
+        pytest.param("after_plan", True, marks=pytest.mark.slow),
+        pytest.param("after_state_commit", True, marks=pytest.mark.slow),
+    ],
 )
-def test_a_run_killed_amid_the_join_over_vectors_or_after_its_commit_is_exact_after_a_rerun(tmp_path, compute, point):
+def test_a_run_killed_amid_the_join_over_vectors_or_after_its_commit_is_exact_after_a_rerun(tmp_path, compute, point, change_feed):
     """SIGKILL of a run on its own Spark once the join over vectors has
-    written its files (before the commit), or once its commit landed, or
-    after its plan: the next run replays the batch or records the commit;
-    the batch is the join's entry, and the state is exact."""
-    spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute), users=100)
+    written its files (before the commit; with a change feed or without),
+    or once its commit landed, or after its plan: the next run replays the
+    batch or records the commit; the batch is the join's entry, and the
+    state is exact."""
+    spec_path = _with_vectors(tmp_path, lambda path: _run(path, compute), users=100, change_feed=change_feed)
     landing = tmp_path / "landing"
     write_wave(landing, 2, files=1, records_per_file=600, users=100)
     crashed = run_cli("run", str(spec_path), big=True, env={"MICROBATCH_FAULT_POINT": point, "MICROBATCH_SPARK_MASTER": "local[2]"})

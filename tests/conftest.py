@@ -361,7 +361,7 @@ def lose_the_race_to_the_join(monkeypatch, spec_path: Path, run: Callable[[], st
 
     joined: list[str] = []
 
-    def seen(table, data, rewritten, changes, metadata):
+    def seen(table, data, rewritten, changes, *_):
         joined.extend(f.path for f in (*data, *changes))
 
     winner = winner_first(monkeypatch, state_module, "commit_rewrite", run, seen)

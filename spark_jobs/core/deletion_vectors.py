@@ -49,7 +49,7 @@ from spark_jobs.storage.s3 import is_s3, read_bytes
 
 __all__ = [
     "FEATURE", "active_files", "carries_vectors", "commit", "deleted_in", "has_deletion_vectors", "is_vector_file",
-    "table_root", "vector_file", "vector_files", "vector_location", "vector_rows", "vectors_of", "write_vectors",
+    "table_root", "vector_file", "vector_files", "vector_location", "vector_rows", "write_vectors",
 ]
 
 #: The table feature (reader and writer) a table with deletion vectors declares.
@@ -117,13 +117,6 @@ def vector_rows(descriptor: dict[str, Any], read: Callable[[int, int], bytes]) -
     start = int(descriptor.get("offset") or 1)  # (absent: the data after the file's version byte)
     (size,) = struct.unpack(">I", read(start, 4))
     return _deserialized(read(start + 4, size))
-
-
-def vectors_of(table: DeltaTable, paths: list[str]) -> dict[str, dict[str, Any]]:
-    """The deletion vector descriptor of each file of `paths` (as delta-rs
-    gives them: decoded) that carries one in `table`'s snapshot, by path."""
-    active = {unquote(path): add for path, add in active_files(table_root(table), table.version()).items()}
-    return {path: active[path]["deletionVector"] for path in paths if (active.get(path) or {}).get("deletionVector")}
 
 
 def active_files(root: str, version: int) -> dict[str, dict[str, Any]]:

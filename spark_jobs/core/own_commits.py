@@ -98,15 +98,17 @@ def logged(added: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
 
 
 def commit_rewrite(
-    table: DeltaTable, added: tuple[StagedFile, ...], removed: list[str], changes: tuple[StagedFile, ...], metadata: CommitMetadata
+    table: DeltaTable, added: tuple[StagedFile, ...], removed: list[str], changes: tuple[StagedFile, ...], metadata: CommitMetadata,
+    active: dict[str, dict[str, Any]] | None = None,
 ) -> int:
-    """The executors' merge of a batch into a state with a change feed
-    (`spark_state.merge_files` with `changes`), committed on `table`'s
-    snapshot: the files `removed` (paths as delta-rs gives them) replaced by
-    `added`, with the change data files `changes`; returns the version.
-    Raises `CommitFailedError` if any commit landed since the snapshot."""
+    """The executors' join of a batch into the state (`spark_state.merge_files`),
+    committed on `table`'s snapshot: the files `removed` (paths as delta-rs
+    gives them) replaced by `added`, with the change data files `changes`;
+    returns the version. `active`: the snapshot's `active_files`, if the
+    caller read them already. Raises `CommitFailedError` if any commit
+    landed since the snapshot."""
     root, version, now = table_root(table), table.version(), int(time.time() * 1000)
-    active = active_files(root, version)
+    active = active if active is not None else active_files(root, version)
     actions = [
         commit_info(metadata, now, {"mode": "executors' join"}, {"num_removed_files": len(removed), "num_added_files": len(added), "num_cdc_files": len(changes)}),
         fence(metadata, now),

@@ -34,10 +34,10 @@ from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core import merge_on_read
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
-from spark_jobs.core.deletion_vectors import carries_vectors, has_deletion_vectors, vectors_of
+from spark_jobs.core.deletion_vectors import active_files, carries_vectors, has_deletion_vectors, table_root
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
-from spark_jobs.core.own_commits import commit_rewrite
+from spark_jobs.core.own_commits import commit_rewrite, logged
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
@@ -273,7 +273,7 @@ class StateTable:
         here = here or (small and (vectors or self.spec.state.deletion_vectors))
         if files is not None and not here and (vectors or merged_by_join(self.spec)):
             return self._merge_by_join(table, staged, metadata, files, rewritten, vectors)
-        if files is None or self.spec.state.change_feed or here or vectors:
+        if files is None or here or self.spec.state.change_feed:  # (a change feed's files only by delta-rs or the join)
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)
         schema = pa.schema(table.schema().to_arrow())
         merge = files.rewrite_files if small else files.merge_files
@@ -301,12 +301,14 @@ class StateTable:
         removes them after its window), unless the version that exists is
         this commit's own (a put the store applied but answered with an error)."""
         schema = pa.schema(table.schema().to_arrow())
-        deleted = vectors_of(table, rewritten) if vectors else None
+        # The snapshot's files as its log names them, read once: their vectors for the join, their removal for the commit.
+        active = active_files(table_root(table), table.version()) if vectors else None
+        deleted = {path: vector for path in rewritten if (vector := logged(active, path).get("deletionVector"))} if active else None
         written = files.merge_files(self.spec, self.path, schema, rewritten, staged, changes=self.spec.state.change_feed, vectors=deleted)
         changes = tuple(f for f in written if f.path.startswith(f"{CHANGE_DATA}/"))
         data = tuple(f for f in written if f not in changes)
         try:
-            return commit_rewrite(table, data, rewritten, changes, metadata), staged.rows
+            return commit_rewrite(table, data, rewritten, changes, metadata, active), staged.rows
         except CommitFailedError:
             landed = self.find_commit(self.open(), metadata.position)
             if landed is None or landed.metadata.commit_token != metadata.commit_token:

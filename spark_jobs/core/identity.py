@@ -169,8 +169,9 @@ def _judge_release(path: str, old: str, new: str, *_: Any) -> tuple[list[str], l
 
 _LOCATION = "where the records come from: another location is another source"
 _VECTORS = (
-    "how a batch writes a merged state, not what it holds: turned on, the table needs readers of Delta 2.3 "
-    "or later from the next batch; turned off, batches rewrite files again"
+    "how a batch writes a merged state, not what it holds: turned on (or `auto` once the state passes its "
+    "bound), the table needs readers of Delta 2.3 or later from the next batch; turned off, batches rewrite "
+    "files again"
 )
 _PARSE = "how bytes become records"
 _UNKNOWN = "which records are quarantined for fields the schema does not name; nothing is lost either way"

@@ -1,4 +1,4 @@
-"""A merged state's batch, merge-on-read (`state.deletion_vectors: true`).
+"""A merged state's batch, merge-on-read (`state.deletion_vectors`).
 
 Copy-on-write, a batch of returning keys rewrites every file that holds one
 of them: with users coming back from all over a state of 20M keys, the
@@ -76,11 +76,11 @@ from spark_jobs.core.deletion_vectors import active_files, deleted_in, has_delet
 from spark_jobs.core.faults import fault_point
 from spark_jobs.core import own_commits
 from spark_jobs.core.own_commits import commit_info, fence, logged, removal
-from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
-from spark_jobs.core.staged import CHANGE_DATA, files_meeting
+from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
+from spark_jobs.core.staged import CHANGE_DATA, files_bytes, files_meeting
 from spark_jobs.storage.files import reader, write_bytes
 
-__all__ = ["ENABLED", "commit", "enable", "enabled", "purge", "restore"]
+__all__ = ["AUTO_FROM_BYTES", "ENABLED", "commit", "due", "enable", "enabled", "merges", "purge", "restore"]
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
@@ -89,6 +89,37 @@ _MILLISECOND = timedelta(milliseconds=1)
 MAX_DEAD = 0.5
 #: Row groups read at once (this many cores; each holds one group's rows).
 READERS = max(1, min(4, os.cpu_count() or 1))
+
+
+#: `deletion_vectors: auto` turns merge-on-read on once the state's files
+#: weigh this much (about 8M keys of a count and a sum). Below it a batch of
+#: returning keys rewrites little (at 1M keys, 7 MB, copy-on-write costs
+#: 0.38x Structured Streaming); above it copy-on-write grows with the state
+#: (0.84x at 10M keys, 74 MB; 1.39x at 20M), merged on read it follows the
+#: batch (docs/benchmarks.md, "State at scale"). Below it the table also
+#: stays readable by readers older than Delta 2.3.
+AUTO_FROM_BYTES = 64 * 1024 * 1024
+
+
+def due(state: StateSpec, table: DeltaTable) -> bool:
+    """Whether the state's table should declare deletion vectors before this
+    batch: `deletion_vectors: true`, or `auto` once its files weigh
+    `AUTO_FROM_BYTES` on a state that may merge on read. (Already on, or
+    `false`: nothing to turn on.)"""
+    if state.deletion_vectors is True:
+        return not enabled(table)
+    if state.deletion_vectors is False or not state.may_merge_on_read or enabled(table):
+        return False
+    return files_bytes(table) >= AUTO_FROM_BYTES
+
+
+def merges(state: StateSpec, table: DeltaTable) -> bool:
+    """Whether a batch into `table` merges on read (when it pays: `_pays`):
+    `deletion_vectors: true`, or `auto` once the table has them on (`due`
+    turned them on; they stay on, however the state shrinks)."""
+    if state.deletion_vectors == "auto":
+        return state.may_merge_on_read and enabled(table)
+    return state.deletion_vectors
 
 
 def enabled(table: DeltaTable) -> bool:

@@ -407,7 +407,12 @@ class StateSpec(_Model):
     #: rewriting every file that holds one of them. Readers need Delta 2.3
     #: or later (reader version 3). Turning it on for an existing state
     #: upgrades its table; turning it off writes copy-on-write again.
-    deletion_vectors: bool = False
+    #: ``auto`` (the default): copy-on-write, the table readable by every
+    #: Delta reader, until the state's files weigh
+    #: `merge_on_read.AUTO_FROM_BYTES`, where rewriting them starts to cost
+    #: more than the batch; then turned on, for good. A state where it
+    #: cannot be on (`may_merge_on_read`) stays copy-on-write.
+    deletion_vectors: bool | Literal["auto"] = "auto"
 
     @field_validator("keys")
     @classmethod
@@ -454,26 +459,39 @@ class StateSpec(_Model):
             )
         return self
 
+    @property
+    def may_merge_on_read(self) -> bool:
+        """Whether this state can be merged on read (`_merge_on_read_refusal`)."""
+        return self._merge_on_read_refusal() is None
+
     @model_validator(mode="after")
     def _deletion_vectors_where_written(self) -> StateSpec:
-        if self.deletion_vectors and self.layout == "appended":
-            raise ValueError(
+        refusal = self._merge_on_read_refusal() if self.deletion_vectors is True else None
+        if refusal:
+            raise ValueError(refusal)
+        return self
+
+    def _merge_on_read_refusal(self) -> str | None:
+        """Why this state cannot be merged on read (`deletion_vectors: true`
+        is refused with it; `auto` stays copy-on-write), or None."""
+        if self.layout == "appended":
+            return (
                 "deletion_vectors is for layout: merged (an appended state never rewrites its files: "
                 "it has nothing to mark deleted); drop deletion_vectors or use layout: merged"
             )
-        if self.deletion_vectors and "://" in self.path and not self.path.startswith(("file:", "s3://", "s3a://")):
-            raise ValueError(
+        if "://" in self.path and not self.path.startswith(("file:", "s3://", "s3a://")):
+            return (
                 f"deletion_vectors is supported for a state on a local or mounted file system or on S3, not at "
                 f"{self.path}: the job commits those batches itself, with a put-if-absent it has only there; "
                 "drop deletion_vectors for this state"
             )
-        if self.deletion_vectors and self.path.startswith(("s3://", "s3a://")) and re.search(r"[^A-Za-z0-9._~+/-]", self.path.split("://", 1)[1]):
-            raise ValueError(
+        if self.path.startswith(("s3://", "s3a://")) and re.search(r"[^A-Za-z0-9._~+/-]", self.path.split("://", 1)[1]):
+            return (
                 f"deletion_vectors on S3 needs a state path of letters, digits and ._~+/- only, not {self.path!r}: "
                 "delta-rs 1.6.6 looks for a deletion-vector file under a key it percent-encodes twice, so the "
                 "state would become unreadable; rename the path or drop deletion_vectors"
             )
-        return self
+        return None
 
     @model_validator(mode="after")
     def _keys_not_merged(self) -> StateSpec:

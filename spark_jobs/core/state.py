@@ -166,7 +166,7 @@ class StateTable:
             return self._commit_staged(table, updates, metadata, files)
         position = metadata.position
         data = updates.append_column(BATCH_COLUMN, pa.array([position.batch_id] * updates.num_rows, pa.int64()))
-        if data.num_rows and self.spec.state.deletion_vectors:  # (a merged state's: `StateSpec` refuses it appended)
+        if data.num_rows and merge_on_read.merges(self.spec.state, table):
             done = merge_on_read.commit(table, self.spec, data, metadata)
             if done is not None:
                 return done
@@ -270,7 +270,7 @@ class StateTable:
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
         vectors = carries_vectors(table)
-        here = here or (small and (vectors or self.spec.state.deletion_vectors))
+        here = here or (small and (vectors or merge_on_read.merges(self.spec.state, table)))
         if files is not None and not here and (vectors or merged_by_join(self.spec)):
             return self._merge_by_join(table, staged, metadata, files, rewritten, vectors)
         if files is None or here or self.spec.state.change_feed:  # (a change feed's files only by delta-rs or the join)
@@ -427,8 +427,9 @@ class StateTable:
             # A merged state turned appended: whoever reads the table learns how to read it.
             with self._changing_columns("marking its layout in its description"):
                 table.alter.set_table_description(self._description() or "")
-        if self.spec.state.deletion_vectors and not merge_on_read.enabled(table):
-            # Turned on in the spec: the table declares the feature (readers must know it) before a batch adds one.
+        if merge_on_read.due(self.spec.state, table):
+            # Turned on in the spec, or the state grew past `auto`'s bound: the
+            # table declares the feature (readers must know it) before a batch adds one.
             with self._changing_columns("turning deletion vectors on"):
                 merge_on_read.enable(table)
         if self.spec.state.change_feed and table.metadata().configuration.get(CHANGE_FEED) != "true":

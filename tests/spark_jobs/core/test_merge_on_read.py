@@ -310,6 +310,49 @@ def test_a_batch_big_beside_the_state_or_its_deleted_rows_is_merged_copy_on_writ
     assert kinds == [False, True, True, False, True]
 
 
+def test_auto_merges_on_read_once_the_state_passes_its_bound_and_stays_so(tmp_path, monkeypatch):
+    """`deletion_vectors: auto` (the default): copy-on-write, the table
+    without the feature (every Delta reader reads it), while the state's
+    files weigh less than `AUTO_FROM_BYTES`; from the batch that finds them
+    past it, merged on read, for good (a smaller bound later changes
+    nothing). `false` never turns it on. The rows are copy-on-write's after
+    every batch."""
+    from spark_jobs.core import merge_on_read
+    from spark_jobs.core.staged import files_bytes
+
+    cow, auto, never = _state(tmp_path / "cow", False), _state(tmp_path / "auto", "auto"), _state(tmp_path / "never", False)
+    (tmp_path / "default").mkdir()
+    assert load_spec(write_spec(tmp_path / "default", oracle_spec_dict())).state.deletion_vectors == "auto"
+    monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1 << 40)
+    kinds, features = [], []
+    for n, batch in enumerate(_batches(5, seed=11), start=1):
+        if n == 3:  # the state now weighs more than the bound
+            monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", files_bytes(open_table(auto.path)))
+        if n == 5:  # back above what the state weighs: it stays merged on read
+            monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1 << 40)
+        for state in (cow, auto, never):
+            commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+        kinds.append(_merged_on_read(auto))
+        features.append("deletionVectors" in (open_table(auto.path).protocol().reader_features or []))
+        assert _rows(auto) == _rows(cow) == _rows(never), f"batch {n}"
+    assert kinds == [False, False, True, True, True]
+    assert features == [False, False, True, True, True]
+    assert not _merged_on_read(never) and "deletionVectors" not in (open_table(never.path).protocol().reader_features or [])
+
+
+@pytest.mark.parametrize("state", [{"layout": "appended"}, {"path": "s3://bucket/a b/state"}])
+def test_auto_where_a_state_cannot_merge_on_read_stays_copy_on_write(tmp_path, state):
+    """Where `deletion_vectors: true` is refused by name, the default `auto`
+    is taken and never turns them on (no table needed to say so)."""
+    from spark_jobs.core import merge_on_read
+
+    spec = oracle_spec_dict()
+    spec["state"] = {**spec["state"], **state}
+    loaded = load_spec(write_spec(tmp_path, spec)).state
+    assert loaded.deletion_vectors == "auto" and not loaded.may_merge_on_read
+    assert not merge_on_read.due(loaded, table=None) and not merge_on_read.merges(loaded, table=None)
+
+
 def _keyed(keys, values, kind=pa.int64()) -> pa.Table:
     return pa.table({"k": pa.array(keys, kind), "s": pa.array(values, pa.int64())})
 

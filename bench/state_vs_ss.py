@@ -11,8 +11,10 @@ For each state size N, in one run, on the same files:
   from all N (users coming back), and each engine takes one file a batch:
   Structured Streaming in one `AvailableNow` run (`maxFilesPerTrigger` 1,
   each batch's `durationMs`), the project in one `run --catch-up` process
-  (`max_files: 1`), once with `state.layout: merged` (a copy-on-write MERGE a batch),
-  once merged on read (`deletion_vectors: true`: the touched files' rows
+  (`max_files: 1`), once with `state.layout: merged` copy-on-write
+  (`deletion_vectors: false`: a MERGE a batch), once with the default
+  settings (`deletion_vectors: auto`: copy-on-write while the state's files
+  weigh under 64 MB, merged on read above: the touched files' rows
   marked deleted, one new file a batch) and once with `layout: appended`
   (an append a batch; a batch never folds);
 * the appended state's fold and reads are timed on what the batches left:
@@ -49,9 +51,13 @@ PLOT = "bench_state_at_scale.png"
 BATCH_RECORDS = 100_000
 FILE_ROWS = 1_000_000
 FOLD_AT = 0.1
-LABELS = (("SS", "ss"), ("merged", "merged"), ("merged on read", "vectors"), ("appended", "appended"))
+LABELS = (("SS", "ss"), ("copy-on-write", "merged"), ("default", "vectors"), ("appended", "appended"))
 #: The project's variants: each a folder name and its `state` settings.
-VARIANTS = {"merged": {"layout": "merged"}, "vectors": {"layout": "merged", "deletion_vectors": True}, "appended": {"layout": "appended"}}
+VARIANTS = {
+    "merged": {"layout": "merged", "deletion_vectors": False},  # copy-on-write, whatever the state's size
+    "vectors": {"layout": "merged"},  # the default: `deletion_vectors: auto`
+    "appended": {"layout": "appended"},
+}
 
 
 def users(keys: Any) -> Any:
@@ -261,9 +267,9 @@ def write_doc(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "one file a batch, the same files for every engine. Structured Streaming: `Trigger.AvailableNow`, RocksDB state "
         "(seeded by a first run over the N users), `noop` sink, each batch's `durationMs`. This project: `run --catch-up`, "
         "`max_files: 1`, a batch's seconds from the previous batch's outcome to its own; means of batches 3 on, with "
-        f"`state.layout: merged` (a MERGE a batch, copy-on-write), merged on read (`deletion_vectors: true`) and `appended` (`fold_at: {FOLD_AT}`).",
+        f"`state.layout: merged` copy-on-write (`deletion_vectors: false`, a MERGE a batch), `layout: merged` with the default `deletion_vectors: auto` (merged on read once the state's files weigh 64 MB) and `appended` (`fold_at: {FOLD_AT}`).",
         "",
-        "| keys in state | state (Parquet) | Structured Streaming | merged | merged / SS | merged on read | **merged on read / SS** | appended | **appended / SS** "
+        "| keys in state | state (Parquet) | Structured Streaming | merged, copy-on-write | / SS | merged, default (auto) | **/ SS** | appended | **appended / SS** "
         "| appended / its 100k batch | fold (every ~N batches) | appended, fold amortized | amortized / SS "
         "| read the state: merged | read: appended, before its fold |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -300,8 +306,8 @@ def plot(rows: list[dict[str, Any]]) -> None:
     keys = [r["keys"] for r in rows]
     fig, ax = pyplot().subplots(figsize=(7, 4))
     ax.plot(keys, [pace(r["ss_s"]) for r in rows], "o-", color="#9aa5b1", label="Structured Streaming (RocksDB)")
-    ax.plot(keys, [pace(r["merged_s"]) for r in rows], "s-", color="#c9a26b", label="project, layout: merged")
-    ax.plot(keys, [pace(r["vectors_s"]) for r in rows], "^-", color="#5f8f4f", label="project, merged on read")
+    ax.plot(keys, [pace(r["merged_s"]) for r in rows], "s-", color="#c9a26b", label="project, merged, copy-on-write")
+    ax.plot(keys, [pace(r["vectors_s"]) for r in rows], "^-", color="#5f8f4f", label="project, merged, default (auto)")
     ax.plot(keys, [pace(r["appended_s"]) for r in rows], "D-", color="#2f6f9f", label="project, layout: appended")
     ax.plot(keys, [amortized(r) for r in rows], "D--", color="#2f6f9f", alpha=0.5, label="appended, fold amortized")
     ax.set_xscale("log")

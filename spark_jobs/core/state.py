@@ -269,9 +269,9 @@ class StateTable:
         the batch)."""
         small = staged.rows <= IN_PROCESS_ROWS
         here = small and self.spec.engine.state_write != "executors" and files_bytes(table, rewritten) <= REWRITE_FROM_BYTES
-        vectors = carries_vectors(table)
-        here = here or (small and (vectors or merge_on_read.merges(self.spec.state, table)))
-        if files is not None and not here and (vectors or merged_by_join(self.spec)):
+        vectors, on_read = carries_vectors(table), merge_on_read.merges(self.spec.state, table)
+        here = here or (small and (vectors or on_read))
+        if files is not None and not here and (vectors or on_read or merged_by_join(self.spec)):
             return self._merge_by_join(table, staged, metadata, files, rewritten, vectors)
         if files is None or here or self.spec.state.change_feed:  # (a change feed's files only by delta-rs or the join)
             return self.commit_batch(table, read_staged(staged).drop_columns([BATCH_COLUMN]), metadata)

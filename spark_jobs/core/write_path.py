@@ -77,13 +77,12 @@ def merged_by_join(spec: PipelineSpec) -> bool:
     """Whether a batch the executors merge into this state is merged by
     their join and committed by the job (`own_commits.commit_rewrite`): a
     merged state with a change data feed (the join writes its change data
-    with the merged rows) or merged on read, or to be once it grows
-    (`state.deletion_vectors`, `true` or `auto`: the join reads its files
-    without the rows their vectors delete; a state
-    whose vectors outlived the setting is seen in its log,
-    `StateTable._merge_staged`). Measured against delta-spark's MERGE of
+    with the merged rows) or merged on read (`state.deletion_vectors: true`:
+    the join reads its files without the rows their vectors delete; a state
+    whose vectors outlived the setting, or that `auto` turned them on in,
+    is seen in its log, `StateTable._merge_staged`). Measured against delta-spark's MERGE of
     the same batch (1M returning keys, docs/benchmarks.md "Chain
     upstream"), its commit took a third of the time; and it fences two
     drivers on S3, where delta-spark cannot."""
-    vectors = spec.state.deletion_vectors is True or (spec.state.deletion_vectors == "auto" and spec.state.may_merge_on_read)
-    return (spec.state.change_feed or vectors) and not is_appended(spec) and spec.engine.state_write != "driver"
+    merges = spec.state.change_feed or spec.state.deletion_vectors is True
+    return merges and not is_appended(spec) and spec.engine.state_write != "driver"

@@ -298,6 +298,8 @@ def _status(spec: PipelineSpec, args: argparse.Namespace) -> int:
     if spec.event_time is not None:
         watermark = st.head.watermark if st.head else None
         print(f"watermark: {iso(watermark) if watermark else 'none yet'} (records before it are late: event_time.late {spec.event_time.late})")
+    if st.merged_on_read:
+        print("state: merged on read (Delta deletion vectors): its readers need Delta 2.3 or later")
     if st.final is not None:
         through = f"every window ended by {iso(st.final.through)}" if st.final.through else "no window final yet"
         print(f"final rows: {st.final.rows:,} in {st.final.path} ({through})")

@@ -18,6 +18,7 @@ from spark_jobs.core.delta_io import count_rows, open_table, read_all, rows_of
 from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, LiveLineage, RowStatus, utcnow
 from spark_jobs.core.maintain import oldest_rewindable
+from spark_jobs.core.merge_on_read import enabled as merges_on_read
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
@@ -55,6 +56,9 @@ class PipelineStatus:
     source_unavailable: str | None = None
     #: Event-time windows: what the table of final rows holds (None without one).
     final: FinalSummary | None = None
+    #: The state's table declares deletion vectors (merged on read: `true`,
+    #: or `auto` past its bound): its readers need Delta 2.3 or later.
+    merged_on_read: bool = False
 
     @property
     def position(self) -> Position:
@@ -76,6 +80,7 @@ class PipelineStatus:
             # Event time: the watermark the next batch's records are judged against.
             "watermark": self.head.watermark.isoformat() if self.head and self.head.watermark else None,
             "final": self.final.to_dict() if self.final else None,
+            "merged_on_read": self.merged_on_read,
         }
 
 
@@ -151,6 +156,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         quarantined=_quarantine_count(spec, view.live()),
         source_unavailable=unavailable,
         final=final_summary(spec),
+        merged_on_read=table is not None and merges_on_read(table),
     )
 
 

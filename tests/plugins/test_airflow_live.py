@@ -58,6 +58,8 @@ def live(tmp_path_factory, shared_connect):
     console["engine"] = {"master": shared_connect}
     # Event time (accepted when late: the batches and the quarantine stay what the console's tests count).
     console["event_time"] = {"column": "ts", "delay": "10 minutes", "late": "accept"}
+    # Merged on read from its second batch: the console says what its readers need.
+    console["state"]["deletion_vectors"] = True
     write_spec(pipelines, console, "console_clicks.yaml")
     stopped = oracle_spec_dict(name="stopped_clicks", airflow={"retries": 0})
     stopped["source"]["path"] = "landing_stopped"
@@ -583,6 +585,7 @@ def test_console_page_renders_batches_charts_and_quarantine_in_chromium(live, tm
             watermark = replay.watermark.astimezone(ZoneInfo("Asia/Kolkata")).strftime("%Y-%m-%d %H:%M:%S")
             assert details.locator(".event-time").inner_text() == f"event time: 0 late record(s); watermark after it {watermark}"
             assert f"event time: watermark {watermark} (older records: accept)" in page.locator("#detail-source").inner_text()
+            assert "state: merged on read (Delta deletion vectors: its readers need Delta 2.3 or later)" in page.locator("#detail-source").inner_text()
             log = details.locator("a", has_text="task log").get_attribute("href")
             assert log == f"{base}/dags/console_clicks/runs/{quote(replay.run_id)}/tasks/run_batch?try_number=1"
             page.screenshot(path=str(shots / "console.png"), full_page=True)

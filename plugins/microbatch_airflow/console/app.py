@@ -166,6 +166,8 @@ def _summary(spec: PipelineSpec) -> dict[str, Any]:
         "late_policy": spec.event_time.late if spec.event_time is not None else None,
         # Event-time windows: the table of final rows, its rows and how far it is.
         "final": d["final"],
+        # The state's table has deletion vectors: readers older than Delta 2.3 cannot read it.
+        "merged_on_read": d["merged_on_read"],
     }
 
 

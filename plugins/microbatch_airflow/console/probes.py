@@ -48,6 +48,7 @@ __all__ = ["SUMMARY_FIELDS", "Probes", "ledger_mark"]
 SUMMARY_FIELDS = (
     "name", "dag_id", "source", "spec_path", "epoch", "batch_id", "status", "state_version", "lag",
     "last_committed_at", "problems", "oldest_rewindable", "end_offsets", "quarantined", "watermark", "late_policy", "final",
+    "merged_on_read",
 )
 
 

@@ -202,3 +202,32 @@ def test_a_windowed_pipeline_s_summary_says_what_its_final_rows_hold(tmp_path, c
     _land(spec_path, "f0", WAVES[0])
     run_batch(spec, RunOptions(run_id="r1"), compute)
     assert _summary(spec)["final"] == {"path": spec.final_path, "rows": 2, "through": "2026-12-01T10:30:00Z", "batch_id": 1}
+
+
+def test_a_state_merged_on_read_is_named_in_its_summary_and_status(tmp_path, compute, capsys):
+    """Once the state's table declares deletion vectors (`true`; `auto` past
+    its bound), readers older than Delta 2.3 cannot read it: the console's
+    line and `microbatch status` say so. A small state with the default
+    settings (`auto`) is copy-on-write: neither says it."""
+    from microbatch_airflow.console.app import _summary
+    from spark_jobs.cli import main
+    from spark_jobs.core.protocol import RunOptions, run_batch
+    from spark_jobs.core.spec import load_spec
+    from spark_jobs.demo.clickstream import write_wave
+    from tests.conftest import oracle_spec_dict, write_spec
+
+    said = "state: merged on read (Delta deletion vectors): its readers need Delta 2.3 or later"
+    for vectors in ("auto", True):
+        folder = tmp_path / str(vectors)
+        folder.mkdir()
+        spec_dict = oracle_spec_dict()
+        spec_dict["state"]["deletion_vectors"] = vectors
+        spec_path = write_spec(folder, spec_dict)
+        spec = load_spec(spec_path)
+        assert _summary(spec)["merged_on_read"] is False
+        write_wave(folder / "landing", 0, files=1, records_per_file=10)
+        run_batch(spec, RunOptions(run_id="r1"), compute)
+        assert _summary(spec)["merged_on_read"] is (vectors is True)
+        capsys.readouterr()
+        assert main(["status", str(spec_path)]) == 0
+        assert (said in capsys.readouterr().out) is (vectors is True)

@@ -403,7 +403,9 @@ async function select(name) {
   $("#detail-name").textContent = name;
   const layout = pipeline.layout === "appended"
     ? "; state: appended layout (partial rows: read it with `microbatch query`, or the SQL `microbatch query --sql spark` prints)"
-    : "";
+    : pipeline.merged_on_read
+      ? "; state: merged on read (Delta deletion vectors: its readers need Delta 2.3 or later)"
+      : "";
   const watermark = pipeline.late_policy
     ? `; event time: watermark ${pipeline.watermark ? when(pipeline.watermark) : "none yet"} (older records: ${pipeline.late_policy})`
     : "";

@@ -18,7 +18,7 @@ from spark_jobs.core.delta_io import count_rows, open_table, read_all, rows_of
 from spark_jobs.core.fencing import ORIGIN, Position
 from spark_jobs.core.ledger import LedgerRow, LedgerView, LiveLineage, RowStatus, utcnow
 from spark_jobs.core.maintain import oldest_rewindable
-from spark_jobs.core.merge_on_read import enabled as merges_on_read
+from spark_jobs.core.deletion_vectors import has_deletion_vectors
 from spark_jobs.core.pipeline import Pipeline
 from spark_jobs.core.agreement import check_spec, lagging_commit
 from spark_jobs.core.spec import PipelineSpec
@@ -57,7 +57,8 @@ class PipelineStatus:
     #: Event-time windows: what the table of final rows holds (None without one).
     final: FinalSummary | None = None
     #: The state's table declares deletion vectors (merged on read: `true`,
-    #: or `auto` past its bound): its readers need Delta 2.3 or later.
+    #: or `auto` past its bound, now or before): its readers need Delta 2.3
+    #: or later.
     merged_on_read: bool = False
 
     @property
@@ -156,7 +157,7 @@ def status(spec: PipelineSpec) -> PipelineStatus:
         quarantined=_quarantine_count(spec, view.live()),
         source_unavailable=unavailable,
         final=final_summary(spec),
-        merged_on_read=table is not None and merges_on_read(table),
+        merged_on_read=table is not None and has_deletion_vectors(table),
     )
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import DeltaTable, TableFeatures
+from deltalake import DeltaTable
 
 from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
@@ -110,7 +111,9 @@ def due(state: StateSpec, table: DeltaTable) -> bool:
         return not enabled(table)
     if state.deletion_vectors is False or not state.may_merge_on_read or enabled(table):
         return False
-    return files_bytes(table) >= AUTO_FROM_BYTES
+    # Declared, its property off: a rewind restored the metadata of a version
+    # before `auto` turned them on (the protocol stays); on again, for good.
+    return has_deletion_vectors(table) or files_bytes(table) >= AUTO_FROM_BYTES
 
 
 def merges(state: StateSpec, table: DeltaTable) -> bool:
@@ -128,13 +131,12 @@ def enabled(table: DeltaTable) -> bool:
 
 
 def enable(table: DeltaTable) -> None:
-    """Turn deletion vectors on in the state's table: the table feature
-    (reader version 3, writer version 7; readers that predate Delta 2.3
-    cannot read it) and the property. Keeps every row."""
-    if not has_deletion_vectors(table):
-        table.alter.add_feature(TableFeatures.DeletionVectors, allow_protocol_versions_increase=True)
-    if table.metadata().configuration.get(ENABLED) != "true":
-        table.alter.set_table_properties({ENABLED: "true"})
+    """Turn deletion vectors on in the state's table, in one commit of the
+    job's own (`own_commits.set_properties`): the table feature (reader
+    version 3, writer version 7; readers that predate Delta 2.3 cannot read
+    it) and the property. Keeps every row. Raises `CommitFailedError` if
+    another commit landed since `table`'s snapshot."""
+    own_commits.set_properties(table, {ENABLED: "true"}, reader_features=("deletionVectors",))
 
 
 def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: CommitMetadata) -> tuple[int, int] | None:
@@ -315,18 +317,11 @@ def _probe(
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
     meeting = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
     deleted = deleted_in(root, (logged(added, path) for path in meeting))
-    units, handles = [], []
-    for path in meeting:
-        handles.append(reader(f"{root}/{unquote(path)}"))
-        source = pq.ParquetFile(handles[-1])
-        offset = 0
-        for group in range(source.metadata.num_row_groups):
-            units.append((path, source, group, offset))
-            offset += source.metadata.row_group(group).num_rows
+    groups = _RowGroups(root, meeting)
 
-    def probe(unit: tuple[str, pq.ParquetFile, int, int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
-        path, source, group, offset = unit
-        old = _read(source, group, schema)
+    def probe(unit: tuple[str, int, int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
+        path, group, offset = unit
+        old = _read(groups.reader(path), group, schema)
         found = matches(old, data, keys)
         gone = deleted.get(unquote(path), np.empty(0, np.uint64))
         gone = gone[(gone >= offset) & (gone < offset + old.num_rows)] - np.uint64(offset)
@@ -343,10 +338,9 @@ def _probe(
 
     try:
         with ThreadPoolExecutor(READERS) as pool:
-            found = [f for f in pool.map(probe, units) if f is not None]
+            found = [f for f in pool.map(probe, groups.units()) if f is not None]
     finally:
-        for handle in handles:
-            handle.close()
+        groups.close()
     touched = []
     for path in dict.fromkeys(f[0] for f in found):
         parts = [f for f in found if f[0] == path]
@@ -355,6 +349,42 @@ def _probe(
             pa.concat_tables([f[2] for f in parts]), pa.concat_tables([f[3] for f in parts]), np.concatenate([f[4] for f in parts]),
         ))
     return touched
+
+
+class _RowGroups:
+    """The row groups of the files at `paths` (under `root`), read from any
+    thread: a Parquet reader (and its file handle) per thread and file, as
+    pyarrow's reader is not thread-safe (one shared by the threads failed
+    with "ReadRangeCache did not find matching cache entry", or crashed the
+    process: a try-to-break review). Each footer is read once."""
+
+    def __init__(self, root: str, paths: list[str]) -> None:
+        self._root, self._footers, self._local, self._handles = root, {}, threading.local(), []
+        for path in paths:
+            with reader(f"{root}/{unquote(path)}") as handle:
+                self._footers[path] = pq.ParquetFile(handle).metadata
+
+    def units(self) -> list[tuple[str, int, int]]:
+        """(file, row group, the group's first row in the file), every group."""
+        units = []
+        for path, footer in self._footers.items():
+            offset = 0
+            for group in range(footer.num_row_groups):
+                units.append((path, group, offset))
+                offset += footer.row_group(group).num_rows
+        return units
+
+    def reader(self, path: str) -> pq.ParquetFile:
+        """This thread's reader of `path`."""
+        files = self._local.__dict__.setdefault("files", {})
+        if path not in files:
+            self._handles.append(handle := reader(f"{self._root}/{unquote(path)}"))
+            files[path] = pq.ParquetFile(handle, metadata=self._footers[path])
+        return files[path]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
 
 
 def _data_file(root: str, rows: pa.Table, schema: pa.Schema, now: int, *, data_change: bool = True) -> dict[str, Any]:

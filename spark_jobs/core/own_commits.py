@@ -20,6 +20,7 @@ every other state conflict.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -35,7 +36,7 @@ from spark_jobs.core.fencing import STATE_FENCE
 from spark_jobs.core.staged import StagedFile
 from spark_jobs.storage.s3 import delta_storage_options
 
-__all__ = ["commit", "commit_info", "commit_rewrite", "fence", "logged", "removal"]
+__all__ = ["commit", "commit_info", "commit_rewrite", "fence", "logged", "removal", "set_properties"]
 
 log = logging.getLogger("microbatch")
 
@@ -62,6 +63,53 @@ def commit(table: DeltaTable, actions: list[dict[str, Any]], during: str) -> int
             DeltaTable(root, version=version, storage_options=delta_storage_options(root)).create_checkpoint()
         except Exception as exc:  # noqa: BLE001 - the commit stands; the next interval, or `maintain`, checkpoints
             log.warning("no checkpoint at version %d of %s (%s)", version, root, exc)
+    return version
+
+
+#: The writer features a legacy protocol's writer version implies (Delta's
+#: PROTOCOL.md, "Table Features"): a table moved to writer version 7 lists
+#: them, or a reader finds a property of a feature its protocol no longer
+#: names (delta-spark refused a change feed read across the upgrade,
+#: DELTA_FEATURES_PROTOCOL_METADATA_MISMATCH: `changeDataFeed`).
+_IMPLIED_WRITER_FEATURES = (
+    (2, ("appendOnly", "invariants")), (3, ("checkConstraints",)), (4, ("changeDataFeed", "generatedColumns")),
+    (5, ("columnMapping",)), (6, ("identityColumns",)),
+)
+
+
+def set_properties(
+    table: DeltaTable, properties: dict[str, str], *, reader_features: tuple[str, ...] = (), writer_features: tuple[str, ...] = ()
+) -> int:
+    """Set table `properties`, the protocol raised to table features
+    (reader 3, writer 7) listing the features given besides those it held
+    or its legacy versions implied, in one entry after `table`'s snapshot;
+    moves `table` to it and returns it (`commit`'s `CommitFailedError` if
+    another landed).
+
+    Not delta-rs's `alter`: its `add_feature` drops the features a legacy
+    writer version implied, and its `set_table_properties` on a table of
+    reader version 3 adds the reader feature `variantType`, which no reader
+    before Delta 4.0 reads (delta-rs 1.6.6, found by a try-to-break review)."""
+    protocol, meta = table.protocol(), table.metadata()
+    readers = {*(protocol.reader_features or ()), *reader_features}
+    if protocol.min_reader_version == 2:
+        readers.add("columnMapping")
+    writers = {*(protocol.writer_features or ()), *reader_features, *writer_features}
+    if protocol.min_writer_version < 7:
+        writers.update(name for version, names in _IMPLIED_WRITER_FEATURES if protocol.min_writer_version >= version for name in names)
+    now = int(time.time() * 1000)
+    described = {key: value for key, value in (("name", meta.name), ("description", meta.description)) if value is not None}
+    actions: list[dict[str, Any]] = [
+        {"commitInfo": {"timestamp": now, "operation": "SET TBLPROPERTIES", "operationParameters": {"properties": json.dumps(properties)}}},
+        {"protocol": {"minReaderVersion": 3, "minWriterVersion": 7, "readerFeatures": sorted(readers), "writerFeatures": sorted(writers)}},
+        {"metaData": {
+            "id": meta.id, **described, "format": {"provider": "parquet", "options": {}}, "schemaString": table.schema().to_json(),
+            "partitionColumns": list(meta.partition_columns), "createdTime": meta.created_time,
+            "configuration": {**meta.configuration, **properties},
+        }},
+    ]
+    version = commit(table, actions, f"while {', '.join(properties)} was set")
+    table.load_as_version(version)  # as delta-rs's `alter` moves the handle to the version it committed
     return version
 
 

@@ -37,7 +37,7 @@ from spark_jobs.core.commits import METADATA_KEY, CommitMetadata, StateCommit
 from spark_jobs.core.deletion_vectors import active_files, carries_vectors, has_deletion_vectors, table_root
 from spark_jobs.core.compute import FileWriting, check_result_types, check_unique_keys
 from spark_jobs.core.delta_io import commit_infos, ensure_table, is_commit_conflict, open_table
-from spark_jobs.core.own_commits import commit_rewrite, logged
+from spark_jobs.core.own_commits import commit_rewrite, logged, set_properties
 from spark_jobs.core.fencing import ORIGIN, STATE_FENCE, Position, commit_properties, transaction_position
 from spark_jobs.core.folding import FOLD_KEY, carried, fold_files, is_appended, row_counts, state_sql
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec
@@ -435,7 +435,10 @@ class StateTable:
         if self.spec.state.change_feed and table.metadata().configuration.get(CHANGE_FEED) != "true":
             # Turned on in the spec of an existing state: the feed starts with this batch.
             with self._changing_columns("turning its change data feed on"):
-                table.alter.set_table_properties({CHANGE_FEED: "true"})
+                if table.protocol().min_writer_version < 7:
+                    table.alter.set_table_properties({CHANGE_FEED: "true"})
+                else:  # (delta-rs's alter would add `variantType` to a protocol of table features: `own_commits.set_properties`)
+                    set_properties(table, {CHANGE_FEED: "true"}, writer_features=("changeDataFeed",))
 
     def _fitted(self, existing: pa.Schema, batch: pa.Schema) -> tuple[pa.Schema, list[Field], dict[str, pa.DataType]]:
         """The schema a batch is cast to, the merge columns to add to the

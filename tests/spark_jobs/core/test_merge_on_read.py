@@ -340,6 +340,113 @@ def test_auto_merges_on_read_once_the_state_passes_its_bound_and_stays_so(tmp_pa
     assert not _merged_on_read(never) and "deletionVectors" not in (open_table(never.path).protocol().reader_features or [])
 
 
+def _features(path: str) -> tuple[set[str], set[str]]:
+    protocol = open_table(path).protocol()
+    return set(protocol.reader_features or ()), set(protocol.writer_features or ())
+
+
+def test_turned_on_mid_life_the_feed_reads_on_in_delta_spark_and_the_protocol_names_no_other_feature(tmp_path, spark, monkeypatch):
+    """`auto` turns vectors on in a state whose change feed a downstream
+    reads: the protocol moves to table features keeping `changeDataFeed`
+    (delta-rs's `add_feature` dropped it, and delta-spark then refused every
+    change-feed read from that version: a downstream stuck) and adds no
+    `variantType` (delta-rs's `set_table_properties` added it: no reader
+    before Delta 4.0 reads that). delta-spark reads the feed across it, as
+    the job wrote it. A change feed turned on after the vectors is listed
+    too. Found by a try-to-break review."""
+    from spark_jobs.core import merge_on_read
+
+    monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1)
+    state = _state(tmp_path / "chain", "auto")
+    batches = _batches(3, seed=12)
+    commit_updates(state, state.create(batches[0]), batches[0], Position(0, 1))  # created empty: copy-on-write
+    before = open_table(state.path).version()
+    for n, batch in enumerate(batches[1:], start=2):
+        commit_updates(state, state.open(), batch, Position(0, n))
+    assert _merged_on_read(state)
+    assert _features(state.path) == ({"deletionVectors"}, {"deletionVectors", "changeDataFeed", "appendOnly", "invariants", "checkConstraints", "generatedColumns"})
+    feed = spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", before + 1).load(state.path)
+    counted = {r["_change_type"]: r["count"] for r in feed.groupBy("_change_type").count().collect()}
+    mine: dict[str, int] = {}
+    for version in range(before + 1, open_table(state.path).version() + 1):
+        for change in _changes(state, version):
+            kind = dict(change)["_change_type"]
+            mine[kind] = mine.get(kind, 0) + 1
+    assert counted == mine and counted.get("update_postimage")
+
+    late = _state(tmp_path / "late_feed", True, change_feed=False)
+    commit_updates(late, late.create(batches[0]), batches[0], Position(0, 1))
+    commit_updates(late, late.open(), batches[1], Position(0, 2))
+    from spark_jobs.core.state import StateTable
+
+    late = StateTable(late.spec.model_copy(update={"state": late.spec.state.model_copy(update={"change_feed": True})}))
+    commit_updates(late, late.open(), batches[2], Position(0, 3))
+    readers, writers = _features(late.path)
+    assert readers == {"deletionVectors"} and "changeDataFeed" in writers and "variantType" not in writers
+
+
+def test_a_rewind_to_before_auto_turned_them_on_turns_them_on_again_at_the_next_batch(tmp_path, monkeypatch):
+    """delta-rs's RESTORE brings back the metadata of a version before the
+    vectors were on (their property off; the protocol stays): the next batch
+    turns them on again and merges on read, as `auto` keeps them on for
+    good; the rows stay copy-on-write's (found by a try-to-break review)."""
+    from spark_jobs.core import merge_on_read
+
+    cow, auto = _state(tmp_path / "cow", False, change_feed=False), _state(tmp_path / "auto", "auto", change_feed=False)
+    batches = _batches(5, seed=13)
+    monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1 << 40)
+    for n, batch in enumerate(batches[:2], start=1):
+        for state in (cow, auto):
+            commit_updates(state, state.open() or state.create(batch), batch, Position(0, n))
+    restore_to = {state.path: open_table(state.path).version() for state in (cow, auto)}
+    monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1)
+    for state in (cow, auto):
+        commit_updates(state, state.open(), batches[2], Position(0, 3))
+    assert _merged_on_read(auto) and merge_on_read.enabled(open_table(auto.path))
+    monkeypatch.setattr(merge_on_read, "AUTO_FROM_BYTES", 1 << 40)
+    for state in (cow, auto):
+        state.restore(state.open(), restore_to[state.path], batch_metadata(state.spec.name, Position(1, 2)))
+    assert not merge_on_read.enabled(open_table(auto.path))  # (delta-rs's RESTORE took the property back)
+    for state in (cow, auto):
+        commit_updates(state, state.open(), batches[3], Position(1, 3))
+    assert _merged_on_read(auto) and merge_on_read.enabled(open_table(auto.path))
+    assert _rows(auto) == _rows(cow)
+
+
+def test_row_groups_read_on_every_core_each_have_their_own_reader(tmp_path, monkeypatch):
+    """A state file of many row groups, each batch's keys in all of them:
+    the groups are read `READERS` at a time, each thread through a Parquet
+    reader of its own (one shared by the threads failed with "ReadRangeCache
+    did not find matching cache entry" or crashed the process, about half
+    the batches of a try-to-break review's 5M-key state). Ten batches, the
+    rows copy-on-write's after each."""
+    from deltalake import WriterProperties, write_deltalake
+
+    from spark_jobs.core import merge_on_read
+
+    monkeypatch.setattr(merge_on_read, "READERS", 4)
+    cow, mor = _simple(tmp_path / "cow", False, change_feed=False), _simple(tmp_path / "mor", True, change_feed=False)
+    seed = _keyed(list(range(200_000)), [1] * 200_000)
+    for state in (cow, mor):
+        state.create(seed)
+        rows = seed.append_column("_batch_id", pa.array([0] * seed.num_rows, pa.int64()))
+        write_deltalake(state.path, rows, mode="append", writer_properties=WriterProperties(max_row_group_size=2_000))
+    assert pq_groups(mor.path) >= 50
+    rng = random.Random(14)
+    for n in range(1, 11):
+        batch = _keyed(rng.sample(range(200_000), 3_000), [n] * 3_000)
+        for state in (cow, mor):
+            commit_updates(state, state.open(), batch, Position(0, n))
+        assert _merged_on_read(mor), f"batch {n}"
+    assert sorted(read_all(open_table(mor.path)).to_pylist(), key=lambda r: r["k"]) == sorted(read_all(open_table(cow.path)).to_pylist(), key=lambda r: r["k"])
+
+
+def pq_groups(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    return max(pq.ParquetFile(f).metadata.num_row_groups for f in Path(path).glob("*.parquet"))
+
+
 @pytest.mark.parametrize("state", [{"layout": "appended"}, {"path": "s3://bucket/a b/state"}])
 def test_auto_where_a_state_cannot_merge_on_read_stays_copy_on_write(tmp_path, state):
     """Where `deletion_vectors: true` is refused by name, the default `auto`

@@ -70,6 +70,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
@@ -134,9 +135,20 @@ def enable(table: DeltaTable) -> None:
     """Turn deletion vectors on in the state's table, in one commit of the
     job's own (`own_commits.set_properties`): the table feature (reader
     version 3, writer version 7; readers that predate Delta 2.3 cannot read
-    it) and the property. Keeps every row. Raises `CommitFailedError` if
-    another commit landed since `table`'s snapshot."""
-    own_commits.set_properties(table, {ENABLED: "true"}, reader_features=("deletionVectors",))
+    it) and the property. Keeps every row.
+
+    A commit that landed since `table`'s snapshot fails it. If the table
+    then has them on (a run racing this one to the same bound, or this
+    entry itself, put on S3 and answered with an error), that is the change
+    this run wanted: `table` moves to the latest version and the batch goes
+    on (step 4 checks the fence from its own snapshot). Else
+    `CommitFailedError`."""
+    try:
+        own_commits.set_properties(table, {ENABLED: "true"}, reader_features=("deletionVectors",))
+    except CommitFailedError:
+        table.update_incremental()
+        if not enabled(table):
+            raise
 
 
 def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: CommitMetadata) -> tuple[int, int] | None:

@@ -385,6 +385,32 @@ def test_turned_on_mid_life_the_feed_reads_on_in_delta_spark_and_the_protocol_na
     assert readers == {"deletionVectors"} and "changeDataFeed" in writers and "variantType" not in writers
 
 
+def test_a_run_that_lost_the_race_to_turn_vectors_on_goes_on_when_the_winner_turned_them_on(tmp_path):
+    """Two runs reach the bound together: the one whose entry loses finds
+    the vectors on (the winner's entry; on S3, perhaps its own, answered
+    with an error) and goes on from the table's latest version, as a run
+    started after the winner would; another commit in between (not
+    turning them on) still fails it."""
+    from deltalake.exceptions import CommitFailedError
+
+    from spark_jobs.core import merge_on_read
+
+    state = _state(tmp_path / "race", "auto", change_feed=False)
+    batch = _batches(1, seed=15)[0]
+    commit_updates(state, state.create(batch), batch, Position(0, 1))
+    loser = state.open()
+    merge_on_read.enable(state.open())
+    merge_on_read.enable(loser)
+    assert merge_on_read.enabled(loser) and loser.version() == open_table(state.path).version()
+
+    other = _state(tmp_path / "other", "auto", change_feed=False)
+    commit_updates(other, other.create(batch), batch, Position(0, 1))
+    stale = other.open()
+    commit_updates(other, other.open(), _batches(2, seed=16)[1], Position(0, 2))
+    with pytest.raises(CommitFailedError):
+        merge_on_read.enable(stale)
+
+
 def test_a_rewind_to_before_auto_turned_them_on_turns_them_on_again_at_the_next_batch(tmp_path, monkeypatch):
     """delta-rs's RESTORE brings back the metadata of a version before the
     vectors were on (their property off; the protocol stays): the next batch

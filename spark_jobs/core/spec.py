@@ -49,6 +49,8 @@ __all__ = [
 # with `fullmatch`: `re.match` with `$` would accept a trailing newline.
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 PIPELINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+#: A percent-escape in a folder's name, which delta-rs decodes (`PipelineSpec._tables_findable`).
+PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 #: Default for `source.max_line_bytes`: longer lines are quarantined unparsed.
 DEFAULT_MAX_LINE_BYTES = 1024 * 1024
 MERGE_RULES = ("sum", "min", "max", "first", "last")
@@ -862,6 +864,29 @@ class PipelineSpec(_Model):
                 path = path.rstrip("/")
                 if target == path or target.startswith(path + "/") or path.startswith(target + "/"):
                     raise ValueError(f"event_time.final.path {final.path!r} overlaps {what} ({path}): give the final rows a table of their own")
+        return self
+
+    @model_validator(mode="after")
+    def _tables_findable(self) -> PipelineSpec:
+        """No local table's folder holds a percent-escape (``%41``): delta-rs
+        1.6 writes such a table, then decodes the escape when it reads the
+        table's log (``%41`` as ``A``) and finds nothing, so the pipeline's
+        first batch would fail after writing. (A ``%`` not followed by two hex
+        digits is read as it is.) Refused before any write, naming the field."""
+        tables = [("state.path", self.state_path), ("checkpoint", self.checkpoint_path)]
+        if isinstance(self.source, DeltaSourceSpec):
+            tables.append(("source.path", self.source_path))
+        if self.final_path is not None:
+            tables.append(("event_time.final.path", self.final_path))
+        for field, path in tables:
+            escape = None if "://" in path else PERCENT_ESCAPE.search(path)  # (a URI's escapes are its own)
+            if escape is not None:
+                raise ValueError(
+                    f"{field} resolves to {path!r}, whose {escape.group()!r} delta-rs reads as "
+                    f"{bytes.fromhex(escape.group()[1:]).decode('latin-1')!r} when it opens the table: it would write "
+                    "the table and then not find it. Rename the folder (or move the spec) so that no '%' is followed "
+                    "by two hex digits"
+                )
         return self
 
     # -- resolved locations -------------------------------------------------

@@ -46,8 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import MERGE, ROOT, measured_by, scratch, ss_anchor, write_section, write_spec
-from state_vs_ss import seed_parquet, seed_state
+from harness import MERGE, ROOT, SCHEMA, measured_by, scratch, ss_anchor, write_section, write_spec
+from state_vs_ss import seed_parquet, seed_state, users
 
 
 #: The downstream: each bucket's events, from the upstream's change feed.
@@ -73,27 +73,41 @@ def clicks(path: Path, size: int, among: int | None = None) -> None:
             ))
 
 
-def run_watched(spec: Path) -> tuple[float, float, dict[str, Any]]:
+def run_watched(spec: Path) -> tuple[float, float, dict[str, Any], float]:
     """`microbatch run SPEC --json` in a new process: wall seconds, the Python
-    process's peak resident MB, and its outcome."""
+    process's peak resident MB, its outcome, and its children's (the driver
+    JVM's) peak resident MB."""
     args = [sys.executable, "-m", "spark_jobs", "-q", "run", str(spec), "--json"]
     started = time.perf_counter()
     with open(spec.parent / "run.out", "w+") as out, open(spec.parent / "run.err", "w+") as err:
         proc = subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT)
-        peak = 0.0
+        peak = jvm = 0.0
         while proc.poll() is None:
-            try:
-                status = Path(f"/proc/{proc.pid}/status").read_text()
-                peak = max(peak, int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM"))) / 1024)
-            except (OSError, StopIteration):
-                pass
+            peak = max(peak, _peak_mb(proc.pid))
+            jvm = max(jvm, sum(_peak_mb(child) for child in _children(proc.pid)))
             time.sleep(0.2)
         took = time.perf_counter() - started
         out.seek(0)
         err.seek(0)
         if proc.returncode != 0:
             raise RuntimeError(f"run failed ({proc.returncode}): {err.read()[-3000:]}")
-        return took, peak, json.loads(out.read())
+        return took, peak, json.loads(out.read()), jvm
+
+
+def _peak_mb(pid: int) -> float:
+    """A process's peak resident memory so far (`VmHWM`), in MB; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def measure(work: Path, size: int) -> dict[str, Any]:
@@ -123,7 +137,7 @@ def measure(work: Path, size: int) -> dict[str, Any]:
             clicks(folder / "landing" / "clicks-0000.json", 2_000, among=size)
             assert run_watched(spec)[2]["status"] == "committed"
         os.link(base / "clicks" / "clicks-0000.json", folder / "landing" / "clicks-0001.json")
-        seconds, peak, outcome = run_watched(spec)
+        seconds, peak, outcome, _ = run_watched(spec)
         assert outcome["status"] == "committed", outcome
         figures[f"{label}_s"], figures[f"{label}_peak_mb"] = seconds, peak
         figures[f"{label}_keys_updated"] = outcome.get("keys_updated")
@@ -133,7 +147,7 @@ def measure(work: Path, size: int) -> dict[str, Any]:
             # The chain's downstream reads the upstream's changes: the seed's N inserts and the batch's updates.
             down = write_spec(folder, "chain_downstream", source={"type": "delta", "path": "state", "read": "changes"},
                               transform=DOWNSTREAM, state={"path": "buckets", "keys": ["bucket"], "merge": {"events": "sum"}})
-            seconds, peak, outcome = run_watched(down)
+            seconds, peak, outcome, _ = run_watched(down)
             assert outcome["status"] == "committed", outcome
             figures["downstream_s"], figures["downstream_peak_mb"] = seconds, peak
             print(f"  {size:,} keys, downstream: {seconds:.1f} s, Python peak {peak:.0f} MB", file=sys.stderr)
@@ -143,11 +157,99 @@ def measure(work: Path, size: int) -> dict[str, Any]:
     return figures
 
 
+def measure_first(work: Path, size: int, returning: int) -> dict[str, Any]:
+    """Issue 64's chain goal as it reads: a first batch of `size` distinct
+    users (Parquet) into a chain's upstream, then `returning` clicks of
+    users drawn from them, then the downstream's first batch (every
+    change); each a new process with default settings. The anchor:
+    Structured Streaming's run of the same first batch, a new process too.
+    The downstream's totals are checked against the upstream's."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable, QueryBuilder
+
+    base = work / f"first{size}"
+    seed_parquet(base / "events", size)
+    figures: dict[str, Any] = {"keys": size, "clicks_back": returning,
+                               "input_mb": sum(f.stat().st_size for f in (base / "events").iterdir()) / 1e6}
+
+    (base / "ss-landing").mkdir(parents=True)
+    took, run = ss_anchor("--landing", base / "ss-landing", "--seed", base / "events", "--checkpoint", base / "ss-checkpoint",
+                          "--max-files", 1000, timeout=7200)
+    assert sum(b["rows"] for b in run["batches"]) == size, run
+    figures["ss_s"] = took
+    shutil.rmtree(base / "ss-checkpoint")
+    print(f"  first batch of {size:,} keys, Structured Streaming: {took:.1f} s", file=sys.stderr, flush=True)
+
+    folder = base / "project"
+    source = {"type": "files", "path": "landing", "format": "parquet", "schema": SCHEMA}
+    up = write_spec(folder, "chain_first", source=source,
+                    state={"path": "state", "keys": ["user_id"], "merge": MERGE, "change_feed": True})
+    for f in (base / "events").iterdir():
+        os.link(f, folder / "landing" / f.name)
+    back = users(np.random.default_rng(size + 7).integers(0, size, returning))
+    pq.write_table(pa.table({"event_id": back, "user_id": back, "amount": pa.array(np.ones(returning)),
+                             "ts": pa.nulls(returning, pa.timestamp("us", tz="UTC"))}), base / "returning.parquet")
+    down = write_spec(folder, "chain_downstream", source={"type": "delta", "path": "state", "read": "changes"},
+                      transform=DOWNSTREAM, state={"path": "buckets", "keys": ["bucket"], "merge": {"events": "sum"}})
+    for label, spec in (("first", up), ("returning", up), ("downstream", down)):
+        if label == "returning":
+            os.link(base / "returning.parquet", folder / "landing" / "zz-returning.parquet")
+        seconds, peak, outcome, jvm = run_watched(spec)
+        assert outcome["status"] == "committed", outcome
+        figures[label] = {"s": seconds, "peak_mb": peak, "jvm_peak_mb": jvm, "keys_updated": outcome.get("keys_updated"),
+                          "steps_ms": outcome.get("steps_ms")}
+        print(f"  {label}: {seconds:.1f} s, Python peak {peak:.0f} MB, JVM {jvm:.0f} MB, {outcome.get('keys_updated')} keys",
+              file=sys.stderr, flush=True)
+    assert figures["first"]["keys_updated"] == size
+    total = {name: QueryBuilder().register("t", DeltaTable(str(folder / name))).execute("SELECT sum(events) AS n FROM t")
+             .read_all().column("n")[0].as_py() for name in ("state", "buckets")}
+    assert total["state"] == total["buckets"] == size + returning, total
+    figures["exact"] = True
+    print(json.dumps(figures), flush=True)
+    shutil.rmtree(base)
+    return figures
+
+
+def first_section(r: dict[str, Any], minutes: float) -> list[str]:
+    first, back, down = r["first"], r["returning"], r["downstream"]
+    return [
+        "## Chain: a first batch of N keys, returning keys, the downstream (issue 64's goal)",
+        "",
+        measured_by("`bench/chain_upstream.py --first`", minutes) + ".",
+        f"A chain's upstream (`state.change_feed: true`, default settings) takes a first batch of {r['keys']:,} "
+        f"distinct users ({r['input_mb']:.0f} MB of Parquet), then {r['clicks_back']:,} clicks of users drawn from "
+        "them; then its downstream (`type: delta`, `read: changes`, default settings) takes its first batch, every "
+        "change. Each a new process, timed from its start to its exit; peak memory is the job's own Python process's "
+        "(`VmHWM`) and its driver JVM's. Structured Streaming: the same first batch, one `AvailableNow` run "
+        "with RocksDB state, a new process. The downstream's total of events was checked equal to the upstream's.",
+        "",
+        "| run | time | / Structured Streaming | Python peak | JVM peak | keys updated |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| Structured Streaming, the first batch | {r['ss_s']:.1f} s | 1.00 | | | |",
+        f"| the upstream's first batch | {first['s']:.1f} s | **{first['s'] / r['ss_s']:.2f}** | {first['peak_mb']:.0f} MB | "
+        f"{first['jvm_peak_mb']:.0f} MB | {first['keys_updated']:,} |",
+        f"| then {r['clicks_back']:,} returning clicks | {back['s']:.1f} s | | {back['peak_mb']:.0f} MB | "
+        f"{back['jvm_peak_mb']:.0f} MB | {back['keys_updated']:,} |",
+        f"| the downstream's first batch | {down['s']:.1f} s | | {down['peak_mb']:.0f} MB | {down['jvm_peak_mb']:.0f} MB | "
+        f"{down['keys_updated']:,} |",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000000,4000000")
+    parser.add_argument("--first", type=int, metavar="KEYS",
+                        help="run issue 64's goal instead: a first batch of KEYS users, returning clicks, the downstream")
+    parser.add_argument("--returning", type=int, default=100_000, help="with --first: the returning clicks")
     args = parser.parse_args()
     started = time.perf_counter()
+    if args.first:
+        with scratch("chain-first") as work:
+            figures = measure_first(work, args.first, args.returning)
+        write_section("benchmarks.md", first_section(figures, (time.perf_counter() - started) / 60))
+        return
     rows = []
     with scratch("chain-upstream") as work:
         for size in (int(s) for s in args.sizes.split(",")):

@@ -441,16 +441,18 @@ def test_a_rewind_to_before_auto_turned_them_on_turns_them_on_again_at_the_next_
 
 def test_row_groups_read_on_every_core_each_have_their_own_reader(tmp_path, monkeypatch):
     """A state file of many row groups, each batch's keys in all of them:
-    the groups are read `READERS` at a time, each thread through a Parquet
-    reader of its own (one shared by the threads failed with "ReadRangeCache
-    did not find matching cache entry" or crashed the process, about half
-    the batches of a try-to-break review's 5M-key state). Ten batches, the
-    rows copy-on-write's after each."""
+    the groups are read in runs (of three groups here), `READERS` runs at a
+    time, each thread through a Parquet reader of its own (one shared by the
+    threads failed with "ReadRangeCache did not find matching cache entry"
+    or crashed the process, about half the batches of a try-to-break
+    review's 5M-key state), each run's deleted rows found among its file's
+    at its offset. Ten batches, the rows copy-on-write's after each."""
     from deltalake import WriterProperties, write_deltalake
 
     from spark_jobs.core import merge_on_read
 
     monkeypatch.setattr(merge_on_read, "READERS", 4)
+    monkeypatch.setattr(merge_on_read, "UNIT_ROWS", 5_000)
     cow, mor = _simple(tmp_path / "cow", False, change_feed=False), _simple(tmp_path / "mor", True, change_feed=False)
     seed = _keyed(list(range(200_000)), [1] * 200_000)
     for state in (cow, mor):
@@ -464,7 +466,7 @@ def test_row_groups_read_on_every_core_each_have_their_own_reader(tmp_path, monk
         for state in (cow, mor):
             commit_updates(state, state.open(), batch, Position(0, n))
         assert _merged_on_read(mor), f"batch {n}"
-    assert sorted(read_all(open_table(mor.path)).to_pylist(), key=lambda r: r["k"]) == sorted(read_all(open_table(cow.path)).to_pylist(), key=lambda r: r["k"])
+        assert sorted(read_all(open_table(mor.path)).to_pylist(), key=lambda r: r["k"]) == sorted(read_all(open_table(cow.path)).to_pylist(), key=lambda r: r["k"]), n
 
 
 def pq_groups(path: str) -> int:

@@ -31,7 +31,14 @@ Each project run starts from its own copy of the seeded state. Reported:
 wall seconds of each, and the job's Python process's peak resident memory
 (its `VmHWM`, read while it runs: the JVM's is not in it).
 
+`--first N` runs issue 64's chain goal as written instead
+(`measure_first`): a first batch of N distinct users into the upstream
+beside Structured Streaming's run of it, then `--returning` clicks of
+users drawn from them, then the downstream's first batch, its total of
+events checked against the upstream's.
+
     .venv/bin/python bench/chain_upstream.py [--sizes 1000000,4000000]
+    .venv/bin/python bench/chain_upstream.py --first 30000000 [--returning 100000]
 """
 
 from __future__ import annotations

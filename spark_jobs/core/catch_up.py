@@ -26,14 +26,9 @@ ahead is judged against a guess (`event_time.guesses`: N+1's is exact, a
 later one's moves on by the last batch's step), and step 3 takes it only if
 it judged every record as the planned watermark does
 (`event_time.judged_alike`: no record's event time between the two); else
-that read alone is dropped and the range read again.
-
-With `dedup`, N+1 drops the ids N takes. N writes them in its step 3, before
-anything is read ahead, and they count once N commits: so N+1 is read
-dropping the ids it would drop after N's commit (`dedup.remembered_after`),
-and taken only if step 3 planned the same (`Remembered` equal: the same
-lineage, and the same `within` bound from the watermark N leaves). N+2 is
-not read ahead: the ids N+1 takes are not written before N+1's step 3.
+that read alone is dropped and the range read again. A pipeline with
+`dedup` reads nothing ahead: N+1 drops the ids N takes, which only N's
+commit records.
 """
 
 from __future__ import annotations
@@ -51,7 +46,6 @@ import pyarrow as pa
 
 from spark_jobs.core import shutdown
 from spark_jobs.core.compute import Compute, ComputeResult, Engine
-from spark_jobs.core.dedup import remembered_after
 from spark_jobs.core.event_time import guesses, judged_alike, watermark_after
 from spark_jobs.core.outcome import BatchOutcome, Outcome
 from spark_jobs.core.pipeline import Pipeline
@@ -89,10 +83,9 @@ def catch_up(
     have committed; each outcome goes to `on_outcome` as it is known.
 
     The ranges read ahead are planned on this thread after N's step 3 and
-    before its commit; from then on this thread alone writes the
-    pipeline's tables, and the readers read the source's data through the
-    engine (and, with `dedup`, the ids table, which nothing writes before
-    N+1's step 3): they share nothing but the CPU. Steps 1 and 2 of N+1 wait for
+    before its commit; from then on this thread alone touches the
+    pipeline's tables, and the readers only the source's data through the
+    engine: they share nothing but the CPU. Steps 1 and 2 of N+1 wait for
     N's commit (they read what it wrote) and for N+1's read.
     """
     pipeline = Pipeline(spec)
@@ -188,10 +181,6 @@ class _Prefetching(Engine):
             log.info("the range read ahead was written for another position or columns: reading it again")
             _discard(early)
             early = None
-        elif early is not None and early.batch.remembered != batch.remembered:
-            log.info("the range read ahead dropped other ids than the planned batch drops: reading it again")
-            _discard(early)
-            early = None
         elif early is not None and not judged_alike(spec, early.result, early.batch.watermark, batch.watermark):
             # The reads after it were judged against guesses of their own,
             # and each is checked as it is taken.
@@ -215,8 +204,10 @@ class _Prefetching(Engine):
         first range the source cannot give: nothing waits, or it cannot tell
         now (the batch's own step 2 then raises what there is to raise)."""
         spec = pipeline.spec
-        # (With dedup N+2 would drop the ids N+1 takes, not yet written.)
-        at_once = min(READ_AHEAD, self.reads_at_once, 1 if spec.dedup is not None else READ_AHEAD)
+        if spec.dedup is not None:
+            # Batch N+1 drops the ids N takes, which N's commit records.
+            return
+        at_once = min(READ_AHEAD, self.reads_at_once)
         if self._readers is None:
             # As many threads as reads at once: a dropped read still running
             # holds one, and the next waits for it rather than run beside it.
@@ -236,8 +227,6 @@ class _Prefetching(Engine):
                     return
                 if spec.event_time is not None:
                     batch = replace(batch, watermark=watermarks[len(self._pending)])
-                if spec.dedup is not None:  # (only N+1, the batch after plan's)
-                    batch = replace(batch, remembered=remembered_after(spec, plan.view, plan.position, watermarks[0]))
                 # In this thread's context: storage sessions and connection
                 # settings are context variables.
                 position = Position(plan.position.epoch, plan.position.batch_id + 1 + len(self._pending))

@@ -38,7 +38,7 @@ from spark_jobs.core.batch_append import BatchAppend
 from spark_jobs.core.delta_io import arrow, open_table, storage_errors
 from spark_jobs.core.event_time import judged_against, less, stamp, utc
 from spark_jobs.core.fencing import Position
-from spark_jobs.core.ledger import POSITION_COLUMNS, LedgerRow, LedgerView, LiveLineage
+from spark_jobs.core.ledger import POSITION_COLUMNS, LedgerRow, LedgerView
 from spark_jobs.core.sql_text import pipeline_literal
 from spark_jobs.core.staged import Staged
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
     from spark_jobs.sources import BatchRange
 
-__all__ = ["DEDUP_FENCE", "SCHEMA", "Remembered", "SeenIds", "judged", "remembered_after", "remembered_at"]
+__all__ = ["DEDUP_FENCE", "SCHEMA", "Remembered", "SeenIds", "judged", "remembered_at"]
 
 #: The dedup table's fence: one append per batch.
 DEDUP_FENCE = "microbatch.dedup"
@@ -112,25 +112,13 @@ def judged(spec: PipelineSpec, batch: BatchRange, view: LedgerView) -> BatchRang
 
 def remembered_at(spec: PipelineSpec, view: LedgerView) -> Remembered | None:
     """The ids a batch planned on `view`'s head drops (None without `dedup`)."""
-    head = view.head
-    return _remembered(spec, view.live(), head.watermark if head is not None else None)
-
-
-def remembered_after(spec: PipelineSpec, view: LedgerView, position: Position, watermark: datetime | None) -> Remembered | None:
-    """The ids the batch after `position` drops once `position` commits on
-    `view` (its ledger before that commit), leaving `watermark`: what a
-    read ahead of the next batch judges by (`spark_jobs.core.catch_up`).
-    The same as `remembered_at` will give on the ledger after that commit."""
-    return _remembered(spec, LiveLineage.of(position, view.live().rewinds), watermark)
-
-
-def _remembered(spec: PipelineSpec, live: LiveLineage, watermark: datetime | None) -> Remembered | None:
     if spec.dedup is None:
         return None
     since = None
-    if spec.dedup.within_seconds is not None and watermark is not None:
-        since = less(watermark, timedelta(seconds=spec.dedup.within_seconds))
-    return Remembered(spec.dedup_path, spec.name, live.where(), since)
+    head = view.head
+    if spec.dedup.within_seconds is not None and head is not None and head.watermark is not None:
+        since = less(head.watermark, timedelta(seconds=spec.dedup.within_seconds))
+    return Remembered(spec.dedup_path, spec.name, view.live().where(), since)
 
 
 class SeenIds(BatchAppend):

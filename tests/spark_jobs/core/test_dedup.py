@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spark_jobs.core.catch_up import catch_up
-from spark_jobs.core.dedup import remembered_at
 from spark_jobs.core.delta_io import open_table, read_all
 from spark_jobs.core.faults import POINTS
 from spark_jobs.core.ledger import OffsetLedger
@@ -35,7 +33,7 @@ DELAY = timedelta(minutes=10)
 
 def _spec(
     tmp_path: Path, *, within: str | None = None, event_time: bool = True, layout: str = "merged", state_write: str = "auto",
-    transform: str = "SELECT user_id, count(*) AS clicks FROM batch GROUP BY user_id", max_files: int | None = None,
+    transform: str = "SELECT user_id, count(*) AS clicks FROM batch GROUP BY user_id",
 ) -> Path:
     spec = {
         "name": "deduped",
@@ -46,8 +44,6 @@ def _spec(
         "engine": {"state_write": state_write},
         "dedup": {"key": ["event_id"], **({"within": within} if within else {})},
     }
-    if max_files is not None:
-        spec["batch"] = {"max_files": max_files}
     if event_time:
         spec["event_time"] = {"column": "ts", "delay": "10 minutes"}
     return write_spec(tmp_path, spec)
@@ -155,6 +151,8 @@ def test_ids_are_forgotten_once_the_watermark_passes_them_by_within(tmp_path, co
     # The next batch reads no file of ids all older than `within` allows (batch 1's, by its statistics).
     import pyarrow.parquet as pq
 
+    from spark_jobs.core.dedup import remembered_at
+
     spec = load_spec(spec_path)
     remembered = remembered_at(spec, OffsetLedger(spec.ledger_path, spec.name).load())
     assert remembered is not None and remembered.since is not None
@@ -175,43 +173,6 @@ def test_without_event_time_ids_are_remembered_for_ever(tmp_path, compute):
         oracle.batch(clicks)
     assert _state(spec_path) == oracle.clicks
     assert [r.records_duplicate for r in _committed(spec_path)] == oracle.duplicates == [1, 2, 1, 1]
-
-
-@pytest.mark.parametrize(("within", "batches"), [(None, BATCHES), ("30 minutes", WITHIN_BATCHES)])
-def test_a_catch_up_reads_each_next_batch_ahead_and_drops_what_batch_by_batch_drops(tmp_path, compute, within, batches):
-    """In one catch-up, batch N+1 is read while N commits, dropping the ids
-    N took (written in N's step 3) and, with `within`, judged by the bound
-    of the watermark N leaves: every read ahead is taken, and each batch
-    drops exactly what the oracle's batch-by-batch run drops."""
-    spec_path = _spec(tmp_path, within=within, max_files=1)
-    oracle = Oracle(within=timedelta(minutes=30) if within else None)
-    for i, clicks in enumerate(batches):
-        _land(spec_path, f"b{i}", clicks)
-        oracle.batch(clicks)
-    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="test"), compute, max_batches=len(batches))
-    assert [o.status for o in outcomes] == ["committed"] * len(batches)
-    assert [o.records_duplicate for o in outcomes] == oracle.duplicates
-    assert _state(spec_path) == oracle.clicks
-    assert "read_ahead" not in outcomes[0].steps_ms
-    assert all("read_ahead" in o.steps_ms for o in outcomes[1:]), [o.steps_ms for o in outcomes]
-
-
-def test_a_read_ahead_that_dropped_other_ids_is_read_again(tmp_path, compute, monkeypatch):
-    """A read ahead judged by other ids than the planned batch's (here: a
-    lineage that leaves N out, as if N had not committed) is not taken:
-    the batch reads again and drops N's ids."""
-    from spark_jobs.core import catch_up as catching_up
-
-    monkeypatch.setattr(catching_up, "remembered_after", lambda spec, view, position, watermark: remembered_at(spec, view))
-    spec_path = _spec(tmp_path, max_files=1)
-    oracle = Oracle()
-    for i, clicks in enumerate(BATCHES):
-        _land(spec_path, f"b{i}", clicks)
-        oracle.batch(clicks)
-    outcomes = catch_up(load_spec(spec_path), RunOptions(run_id="test"), compute, max_batches=len(BATCHES))
-    assert [o.records_duplicate for o in outcomes] == oracle.duplicates == [1, 2, 1]
-    assert _state(spec_path) == oracle.clicks
-    assert not any("read_ahead" in o.steps_ms for o in outcomes)
 
 
 #: The kill `make test` runs (the ids written, the state not committed); `make soak` runs every point.

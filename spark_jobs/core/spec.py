@@ -49,8 +49,10 @@ __all__ = [
 # with `fullmatch`: `re.match` with `$` would accept a trailing newline.
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 PIPELINE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
-#: A percent-escape in a folder's name, which delta-rs decodes (`PipelineSpec._tables_findable`).
+#: A percent-escape in a table's location, which delta-rs decodes (`_unfindable_tables`).
 PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+#: Characters delta-rs cannot open a local table under (`_unfindable_tables`).
+DELTA_RS_REFUSES = re.compile(r"[\\\[\]^|\x00-\x1f\x7f]")
 #: Default for `source.max_line_bytes`: longer lines are quarantined unparsed.
 DEFAULT_MAX_LINE_BYTES = 1024 * 1024
 MERGE_RULES = ("sum", "min", "max", "first", "last")
@@ -866,29 +868,6 @@ class PipelineSpec(_Model):
                     raise ValueError(f"event_time.final.path {final.path!r} overlaps {what} ({path}): give the final rows a table of their own")
         return self
 
-    @model_validator(mode="after")
-    def _tables_findable(self) -> PipelineSpec:
-        """No local table's folder holds a percent-escape (``%41``): delta-rs
-        1.6 writes such a table, then decodes the escape when it reads the
-        table's log (``%41`` as ``A``) and finds nothing, so the pipeline's
-        first batch would fail after writing. (A ``%`` not followed by two hex
-        digits is read as it is.) Refused before any write, naming the field."""
-        tables = [("state.path", self.state_path), ("checkpoint", self.checkpoint_path)]
-        if isinstance(self.source, DeltaSourceSpec):
-            tables.append(("source.path", self.source_path))
-        if self.final_path is not None:
-            tables.append(("event_time.final.path", self.final_path))
-        for field, path in tables:
-            escape = None if "://" in path else PERCENT_ESCAPE.search(path)  # (a URI's escapes are its own)
-            if escape is not None:
-                raise ValueError(
-                    f"{field} resolves to {path!r}, whose {escape.group()!r} delta-rs reads as "
-                    f"{bytes.fromhex(escape.group()[1:]).decode('latin-1')!r} when it opens the table: it would write "
-                    "the table and then not find it. Rename the folder (or move the spec) so that no '%' is followed "
-                    "by two hex digits"
-                )
-        return self
-
     # -- resolved locations -------------------------------------------------
 
     def resolve(self, location: str) -> str:
@@ -1170,8 +1149,43 @@ def check_locations(spec: PipelineSpec, text: str, storage_roots: list[str] | No
         if problem:
             problems.append(_at(lines, loc, problem))
     problems.extend(_overlaps(spec, lines))
+    problems.extend(_unfindable_tables(spec, lines))
     if problems:
         raise SpecError(spec.spec_path, problems)
+
+
+def _unfindable_tables(spec: PipelineSpec, lines: Mapping[tuple[str, ...], int]) -> list[str]:
+    """Table locations delta-rs (1.6) would write a first entry under and
+    then fail to open, so that the pipeline's first batch fails after a
+    write: a percent-escape (``%41``), which delta-rs decodes when it opens
+    the table (``A``), locally and on S3, where Spark's executors write the
+    key as it is spelled; and, in a local folder's name, a backslash, a
+    square bracket, ``^``, ``|`` or a control character (a tab, a newline),
+    which delta-rs reads as another path or refuses. (A ``%`` not followed
+    by two hex digits is taken as it is.)"""
+    tables = [(("state", "path"), spec.state_path), (("checkpoint",), spec.checkpoint_path)]
+    if isinstance(spec.source, DeltaSourceSpec):
+        tables.append((("source", "path"), spec.source_path))
+    if spec.final_path is not None:
+        tables.append((("event_time", "final", "path"), spec.final_path))
+    found = []
+    for loc, path in tables:
+        escape = PERCENT_ESCAPE.search(path)
+        odd = DELTA_RS_REFUSES.search(path) if "://" not in path else None
+        if escape is not None:
+            decoded = bytes.fromhex(escape.group()[1:]).decode("latin-1")
+            found.append(_at(lines, loc, (
+                f"{path} holds {escape.group()!r}, which delta-rs reads as {decoded!r} when it opens the table: it would "
+                "write the table and then not find it. Rename the folder (or move the spec) so that no '%' is followed by "
+                "two hex digits"
+            )))
+        elif odd is not None:
+            found.append(_at(lines, loc, (
+                f"{path} holds {odd.group()!r}, which delta-rs cannot open a table under (it would write the table's first "
+                "entry and then fail): rename the folder (or move the spec) without backslashes, square brackets, '^', '|' "
+                "or control characters"
+            )))
+    return found
 
 
 def _inside(location: str, folder: str) -> bool:

@@ -59,8 +59,14 @@ def test_the_issue_spec_loads_as_written():
         (lambda s: s.update(checkpoint="landing/_ckpt"), "overlaps source.path"),
         (lambda s: s["source"].update(path="lake"), "keep the source folder apart from the tables"),
         (lambda s: s.update(checkpoint="lake/state/_ckpt"), "is inside the state table's folder"),
-        (lambda s: s["state"].update(path="lake/a%41b/state"), "state.path resolves to"),
-        (lambda s: s.update(checkpoint="lake/_ckpt%2Fx"), "checkpoint resolves to"),
+        (lambda s: s["state"].update(path="lake/_checkpoints/clicks/offsets"), "overlaps the checkpoint's table"),
+        (lambda s: s["state"].update(path="lake/a%41b/state"), "field `state.path`: "),
+        (lambda s: s["state"].update(path="lake/a%41b/state"), "holds '%41', which delta-rs reads as 'A'"),
+        (lambda s: s.update(checkpoint="lake/_ckpt%2Fx"), "field `checkpoint`: "),
+        (lambda s: s["state"].update(path="s3://bucket/x%41b/state"), "holds '%41'"),
+        (lambda s: s["state"].update(path="lake/a\\b/state"), "holds '\\\\', which delta-rs cannot open a table under"),
+        (lambda s: s["state"].update(path="lake/team[1]/state"), "holds '['"),
+        (lambda s: s.update(checkpoint="lake/a|b"), "field `checkpoint`: "),
     ],
 )
 def test_each_mistake_has_its_own_message(tmp_path, change, expected):
@@ -148,16 +154,17 @@ def test_bad_spec_fails_on_the_cli_before_any_write(tmp_path):
 def test_a_folder_with_a_percent_escape_fails_before_any_write(tmp_path):
     """delta-rs 1.6 writes a table under `a%41b/` and then looks for it
     under `aAb/`: a spec in such a folder is refused by name (its relative
-    paths resolve there), and a `%` that is no escape is taken as it is."""
+    paths resolve there), and a `%` that is no escape, or a character
+    delta-rs takes, is taken as it is."""
     folder = tmp_path / "team a%41b"
     folder.mkdir()
     path = write_spec(folder, oracle_spec_dict())
     (folder / "landing" / "a.json").write_text('{"event_id":"1","user_id":"u","amount":1}\n')
     result = run_cli("run", str(path))
     assert result.returncode == 2
-    assert "state.path resolves to" in result.stderr and "'%41' delta-rs reads as 'A'" in result.stderr
+    assert "field `state.path`" in result.stderr and "holds '%41', which delta-rs reads as 'A'" in result.stderr
     assert not (folder / "lake").exists()
-    plain = tmp_path / "100% done"
+    plain = tmp_path / "100% done #{1} é"
     plain.mkdir()
     assert load_spec(write_spec(plain, oracle_spec_dict())).state_path.startswith(str(plain))
 

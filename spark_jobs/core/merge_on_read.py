@@ -337,14 +337,11 @@ def _probe(
     deleted = deleted_in(root, (logged(added, path) for path in meeting))
     groups = _RowGroups(root, meeting)
 
-    # Each file's deleted rows in order, to find a unit's by bisection.
-    ordered = {path: np.sort(rows) for path, rows in deleted.items()}
-
     def probe(unit: tuple[str, list[int], int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
         path, run, offset = unit
         old = _read(groups.reader(path), run, schema)
         found = matches(old, data, keys)
-        gone = ordered.get(unquote(path), np.empty(0, np.uint64))
+        gone = deleted.get(unquote(path), np.empty(0, np.uint64))  # (sorted: `deleted_in`)
         gone = gone[np.searchsorted(gone, offset) : np.searchsorted(gone, offset + old.num_rows)] - np.uint64(offset)
         if len(gone):
             live = np.ones(old.num_rows, dtype=bool)

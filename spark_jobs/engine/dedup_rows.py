@@ -12,15 +12,19 @@ that transforms them (`spark_jobs.engine.spark_compute`):
   first, then by their fields: the first, if not remembered, is kept;
 * both counts are observed metrics of the same job (`METRICS`);
 * the ids to remember, the kept records' ids with their event times
-  (`Deduplicated.ids`), are a second job over the same plan: the batch's
-  records are read twice (no cache to hold them, or to leak, between the
-  two), and that second job costs what the first does.
+  (`Deduplicated.ids`), come out of the same job as the transform's result
+  (`together`, `apart`): the two branches share the plan up to the window
+  over the ids, and Spark runs that part once, its shuffle reused, where a
+  second job read and parsed the batch's records again (no cache holds
+  them, or leaks, between the two).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from spark_jobs.core import dedup
 from spark_jobs.core.staged import Sink, Staged
@@ -33,13 +37,17 @@ if TYPE_CHECKING:
 
     from spark_jobs.core.spec import PipelineSpec
 
-__all__ = ["METRICS", "Deduplicated", "column", "deduplicated", "duplicates", "written"]
+__all__ = ["METRICS", "TAKEN", "Deduplicated", "apart", "column", "deduplicated", "duplicates", "staged", "together", "writing"]
 
 #: The columns the marks use (not the transform's: it gets its fields only).
 ID, SEEN, RANK = "__dedup_id", "__dedup_seen", "__dedup_rank"
 #: The name of the observed metrics, and their two counts.
 METRICS = "microbatch_dedup"
 _CONSIDERED, _KEPT = "considered", "kept"
+#: What a batch's job saw, under this name: the ids it took (`apart`), or the files it wrote them to (`staged`).
+TAKEN = "microbatch_dedup_taken"
+#: `together`'s columns: whose row it is (0: the result's, 1: an id's), and the prefix of the ids' columns.
+_PART, _IDS = "__dedup_part", "__dedup_ids_"
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,10 @@ def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fiel
     return Deduplicated(kept, kept.select(F.col(ID).alias("id"), stamp.alias("event_time")), ranked.agg(*counts))
 
 
-def written(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> Staged:
+def writing(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> DataFrame:
     """The job writing a batch's `ids` into the dedup table's folder, each
-    with the batch's position (as `dedup.SeenIds.write` does), run: the
-    files it wrote, for the table's fenced commit."""
+    with the batch's position (as `dedup.SeenIds.write` does), not yet run:
+    a row for each file it writes (`staged` reads them)."""
     from pyspark.sql import functions as F
 
     assert sink.dedup_root is not None
@@ -105,8 +113,62 @@ def written(ids: DataFrame, sink: Sink, client: dict[str, Any]) -> Staged:
         F.col("id"),
         F.col("event_time"),
     )
-    files = spark_files.written(spark_files.writing(rows, sink.dedup_root, dedup.SCHEMA, client).toArrow())
-    return Staged(files, dedup.SCHEMA, sink.dedup_root)
+    return spark_files.writing(rows, sink.dedup_root, dedup.SCHEMA, client)
+
+
+def staged(written: pa.Table, sink: Sink) -> Staged:
+    """The files a `writing` job wrote (its rows, `written`), for the dedup table's fenced commit."""
+    assert sink.dedup_root is not None
+    return Staged(spark_files.written(written), dedup.SCHEMA, sink.dedup_root)
+
+
+def together(result: DataFrame, ids: DataFrame) -> DataFrame:
+    """One job of `result` (the transform's rows, or the files a job wrote
+    them to) and `ids` (the batch's ids, or the files they went to), for
+    `apart` to split: a row of either, its columns first, then the other's
+    (null), with `_PART` saying whose.
+
+    Both come from the same records through the same window over the ids:
+    Spark runs that part of the plan once and reads its shuffle for both
+    (an exchange reused), so the batch's records are read and parsed once."""
+    from pyspark.sql import functions as F
+
+    def own(frame: DataFrame, prefix: str) -> list[Column]:
+        # Nested fields made nullable: a row of the other part holds null there.
+        return [column(f.name).cast(_nullable(f.dataType)).alias(prefix + f.name) for f in frame.schema.fields]
+
+    def none(frame: DataFrame, prefix: str) -> list[Column]:
+        return [F.lit(None).cast(_nullable(f.dataType)).alias(prefix + f.name) for f in frame.schema.fields]
+
+    first = result.select(F.lit(0).alias(_PART), *own(result, ""), *none(ids, _IDS))
+    second = ids.select(F.lit(1).alias(_PART), *none(result, ""), *own(ids, _IDS))
+    return first.unionAll(second)
+
+
+def apart(both: pa.Table, result: pa.Schema, ids: pa.Schema) -> tuple[pa.Table, pa.Table]:
+    """`together`'s rows, as the two frames would each have given them
+    (`result` and `ids`: their `toArrow` schemas, nullability and all)."""
+    import pyarrow.compute as pc
+
+    # (By position: a transform's column may have any name, `_PART`'s too.)
+    part, width = both.column(0), len(result)
+    mine = both.filter(pc.equal(part, 0)).select(list(range(1, 1 + width))).rename_columns(result.names)
+    theirs = both.filter(pc.equal(part, 1)).select(list(range(1 + width, both.num_columns))).rename_columns(ids.names)
+    return mine.cast(result), theirs.cast(ids)
+
+
+def _nullable(kind: DataType) -> DataType:
+    """`kind` with every nested field nullable (a struct's, an array's
+    elements, a map's values)."""
+    from pyspark.sql.types import ArrayType, MapType, StructField, StructType
+
+    if isinstance(kind, StructType):
+        return StructType([StructField(f.name, _nullable(f.dataType), True, f.metadata) for f in kind.fields])
+    if isinstance(kind, ArrayType):
+        return ArrayType(_nullable(kind.elementType), True)
+    if isinstance(kind, MapType):
+        return MapType(_nullable(kind.keyType), _nullable(kind.valueType), True)
+    return kind
 
 
 def duplicates(seen: dict[str, Any] | None, kept: int) -> int:

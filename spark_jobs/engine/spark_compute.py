@@ -431,6 +431,9 @@ class SparkCompute:
         if out is not None:
             # The first read's files hold records of files now read again by line.
             delete_files(out.sink.root, spark_state.written(updates))
+            taken = seen.get(dedup_rows.TAKEN)
+            if isinstance(taken, Staged):
+                delete_files(taken.root, taken.files)
         suspect = suspect + found
         clean = [f for f in clean if f not in found]
         log.info("%d of %d file(s) hold a bad or unusual line: reading them by line", len(suspect), len(clean) + len(suspect))
@@ -478,17 +481,13 @@ class SparkCompute:
 
     def _dedup_counts(self, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
         """With `dedup`: the batch's duplicates, and the ids its kept records
-        take, collected here or (with `out`) written by the executors into
-        the dedup table's folder (`spark_jobs.core.dedup`)."""
+        take, which its job collected here or (with `out`) wrote into the
+        dedup table's folder (`_execute`, `spark_jobs.core.dedup`)."""
         if query is None or query.dedup is None:
             return {}
         # The ids are taken whatever the metrics say: an observation can be
         # missing (below), never an id the batch took.
-        ids: pa.Table | Staged
-        if out is None or out.sink.dedup_root is None:
-            ids = query.dedup.ids.toArrow()
-        else:
-            ids = dedup_rows.written(query.dedup.ids, out.sink, spark_state.client(out.sink.dedup_root))
+        ids: pa.Table | Staged = seen[dedup_rows.TAKEN]
         # Adaptive execution drops the observed metrics of a stage that came
         # out empty (a transform that filtered out every kept record, say):
         # counted apart then.
@@ -535,10 +534,17 @@ class SparkCompute:
     def _execute(self, query: _Query, spec: PipelineSpec | None = None, out: Out | None = None) -> tuple[pa.Table, dict[str, Any]]:
         """Run `query` (one Spark job): the transform's result, and the metrics.
         With `out`, the job writes the result as files, and returns what it
-        wrote (`spark_state.result_job`), its own metrics among the others."""
+        wrote (`spark_state.result_job`), its own metrics among the others.
+        With `dedup`, the same job takes the batch's ids (`dedup_rows.together`),
+        and the metrics hold them (`dedup_rows.TAKEN`)."""
         job = query.result if out is None else spark_state.result_job(query.result, spec, out.sink)
-        updates = job.toArrow()
-        found = self._observed(job, _METRICS)
+        ids = self._ids_job(query, out)
+        ran = job if ids is None else dedup_rows.together(job, ids)
+        updates, taken = ran.toArrow(), {}
+        if ids is not None:
+            updates, ids_rows = dedup_rows.apart(updates, self._arrow_schema(job), self._arrow_schema(ids))
+            taken = {dedup_rows.TAKEN: ids_rows if out is None else dedup_rows.staged(ids_rows, out.sink)}
+        found = self._observed(ran, _METRICS)
         if not found:
             # Adaptive execution drops a stage whose output turned out empty
             # (no valid record at all) from the plan it reports, metrics and
@@ -546,12 +552,28 @@ class SparkCompute:
             # values); count them apart then, which costs a second read only
             # when nothing in the batch was valid.
             log.debug("no observed metrics for this batch: counting apart")
-            return updates, query.rows.agg(*query.metrics).first().asDict()
+            return updates, {**query.rows.agg(*query.metrics).first().asDict(), **taken}
         if out is not None:
-            found = {**found, **self._written_metrics(job, query.result, spec, out)}
+            found = {**found, **self._written_metrics(ran, query.result, spec, out)}
         if query.dedup is not None:
-            found[dedup_rows.METRICS] = self._observed(job, dedup_rows.METRICS)
-        return updates, found
+            found[dedup_rows.METRICS] = self._observed(ran, dedup_rows.METRICS)
+        return updates, {**found, **taken}
+
+    def _arrow_schema(self, frame: DataFrame) -> pa.Schema:
+        """The schema `frame.toArrow()` gives (as pyspark derives it, classic or Connect)."""
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        large = not _is_connect(self.spark) and self.spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes") == "true"
+        return to_arrow_schema(frame.schema, error_on_duplicated_field_names_in_struct=True, timezone="UTC", prefers_large_types=large)
+
+    @staticmethod
+    def _ids_job(query: _Query, out: Out | None) -> DataFrame | None:
+        """With `dedup`: the batch's ids, or (with `out`) the job writing them into the dedup table's folder."""
+        if query.dedup is None:
+            return None
+        if out is None or out.sink.dedup_root is None:
+            return query.dedup.ids
+        return dedup_rows.writing(query.dedup.ids, out.sink, spark_state.client(out.sink.dedup_root))
 
     def _written_metrics(self, job: DataFrame, result: DataFrame, spec: PipelineSpec, out: Out) -> dict[str, Any]:
         """What the checks of a result the executors wrote need (`spark_state.checked`):

@@ -321,6 +321,27 @@ def test_a_batch_of_duplicates_only_counts_them_and_a_transform_that_keeps_nothi
     assert _state(spec_path) == {"u1": 1, "u2": 1, "u3": 1}
 
 
+def test_a_file_read_again_by_line_takes_its_ids_once_and_leaves_no_ids_file_behind(tmp_path, compute):
+    """The executors write the ids in the job that writes the result
+    (`dedup_rows.together`). A bad line makes the native read's files
+    void and the file is read again by line: the ids the first job wrote
+    must go with its result, or a retry would find ids no batch committed,
+    or the dedup folder would hold files no table lists."""
+    spec_path = _spec(tmp_path, state_write="executors")
+    _land(spec_path, "b0", [("e1", "u1", 0), ("e1", "u1", 0), ("e2", "u2", 1)])
+    with (spec_path.parent / "landing" / "b0.json").open("a") as f:
+        f.write('{"event_id": "e3", "user_id": "u3", "ts": "not a time"}\n')
+    outcome = _run(spec_path, compute)
+    assert (outcome.records_duplicate, outcome.records_quarantined) == (1, 1)
+    _land(spec_path, "b1", [("e2", "u2", 1), ("e4", "u4", 2)])
+    assert _run(spec_path, compute).records_duplicate == 1
+    assert _state(spec_path) == {"u1": 1, "u2": 1, "u4": 1}
+    dedup_path = load_spec(spec_path).dedup_path
+    listed = {Path(uri).name for uri in open_table(dedup_path).file_uris()}
+    assert {p.name for p in Path(dedup_path).glob("*.parquet")} == listed
+    assert len(listed) == 2
+
+
 def test_a_key_of_a_timestamp_and_a_double_is_exact_to_the_microsecond_and_takes_minus_zero_as_zero(tmp_path, compute):
     spec = yaml.safe_load(_spec(tmp_path).read_text())
     spec["source"]["schema"] = "event_id STRING, user_id STRING, ts TIMESTAMP, score DOUBLE"

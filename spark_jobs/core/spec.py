@@ -505,6 +505,15 @@ class StateSpec(_Model):
                 f"{sorted(clash)} listed both as key and under merge; keys are matched, "
                 "not merged: remove them from state.merge"
             )
+        # A Delta table's column names are one column whatever their case:
+        # the state's first write would fail (after the ledger's first entry).
+        named: dict[str, str] = {}
+        for column in self.merge:
+            if (other := named.setdefault(column.lower(), column)) != column:
+                raise ValueError(
+                    f"merge columns {other!r} and {column!r} differ only in case, which a Delta table "
+                    "takes as one column: rename one of them (AS in the transform)"
+                )
         return self
 
 

@@ -41,6 +41,7 @@ __all__ = ["METRICS", "TAKEN", "Deduplicated", "apart", "column", "deduplicated"
 
 #: The columns the marks use (not the transform's: it gets its fields only).
 ID, SEEN, RANK = "__dedup_id", "__dedup_seen", "__dedup_rank"
+_MARKS = frozenset({ID, SEEN, RANK})
 #: The name of the observed metrics, and their two counts.
 METRICS = "microbatch_dedup"
 _CONSIDERED, _KEPT = "considered", "kept"
@@ -74,6 +75,12 @@ def deduplicated(spark: SparkSession, spec: PipelineSpec, valid: DataFrame, fiel
     if missing:  # (a Delta source's columns are its table's: known only now)
         named = ", ".join(map(repr, missing))
         raise SpecError(spec.spec_path, [f"dedup.key names {named}, not a column of the source's records ({', '.join(fields)}): name columns it has"])
+    taken = [name for name in fields if name.lower() in _MARKS]
+    if taken:  # (a files source's schema may not name them; a Delta table's columns may)
+        raise SpecError(spec.spec_path, [
+            f"dedup: the source's column {taken[0]!r} has a name the job gives its own column while it drops "
+            f"duplicates ({', '.join(sorted(_MARKS))}): rename it in the source table, or drop dedup"
+        ])
     moment = event_marks.event_moment(spec) if spec.event_time is not None else None
     types = {f.name: f.dataType for f in valid.schema.fields}
     marked = valid.withColumn(ID, F.to_json(F.struct(*[_id_part(name, types[name]) for name in spec.dedup.key])))

@@ -305,6 +305,28 @@ def test_a_delta_source_s_rows_are_deduplicated_by_either_reader(tmp_path, compu
     assert len(_committed(spec_path)) == 2
 
 
+def test_a_delta_source_column_named_like_dedup_s_own_is_refused_before_any_write(tmp_path, compute):
+    """A Delta table's columns may have any name (a files source's schema
+    may not start one with two underscores): one the job gives its own
+    column while it drops duplicates would have been overwritten silently."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    upstream = str(tmp_path / "upstream")
+    write_deltalake(upstream, pa.table({"event_id": ["e1", "e1"], "user_id": ["u1", "u1"], "__dedup_id": ["mine", "mine"]}))
+    spec_path = write_spec(tmp_path / "spec", {
+        "name": "deduped_delta",
+        "source": {"type": "delta", "path": upstream, "read": "appends", "reader": "driver"},
+        "transform": "SELECT user_id, max(__dedup_id) AS tag FROM batch GROUP BY user_id",
+        "state": {"path": "lake/state", "keys": ["user_id"], "merge": {"tag": "max"}},
+        "checkpoint": "lake/_checkpoints/deduped",
+        "dedup": {"key": ["event_id"]},
+    })
+    with pytest.raises(SpecError, match=r"the source's column '__dedup_id' has a name the job gives its own column"):
+        _run(spec_path, compute)
+    assert _committed(spec_path) == [] and _state(spec_path) == {}
+
+
 def test_a_batch_of_duplicates_only_counts_them_and_a_transform_that_keeps_nothing_still_records_its_ids(tmp_path, compute):
     """Stages that come out empty (adaptive execution drops their observed
     metrics): every record a duplicate; then every kept record filtered out

@@ -51,6 +51,7 @@ def test_the_issue_spec_loads_as_written():
         (lambda s: s["state"].update(keys=["user id; DROP TABLE x"]), "is not a plain identifier"),
         (lambda s: s["state"]["merge"].update({"x = 1 OR true": "sum"}), "is not a plain identifier"),
         (lambda s: s["state"]["merge"].update(user_id="last"), "listed both as key and under merge"),
+        (lambda s: s["state"]["merge"].update(Events="sum"), "merge columns 'events' and 'Events' differ only in case"),
         (lambda s: s["state"]["merge"].update(_batch_id="last"), "reserved"),
         (lambda s: s.update(transform="SELECT 1"), "must read the new records from the view `batch`"),
         (lambda s: s["batch"].update(max_files=0), "field `batch.max_files`"),

@@ -176,8 +176,9 @@ def _check_identifier(value: str, what: str) -> str:
             f"{what} {value!r} is not a plain identifier: use letters, digits and _, "
             "not starting with a digit (rename it with AS in the transform)"
         )
-    if value in RESERVED_COLUMNS:
-        raise ValueError(f"{what} {value!r} is reserved for the job's own bookkeeping")
+    # In any case: a Delta table takes `_Batch_id` for `_batch_id`.
+    if value.lower() in RESERVED_COLUMNS:
+        raise ValueError(f"{what} {value!r} is reserved for the job's own bookkeeping ({', '.join(sorted(RESERVED_COLUMNS))}, in any case)")
     return value
 
 
@@ -431,12 +432,20 @@ class StateSpec(_Model):
     @classmethod
     def _merge_rules_known(cls, merge: Any) -> Any:
         if isinstance(merge, dict):
+            named: dict[str, str] = {}
             for column, rule in merge.items():
                 _check_identifier(str(column), "merge column")
                 if rule not in MERGE_RULES:
                     raise ValueError(
                         f"column {column!r} has merge rule {rule!r}; use one of "
                         f"{', '.join(MERGE_RULES)}"
+                    )
+                # A Delta table's column names are one column whatever their case:
+                # the state's first write would fail (after the ledger's planned row).
+                if (other := named.setdefault(str(column).lower(), str(column))) != str(column):
+                    raise ValueError(
+                        f"merge columns {other!r} and {column!r} differ only in case, which a Delta table "
+                        "takes as one column: rename one of them (AS in the transform)"
                     )
         return merge
 
@@ -505,15 +514,6 @@ class StateSpec(_Model):
                 f"{sorted(clash)} listed both as key and under merge; keys are matched, "
                 "not merged: remove them from state.merge"
             )
-        # A Delta table's column names are one column whatever their case:
-        # the state's first write would fail (after the ledger's first entry).
-        named: dict[str, str] = {}
-        for column in self.merge:
-            if (other := named.setdefault(column.lower(), column)) != column:
-                raise ValueError(
-                    f"merge columns {other!r} and {column!r} differ only in case, which a Delta table "
-                    "takes as one column: rename one of them (AS in the transform)"
-                )
         return self
 
 

@@ -305,10 +305,12 @@ def test_a_delta_source_s_rows_are_deduplicated_by_either_reader(tmp_path, compu
     assert len(_committed(spec_path)) == 2
 
 
-def test_a_delta_source_column_named_like_dedup_s_own_is_refused_before_any_write(tmp_path, compute):
+def test_a_delta_source_column_named_like_dedup_s_own_is_refused_before_any_commit(tmp_path, compute):
     """A Delta table's columns may have any name (a files source's schema
     may not start one with two underscores): one the job gives its own
-    column while it drops duplicates would have been overwritten silently."""
+    column while it drops duplicates would have been overwritten silently.
+    Known when the batch is planned, as a missing `dedup.key` is: the
+    ledger's planned row is written, nothing is committed."""
     import pyarrow as pa
     from deltalake import write_deltalake
 

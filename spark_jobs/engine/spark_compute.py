@@ -454,7 +454,7 @@ class SparkCompute:
             updates, seen = self._execute(query, spec, out)
             if out is None:
                 quarantine = self._quarantine(parsed) if seen["bad"] else QUARANTINE_COLUMNS.empty_table()
-                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **self._counts(spec, query, seen, out))
+                return ComputeResult(validate_updates(spec, updates), quarantine, int(seen["records"]), **self._counts(spec, query, seen))
             result = self._result(spec, updates, seen, out, query)
             if seen["bad"]:
                 written = spark_state.quarantine_job(parsed, out).toArrow()
@@ -467,7 +467,7 @@ class SparkCompute:
     def _result(self, spec: PipelineSpec, updates: pa.Table, seen: dict[str, Any], out: Out | None, query: _Query | None = None) -> ComputeResult:
         """The batch's result: its rows checked (`validate_updates`), or, when
         the executors wrote them, their files checked (`spark_state.checked`)."""
-        counts = self._counts(spec, query, seen, out)
+        counts = self._counts(spec, query, seen)
         if out is None:
             return ComputeResult(validate_updates(spec, updates), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), **counts)
         staged = spark_state.checked(
@@ -475,25 +475,10 @@ class SparkCompute:
         )
         return ComputeResult(out.sink.schema.empty_table(), QUARANTINE_COLUMNS.empty_table(), int(seen["records"]), staged=staged, **counts)
 
-    def _counts(self, spec: PipelineSpec, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
+    @staticmethod
+    def _counts(spec: PipelineSpec, query: _Query | None, seen: dict[str, Any]) -> dict[str, Any]:
         """A result's event-time and dedup fields (`ComputeResult`)."""
-        return {**_event_counts(spec, seen), **self._dedup_counts(query, seen, out)}
-
-    def _dedup_counts(self, query: _Query | None, seen: dict[str, Any], out: Out | None) -> dict[str, Any]:
-        """With `dedup`: the batch's duplicates, and the ids its kept records
-        take, which its job collected here or (with `out`) wrote into the
-        dedup table's folder (`_execute`, `spark_jobs.core.dedup`)."""
-        if query is None or query.dedup is None:
-            return {}
-        # The ids are taken whatever the metrics say: an observation can be
-        # missing (below), never an id the batch took.
-        ids: pa.Table | Staged = seen[dedup_rows.TAKEN]
-        # Adaptive execution drops the observed metrics of a stage that came
-        # out empty (a transform that filtered out every kept record, say):
-        # counted apart then.
-        counts = seen.get(dedup_rows.METRICS) or query.dedup.counts.first().asDict()
-        kept = ids.num_rows if isinstance(ids, pa.Table) else ids.rows
-        return {"records_duplicate": dedup_rows.duplicates(counts, kept), "seen_ids": ids}
+        return {**_event_counts(spec, seen), **_dedup_counts(query, seen)}
 
     def _query(self, spec: PipelineSpec, rows: DataFrame, split: _Split, batch: BatchRange) -> _Query:
         """The transform of the valid rows, with the split's metrics observed over all `rows`:
@@ -811,6 +796,23 @@ def _marked(records: DataFrame, spec: PipelineSpec, batch: BatchRange, *, native
     if spec.event_time is None:
         return records
     return (event_marks.native if native else event_marks.numbered)(records, spec, batch.watermark)
+
+
+def _dedup_counts(query: _Query | None, seen: dict[str, Any]) -> dict[str, Any]:
+    """With `dedup`: the batch's duplicates, and the ids its kept records
+    take, which its job collected here or wrote into the dedup table's
+    folder (`_execute`, `spark_jobs.core.dedup`)."""
+    if query is None or query.dedup is None:
+        return {}
+    # The ids are taken whatever the metrics say: an observation can be
+    # missing (below), never an id the batch took.
+    ids: pa.Table | Staged = seen[dedup_rows.TAKEN]
+    # Adaptive execution drops the observed metrics of a stage that came
+    # out empty (a transform that filtered out every kept record, say):
+    # counted apart then.
+    counts = seen.get(dedup_rows.METRICS) or query.dedup.counts.first().asDict()
+    kept = ids.num_rows if isinstance(ids, pa.Table) else ids.rows
+    return {"records_duplicate": dedup_rows.duplicates(counts, kept), "seen_ids": ids}
 
 
 def _event_counts(spec: PipelineSpec, seen: dict[str, Any]) -> dict[str, Any]:

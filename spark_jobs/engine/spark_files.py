@@ -68,6 +68,12 @@ CHANGE_TYPE = "_change_type"
 BEFORE, CHANGE = "__before_", "__change"
 #: At most this many read tasks (one file each below it).
 MAX_READ_TASKS = 64
+#: The rows of one row group of a file a task writes (`_Out.write`): as many
+#: as a batch merged on read takes from a file at once
+#: (`merge_on_read.UNIT_ROWS`), so its memory stays what it was.
+ROW_GROUP_ROWS = 1 << 18
+#: Fewer, if they hold this much in a task's memory (wide rows).
+ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
 def write_files(
@@ -281,14 +287,33 @@ class _Out:
             os.makedirs(os.path.dirname(self.local), exist_ok=True)
         self.stats = FileStats(schema)
         self.writer: Any = None
+        #: Rows not yet written: a row group is written once it is full.
+        self.pending: list[pa.RecordBatch] = []
 
     def write(self, batch: pa.RecordBatch) -> None:
+        """Add `batch`'s rows to the file. Spark hands a task its rows in
+        Arrow batches of 10,000 (``spark.sql.execution.arrow.maxRecordsPerBatch``),
+        and each written as it came was a row group of its own (376 in each
+        file of a 30M-key state); they are gathered into groups of
+        `ROW_GROUP_ROWS`, or fewer that hold `ROW_GROUP_BYTES` in memory."""
+        self.stats.add(batch)
+        self.pending.append(batch)
+        held = sum(b.num_rows for b in self.pending)
+        if held >= ROW_GROUP_ROWS:
+            self._flush(ROW_GROUP_ROWS * (held // ROW_GROUP_ROWS))
+        elif sum(b.nbytes for b in self.pending) >= ROW_GROUP_BYTES:
+            self._flush(held)
+
+    def _flush(self, rows: int) -> None:
+        """Write the first `rows` pending rows, in groups of `ROW_GROUP_ROWS`; keep the rest pending."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.local, self.schema, compression="snappy", coerce_timestamps="us", allow_truncated_timestamps=False)
-        self.writer.write_batch(batch)
-        self.stats.add(batch)
+        held = pa.Table.from_batches(self.pending, schema=self.schema)
+        self.writer.write_table(held.slice(0, rows), row_group_size=ROW_GROUP_ROWS)
+        self.pending = held.slice(rows).to_batches()
 
     def close(self) -> Iterator[pa.RecordBatch]:
         """Finish the file and yield its row (nothing, if no row was written)."""
@@ -297,6 +322,8 @@ class _Out:
 
         import pyarrow as pa
 
+        if self.pending:
+            self._flush(sum(b.num_rows for b in self.pending))
         if self.writer is None:
             return
         self.writer.close()
@@ -313,6 +340,8 @@ class _Out:
     def abandon(self) -> None:
         """Close a file left open by a failure; drop the local copy of an S3 upload."""
         import os
+
+        self.pending = []
 
         if self.writer is not None:
             self.writer.close()

@@ -21,7 +21,7 @@ no change.
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
@@ -95,8 +95,31 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
             .option("endingVersion", manifest.last)
             .load(manifest.uri)
         )
-        return spark_net_changes(_commit_times_as_logged(feed, manifest))
+        entries = _entries(manifest)
+        feed = _commit_times_as_logged(feed, entries)
+        return spark_net_changes(feed) if any(map(_may_cancel, entries.values())) else feed
     return _spark_appended(spark, manifest)
+
+
+def _entries(manifest: DeltaManifest) -> dict[int, list[dict[str, Any]] | None]:
+    """Each version's log entry in the range (None: gone)."""
+    table_uri = _table(manifest.uri).table_uri
+    return {version: version_actions(table_uri, version) for version in range(manifest.first, manifest.last + 1)}
+
+
+def _may_cancel(actions: list[dict[str, Any]] | None) -> bool:
+    """Whether a version's changes may hold a removal and an addition of
+    the same row (`spark_net_changes` has something to cancel): change data
+    files (a MERGE's, holding every kind), or data files both removed and
+    added. A version that only adds files (an append; a first batch, whose
+    keys are all new, of a state with a change feed) reads as inserts alone,
+    and one that only removes them as deletes alone: nothing to cancel, and
+    netting them is two windows over all their rows (a shuffle and two sorts
+    of every column: most of a 30M-key first batch's read downstream)."""
+    if actions is None:
+        return True  # (unknown: net, as before)
+    changed = {kind for action in actions for kind in ("add", "remove", "cdc") if kind in action and action[kind].get("dataChange", True)}
+    return "cdc" in changed or {"add", "remove"} <= changed
 
 
 #: delta-spark reads a change feed with the table's columns as they are now,
@@ -196,17 +219,17 @@ def spark_net_changes(feed: DataFrame) -> DataFrame:
     )
 
 
-def _commit_times_as_logged(feed: DataFrame, manifest: DeltaManifest) -> DataFrame:
+def _commit_times_as_logged(feed: DataFrame, entries: dict[int, list[dict[str, Any]] | None]) -> DataFrame:
     """The feed with each version's `_commit_timestamp` from its log entry's
-    commit info, as delta-rs gives it (and as planning dates versions for a
-    data interval). delta-spark gives the log file's modification time,
-    which may be a few milliseconds off (seen on a RESTORE's commit)."""
+    commit info (`entries`), as delta-rs gives it (and as planning dates
+    versions for a data interval). delta-spark gives the log file's
+    modification time, which may be a few milliseconds off (seen on a
+    RESTORE's commit)."""
     from pyspark.sql import functions as F
 
-    table_uri = _table(manifest.uri).table_uri
     logged: list = []
-    for version in range(manifest.first, manifest.last + 1):
-        info = next((a["commitInfo"] for a in version_actions(table_uri, version) or [] if "commitInfo" in a), {})
+    for version, actions in entries.items():
+        info = next((a["commitInfo"] for a in actions or [] if "commitInfo" in a), {})
         if isinstance(info.get("timestamp"), int):
             logged += [F.lit(version), F.lit(info["timestamp"])]
     if not logged:

@@ -72,6 +72,31 @@ def test_spark_netting_pairs_the_same_rows_as_the_drivers(spark):
     assert spark_net_changes(spark.createDataFrame(nested)).count() == 2
 
 
+def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):
+    """Versions that only add files (appends, a first batch of new keys)
+    read as inserts alone: Spark's read of them has no windows to net them
+    (a shuffle and two sorts of every row), and a range holding a MERGE (its
+    change files) or a RESTORE (files removed and added) has them. The rows
+    are the driver's either way."""
+    uri = str(tmp_path / "up")
+    DeltaTable.create(uri, SCHEMA, configuration={"delta.enableChangeDataFeed": "true"})
+    write_deltalake(uri, pa.table({"k": ["a", "b"], "v": [1, 2]}, schema=SCHEMA), mode="append")  # v1
+    write_deltalake(uri, pa.table({"k": ["c"], "v": [3]}, schema=SCHEMA), mode="append")  # v2
+    DeltaTable(uri).merge(
+        pa.table({"k": ["a"], "v": [10]}, schema=SCHEMA), "t.k = s.k", source_alias="s", target_alias="t"
+    ).when_matched_update_all().execute()  # v3: change files
+    DeltaTable(uri).restore(2)  # v4: files removed and added, no change files
+
+    def netted(first: int, last: int) -> bool:
+        plan = spark_versions(spark, DeltaManifest(uri, "changes", first, last))._jdf.queryExecution().optimizedPlan().toString()
+        return "Window" in plan
+
+    assert [netted(1, 1), netted(1, 2), netted(2, 3), netted(4, 4)] == [False, False, True, True]
+    for first, last in [(1, 2), (0, 4), (4, 4)]:
+        by_driver, by_spark = _both(spark, uri, "changes", first, last)
+        assert by_spark == by_driver, f"versions {first}..{last}"
+
+
 @pytest.fixture
 def appended(tmp_path, spark) -> str:
     """A delta-spark table, partitioned by values that need escaping (a

@@ -387,7 +387,9 @@ class _RowGroups:
         in runs of a file's consecutive groups of at least `least` rows
         (a file's last run may hold fewer). Each run's keys are looked up in
         the batch's, whose hash set is built once a run: a run a group, a
-        state written by Spark's executors (row groups of 10,000 rows) had
+        state Spark's executors wrote in row groups of 10,000 rows (as
+        they did before `spark_files.ROW_GROUP_ROWS`; groups of other
+        writers may be as small) had
         the batch's keys hashed 3,000 times a batch at 30M keys, which took
         17-43 s, where runs take 2-3 s."""
         units = []

@@ -75,9 +75,9 @@ def test_spark_netting_pairs_the_same_rows_as_the_drivers(spark):
 def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):
     """Versions that only add files (appends, a first batch of new keys)
     read as inserts alone: Spark's read of them has no windows to net them
-    (a shuffle and two sorts of every row), and a range holding a MERGE (its
-    change files) or a RESTORE (files removed and added) has them. The rows
-    are the driver's either way."""
+    (a shuffle and two sorts of every row), and a MERGE's (its change files)
+    or a RESTORE's (files removed and added) has them; a range of both, each
+    run of versions read on its own. The rows are the driver's either way."""
     uri = str(tmp_path / "up")
     DeltaTable.create(uri, SCHEMA, configuration={"delta.enableChangeDataFeed": "true"})
     write_deltalake(uri, pa.table({"k": ["a", "b"], "v": [1, 2]}, schema=SCHEMA), mode="append")  # v1
@@ -92,7 +92,10 @@ def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):
         return "Window" in plan
 
     assert [netted(1, 1), netted(1, 2), netted(2, 3), netted(4, 4)] == [False, False, True, True]
-    for first, last in [(1, 2), (0, 4), (4, 4)]:
+    # A range of both is read as its runs: only the MERGE's and the RESTORE's rows netted.
+    plan = spark_versions(spark, DeltaManifest(uri, "changes", 0, 4))._jdf.queryExecution().optimizedPlan().toString()
+    assert plan.count("Union") == 1 and plan.count("Window [") == 2, plan
+    for first, last in [(1, 2), (0, 4), (4, 4), (1, 3), (2, 4)]:
         by_driver, by_spark = _both(spark, uri, "changes", first, last)
         assert by_spark == by_driver, f"versions {first}..{last}"
 

@@ -83,6 +83,8 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
     """`read_versions`, read by delta-spark on the executors (the session
     must have delta-spark: `default_session(delta=True)`, or a Connect
     server started with it). Not run: a plan, for the batch's one job."""
+    from pyspark.sql import functions as F
+
     if manifest.first > manifest.last:
         return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     if manifest.read == "changes":
@@ -106,7 +108,13 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
             )
             feed = _commit_times_as_logged(feed, {v: entries[v] for v in range(first, last + 1)})
             feeds.append(spark_net_changes(feed) if cancels else feed)
-        return functools.reduce(lambda a, b: a.unionByName(b), feeds)
+        if len(feeds) == 1:
+            return feeds[0]
+        # In the columns one read of the range has: its last version's with
+        # column mapping (a column added in the range is null before), the
+        # table's now without.
+        both = functools.reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), feeds)
+        return both.select(*[F.col("`" + c.replace("`", "``") + "`") for c in feeds[-1].columns])
     return _spark_appended(spark, manifest)
 
 

@@ -174,6 +174,39 @@ def test_a_source_with_column_mapping_is_read_by_spark_across_a_rename(tmp_path,
     assert _drain(after, compute) == {"a": 11, "b": 2, "c": 3}
 
 
+def test_a_column_mapped_feed_read_as_runs_has_the_rows_and_columns_of_one_read(tmp_path, spark, monkeypatch):
+    """A change feed's range is read as runs of versions to net and not
+    (`delta_read._runs`). With column mapping delta-spark reads each range
+    with its last version's columns, so a run before a column was added
+    lacks it: the runs' rows come back in the columns one read of the range
+    has, the new column null before it was added, as one read gives."""
+    from spark_jobs.engine import delta_read
+    from spark_jobs.sources.delta import DeltaManifest
+
+    up = _upstream(spark, tmp_path / "up", {"delta.columnMapping.mode": "name"})
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('a', 1), ('b', 2)")  # v1: appends, not netted
+    spark.sql(f"ALTER TABLE delta.`{up}` ADD COLUMNS (z STRING)")  # v2
+    spark.sql(f"UPDATE delta.`{up}` SET v = 20, z = 'x' WHERE k = 'b'")  # v3: change files, netted
+    spark.sql(f"INSERT INTO delta.`{up}` VALUES ('c', 3, 'y')")  # v4
+    manifest = DeltaManifest(up, "changes", 1, 4)
+
+    def read() -> tuple[list[str], list[str]]:
+        frame = delta_read.spark_versions(spark, manifest)
+        rows = sorted(json.dumps(r, sort_keys=True, default=str) for r in frame.toArrow().to_pylist())
+        return frame.columns, rows
+
+    as_runs = read()
+    monkeypatch.setattr(delta_read, "MAX_FEED_READS", 0)  # (more runs than that: one read)
+    assert as_runs == read()
+    columns, rows = as_runs
+    assert columns[:4] == ["k", "v", "z", "_change_type"]
+    changes = sorted((r["k"], r["v"], r["z"], r["_change_type"]) for r in map(json.loads, rows))
+    assert changes == [
+        ("a", 1, None, "insert"), ("b", 2, None, "insert"), ("b", 2, None, "update_preimage"),
+        ("b", 20, "x", "update_postimage"), ("c", 3, "y", "insert"),
+    ]
+
+
 def test_spark_reader_without_delta_spark_in_the_session_is_refused_by_name(tmp_path, spark):
     """A run whose session lacks delta-spark (no JARs: MICROBATCH_SPARK_JARS=none)
     stops with exit 2, naming the setting and what to do, and commits nothing."""

@@ -55,20 +55,39 @@ from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
 from spark_jobs.storage.s3 import delta_storage_options, exists
 
-__all__ = ["READ_ON_EXECUTORS_FROM", "DeltaManifest", "DeltaSource", "VersionOffsets", "version_actions"]
+__all__ = ["READ_ON_EXECUTORS_FROM", "DeltaManifest", "DeltaSource", "VersionOffsets", "read_bytes_of", "version_actions"]
 
 log = logging.getLogger("microbatch")
 
 #: How many commits back a dated `lag` reads to date the oldest waiting commit.
 _HISTORY_LOOKBACK = 1000
-#: `source.reader: auto` on `local[*]`: a batch whose versions' data files
-#: weigh more than this is read by Spark's executors (delta-spark), and its
+#: `source.reader: auto` on `local[*]`: a batch whose read weighs more than
+#: this (`read_bytes_of`) is read by Spark's executors (delta-spark), and its
 #: rows written by them (`write_path.executors_write`). Read by the driver,
-#: 30M changed rows took 18.8 GB of this process (issue 64), and 17 MB of
-#: files (2.3M change rows of short strings) 1.27 GB (docs/benchmarks.md,
-#: "Chain upstream"): about 75 times their size. Below it the driver's read
-#: is the faster (a chain's usual batch weighs kilobytes).
+#: 30M changed rows took 18.8 GB of this process (issue 64), 5.2 MB of change
+#: files (1M inserts) 692 MB, 0.95 MB (a batch of 100k returning keys'
+#: update images) 325 MB (2026-12-05). Below it the driver's read is the
+#: faster: that 0.95 MB batch took 6.3 s read by the driver, 12.7 s by Spark
+#: (a new process each; a chain's usual batch weighs kilobytes).
 READ_ON_EXECUTORS_FROM = 4 * 1024 * 1024
+
+
+def read_bytes_of(actions: list[dict[str, Any]] | None, read: str) -> int:
+    """Bytes of the files a read of one version's rows reads (`actions`: its
+    log entry): for ``changes``, its change data files if it has any (a
+    change feed reads those alone: a MERGE's copy-on-write rewrite of a big
+    state is not read), else the data files it added and removed (read as
+    inserts and deletes: a rewind's RESTORE removing a 30M-row file); for
+    ``appends``, the files it added. Files a compaction rewrote (no data
+    change) are read by neither. A file whose size the entry does not give,
+    or an entry that is gone, weighs `READ_ON_EXECUTORS_FROM`: not light."""
+    if actions is None:
+        return READ_ON_EXECUTORS_FROM
+    changes = [a["cdc"] for a in actions if "cdc" in a]
+    if read != "changes" or not changes:
+        kinds = ("add", "remove") if read == "changes" else ("add",)
+        changes = [a[k] for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
+    return sum(int(f["size"]) if f.get("size") is not None else READ_ON_EXECUTORS_FROM for f in changes)
 
 
 
@@ -282,16 +301,9 @@ class DeltaSource:
         return reader, end
 
     def _size(self, table: DeltaTable, first: int, last: int) -> int:
-        """Bytes of the data files versions `first`..`last` name in their log
-        entries (added, and change files): what reading them costs, from the
-        entries planning reads anyway."""
-        total = 0
-        for version in range(first, last + 1):
-            for action in self._actions(table, version) or []:
-                for kind in ("add", "cdc"):
-                    if kind in action:
-                        total += int(action[kind].get("size") or 0)
-        return total
+        """Bytes of the files a read of versions `first`..`last` reads, from
+        the log entries planning reads anyway (`read_bytes_of`)."""
+        return sum(read_bytes_of(self._actions(table, version), self.read) for version in range(first, last + 1))
 
     def _column_mapped(self, table: DeltaTable) -> bool:
         """(`auto` keeps a column-mapped table on the driver, whose refusal

@@ -83,8 +83,6 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
     """`read_versions`, read by delta-spark on the executors (the session
     must have delta-spark: `default_session(delta=True)`, or a Connect
     server started with it). Not run: a plan, for the batch's one job."""
-    from pyspark.sql import functions as F
-
     if manifest.first > manifest.last:
         return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     if manifest.read == "changes":
@@ -94,11 +92,8 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
             # change of a column, `DeltaSource._check_columns_since`).
             spark.conf.set(_WIDENED_READ, "true")
         entries = _entries(manifest)
-        runs = _runs(entries)
-        if len(runs) > MAX_FEED_READS:  # (each read is a relation to plan: net the range as one)
-            runs = [(manifest.first, manifest.last, True)]
-        feeds = []
-        for first, last, cancels in runs:
+
+        def read(first: int, last: int) -> DataFrame:
             feed = (
                 spark.read.format("delta")
                 .option("readChangeFeed", "true")
@@ -106,15 +101,19 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
                 .option("endingVersion", last)
                 .load(manifest.uri)
             )
-            feed = _commit_times_as_logged(feed, {v: entries[v] for v in range(first, last + 1)})
-            feeds.append(spark_net_changes(feed) if cancels else feed)
-        if len(feeds) == 1:
-            return feeds[0]
-        # In the columns one read of the range has: its last version's with
-        # column mapping (a column added in the range is null before), the
-        # table's now without.
-        both = functools.reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), feeds)
-        return both.select(*[F.col("`" + c.replace("`", "``") + "`") for c in feeds[-1].columns])
+            return _commit_times_as_logged(feed, {v: entries[v] for v in range(first, last + 1)})
+
+        runs = _runs(entries)
+        feeds = [(read(first, last), cancels) for first, last, cancels in runs] if len(runs) <= MAX_FEED_READS else []
+        # One read, netted whole, as before: for more runs than that (each a
+        # relation to plan), or runs read with other columns (with column
+        # mapping delta-spark reads a range with its last version's: a run
+        # before a column was added lacks it, and a nested one turns the
+        # netting off for the range it is in: `spark_net_changes`).
+        if not feeds or any(feed.schema != feeds[-1][0].schema for feed, _ in feeds):
+            feeds = [(read(manifest.first, manifest.last), True)]
+        netted = [spark_net_changes(feed) if cancels else feed for feed, cancels in feeds]
+        return functools.reduce(lambda a, b: a.unionByName(b), netted)
     return _spark_appended(spark, manifest)
 
 
@@ -158,8 +157,10 @@ def _may_cancel(actions: list[dict[str, Any]] | None) -> bool:
     of every column)."""
     if actions is None:
         return True  # (unknown: net, as before)
-    changed = {kind for action in actions for kind in ("add", "remove", "cdc") if kind in action and action[kind].get("dataChange", True)}
-    return "cdc" in changed or {"add", "remove"} <= changed
+    if any("cdc" in action for action in actions):  # (a change file's action says `dataChange: false`, always)
+        return True
+    changed = {kind for action in actions for kind in ("add", "remove") if kind in action and action[kind].get("dataChange", True)}
+    return changed == {"add", "remove"}
 
 
 #: delta-spark reads a change feed with the table's columns as they are now,

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from spark_jobs.engine.delta_read import net_changes, read_versions, spark_net_changes, spark_versions
+from spark_jobs.engine.delta_read import _may_cancel, net_changes, read_versions, spark_net_changes, spark_versions
 from spark_jobs.sources.delta import DeltaManifest
 from tests.spark_jobs.sources.test_delta import netting_rows
 
@@ -70,6 +70,17 @@ def test_spark_netting_pairs_the_same_rows_as_the_drivers(spark):
     nested = pa.table({"k": ["a", "a"], "l": [[1], [1]], "_change_type": ["delete", "insert"],
                        "_commit_version": [1, 1], "_commit_timestamp": stamp.slice(0, 2)})
     assert spark_net_changes(spark.createDataFrame(nested)).count() == 2
+
+
+def test_a_version_may_cancel_if_its_entry_has_change_files_or_removes_and_adds_files():
+    """`_may_cancel` on log entries as writers make them: a change file's
+    action says `dataChange: false` always (a review found the rule read it
+    as no change), a compaction's files change no data."""
+    cdc, add, remove = {"cdc": {"size": 9, "dataChange": False}}, {"add": {"dataChange": True}}, {"remove": {"dataChange": True}}
+    compaction = [{"add": {"dataChange": False}}, {"remove": {"dataChange": False}}]
+    assert [_may_cancel(e) for e in ([cdc, add], [cdc], [add, remove], [add], [remove], compaction, None)] == [
+        True, True, True, False, False, False, True,
+    ]
 
 
 def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):

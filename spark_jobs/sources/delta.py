@@ -80,14 +80,16 @@ def read_bytes_of(actions: list[dict[str, Any]] | None, read: str) -> int:
     inserts and deletes: a rewind's RESTORE removing a 30M-row file); for
     ``appends``, the files it added. Files a compaction rewrote (no data
     change) are read by neither. A file whose size the entry does not give,
-    or an entry that is gone, weighs `READ_ON_EXECUTORS_FROM`: not light."""
+    or an entry that is gone, weighs more than `READ_ON_EXECUTORS_FROM`:
+    alone, it sends the batch to Spark."""
+    unknown = READ_ON_EXECUTORS_FROM + 1
     if actions is None:
-        return READ_ON_EXECUTORS_FROM
+        return unknown
     changes = [a["cdc"] for a in actions if "cdc" in a]
     if read != "changes" or not changes:
         kinds = ("add", "remove") if read == "changes" else ("add",)
         changes = [a[k] for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
-    return sum(int(f["size"]) if f.get("size") is not None else READ_ON_EXECUTORS_FROM for f in changes)
+    return sum(int(f["size"]) if f.get("size") is not None else unknown for f in changes)
 
 
 

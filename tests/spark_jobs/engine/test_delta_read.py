@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from spark_jobs.engine import delta_read
 from spark_jobs.engine.delta_read import _may_cancel, net_changes, read_versions, spark_net_changes, spark_versions
 from spark_jobs.sources.delta import DeltaManifest
 from tests.spark_jobs.sources.test_delta import netting_rows
@@ -83,7 +84,7 @@ def test_a_version_may_cancel_if_its_entry_has_change_files_or_removes_and_adds_
     ]
 
 
-def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):
+def test_both_readers_net_only_where_a_version_may_cancel(tmp_path, spark, monkeypatch):
     """Versions that only add files (appends, a first batch of new keys)
     read as inserts alone: Spark's read of them has no windows to net them
     (a shuffle and two sorts of every row), and a MERGE's (its change files)
@@ -109,6 +110,12 @@ def test_spark_nets_only_a_range_whose_versions_may_cancel(tmp_path, spark):
     for first, last in [(1, 2), (0, 4), (4, 4), (1, 3), (2, 4)]:
         by_driver, by_spark = _both(spark, uri, "changes", first, last)
         assert by_spark == by_driver, f"versions {first}..{last}"
+    # The driver builds a text key a row to net: not for a range of appends.
+    netted_by_driver = []
+    monkeypatch.setattr(delta_read, "net_changes", lambda rows: netted_by_driver.append(rows.num_rows) or net_changes(rows))
+    for first, last in [(1, 2), (1, 3)]:
+        read_versions(DeltaManifest(uri, "changes", first, last))
+    assert netted_by_driver == [5]  # (1..3: two inserts, one insert, an update's two images)
 
 
 @pytest.fixture

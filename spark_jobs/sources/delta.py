@@ -92,7 +92,6 @@ def read_bytes_of(actions: list[dict[str, Any]] | None, read: str) -> int:
     return sum(int(f["size"]) if f.get("size") is not None else unknown for f in changes)
 
 
-
 @dataclass(frozen=True)
 class VersionOffsets:
     """The last upstream version consumed (-1: none yet), of which table (its

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from spark_jobs.core.spec import CHANGE_COLUMNS
-from spark_jobs.sources.delta import DeltaManifest, range_column_types, spark_feed_types, version_actions
+from spark_jobs.sources.delta import DeltaManifest, feed_files, range_column_types, spark_feed_types, version_actions
 from spark_jobs.storage.s3 import delta_storage_options, read_bytes
 
 if TYPE_CHECKING:
@@ -73,13 +73,13 @@ def read_versions(manifest: DeltaManifest) -> pa.Table:
     if manifest.first > manifest.last:
         return batch_schema(manifest.uri, manifest.read).empty_table()
     if manifest.read == "changes":
-        reader = _table(manifest.uri).load_cdf(starting_version=manifest.first, ending_version=manifest.last)
-        rows = pa.table(reader.read_all())
+        table = _table(manifest.uri)
+        rows = pa.table(table.load_cdf(starting_version=manifest.first, ending_version=manifest.last).read_all())
         # As `batch_schema` says: plain strings and UTC microseconds, whatever delta-rs hands over.
         rows = rows.cast(pa.schema([_plain(f) for f in rows.schema]))
         # (Netting builds a text key a row: 1.25 GB more of this process for
         # 600k inserts of long, repetitive text that nothing could cancel.)
-        return net_changes(rows) if any(map(_may_cancel, _entries(manifest).values())) else rows
+        return net_changes(rows) if any(map(_may_cancel, _entries(table, manifest).values())) else rows
     return _appended(manifest)
 
 
@@ -90,12 +90,13 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
     if manifest.first > manifest.last:
         return arrow_frame(spark, batch_schema(manifest.uri, manifest.read).empty_table())
     if manifest.read == "changes":
-        if _widened_since(manifest):
+        table = _table(manifest.uri)
+        if _widened_since(table, manifest):
             # Read when the job runs, not here: set for the session, and
             # harmless for its other reads (planning refused every other
             # change of a column, `DeltaSource._check_columns_since`).
             spark.conf.set(_WIDENED_READ, "true")
-        entries = _entries(manifest)
+        entries = _entries(table, manifest)
 
         def read(first: int, last: int) -> DataFrame:
             feed = (
@@ -125,10 +126,9 @@ def spark_versions(spark: SparkSession, manifest: DeltaManifest) -> DataFrame:
 MAX_FEED_READS = 8
 
 
-def _entries(manifest: DeltaManifest) -> dict[int, list[dict[str, Any]] | None]:
-    """Each version's log entry in the range (None: gone)."""
-    table_uri = _table(manifest.uri).table_uri
-    return {version: version_actions(table_uri, version) for version in range(manifest.first, manifest.last + 1)}
+def _entries(table: DeltaTable, manifest: DeltaManifest) -> dict[int, list[dict[str, Any]] | None]:
+    """Each version's log entry in the range (None: gone), of the upstream `table`."""
+    return {version: version_actions(table.table_uri, version) for version in range(manifest.first, manifest.last + 1)}
 
 
 def _runs(entries: dict[int, list[dict[str, Any]] | None]) -> list[tuple[int, int, bool]]:
@@ -161,10 +161,8 @@ def _may_cancel(actions: list[dict[str, Any]] | None) -> bool:
     of every column)."""
     if actions is None:
         return True  # (unknown: net, as before)
-    if any("cdc" in action for action in actions):  # (a change file's action says `dataChange: false`, always)
-        return True
-    changed = {kind for action in actions for kind in ("add", "remove") if kind in action and action[kind].get("dataChange", True)}
-    return changed == {"add", "remove"}
+    kinds = {kind for kind, _ in feed_files(actions, "changes")}
+    return "cdc" in kinds or kinds == {"add", "remove"}
 
 
 #: delta-spark reads a change feed with the table's columns as they are now,
@@ -174,11 +172,11 @@ def _may_cancel(actions: list[dict[str, Any]] | None) -> bool:
 _WIDENED_READ = "spark.databricks.delta.changeDataFeed.unsafeBatchReadOnIncompatibleSchemaChanges.enabled"
 
 
-def _widened_since(manifest: DeltaManifest) -> bool:
+def _widened_since(table: DeltaTable, manifest: DeltaManifest) -> bool:
     """Whether a column the range's files may hold has another type in the
     columns delta-spark reads the range with (`spark_feed_types`; planning
     let only widenings through: `DeltaSource._check_columns_since`)."""
-    read_with, _ = spark_feed_types(manifest.uri, _table(manifest.uri), manifest.last)
+    read_with, _ = spark_feed_types(manifest.uri, table, manifest.last)
     return any(
         read_with.get(name, kind) != kind
         for _, types in range_column_types(manifest.uri, manifest.first, manifest.last)

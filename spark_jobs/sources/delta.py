@@ -55,7 +55,7 @@ from spark_jobs.sources.base import BatchRange, Caps, Lag, Lineage
 from spark_jobs.storage.consumers import Consumer, register
 from spark_jobs.storage.s3 import delta_storage_options, exists
 
-__all__ = ["READ_ON_EXECUTORS_FROM", "DeltaManifest", "DeltaSource", "VersionOffsets", "read_bytes_of", "version_actions"]
+__all__ = ["READ_ON_EXECUTORS_FROM", "DeltaManifest", "DeltaSource", "VersionOffsets", "feed_files", "read_bytes_of", "version_actions"]
 
 log = logging.getLogger("microbatch")
 
@@ -72,24 +72,30 @@ _HISTORY_LOOKBACK = 1000
 READ_ON_EXECUTORS_FROM = 4 * 1024 * 1024
 
 
+def feed_files(actions: list[dict[str, Any]], read: str) -> list[tuple[str, dict[str, Any]]]:
+    """The files a read of one version's rows reads (`actions`: its log
+    entry), each with its action's kind: for ``changes``, its change data
+    files if it has any (a change feed reads those alone: a MERGE's
+    copy-on-write rewrite of a big state is not read), else the data files
+    it added and removed (read as inserts and deletes: a rewind's RESTORE
+    removing a 30M-row file); for ``appends``, the files it added. Files a
+    compaction rewrote (no data change) are read by neither."""
+    changes = [("cdc", a["cdc"]) for a in actions if "cdc" in a]
+    if read == "changes" and changes:
+        return changes
+    kinds = ("add", "remove") if read == "changes" else ("add",)
+    return [(k, a[k]) for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
+
+
 def read_bytes_of(actions: list[dict[str, Any]] | None, read: str) -> int:
-    """Bytes of the files a read of one version's rows reads (`actions`: its
-    log entry): for ``changes``, its change data files if it has any (a
-    change feed reads those alone: a MERGE's copy-on-write rewrite of a big
-    state is not read), else the data files it added and removed (read as
-    inserts and deletes: a rewind's RESTORE removing a 30M-row file); for
-    ``appends``, the files it added. Files a compaction rewrote (no data
-    change) are read by neither. A file whose size the entry does not give,
-    or an entry that is gone, weighs more than `READ_ON_EXECUTORS_FROM`:
-    alone, it sends the batch to Spark."""
+    """Bytes of the files a read of one version's rows reads (`feed_files`).
+    A file whose size the entry does not give, or an entry that is gone,
+    weighs more than `READ_ON_EXECUTORS_FROM`: alone, it sends the batch to
+    Spark."""
     unknown = READ_ON_EXECUTORS_FROM + 1
     if actions is None:
         return unknown
-    changes = [a["cdc"] for a in actions if "cdc" in a]
-    if read != "changes" or not changes:
-        kinds = ("add", "remove") if read == "changes" else ("add",)
-        changes = [a[k] for a in actions for k in kinds if k in a and a[k].get("dataChange", True)]
-    return sum(int(f["size"]) if f.get("size") is not None else unknown for f in changes)
+    return sum(int(f["size"]) if f.get("size") is not None else unknown for _, f in feed_files(actions, read))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["MAX_STAT_CHARS", "FileStats", "apply_rule", "match_key", "matches", "merged_rows"]
+__all__ = ["MAX_STAT_CHARS", "FileStats", "apply_rule", "in_schema", "match_key", "matches", "merged_rows"]
 
 #: Longer strings get no min/max statistics (readers then read the file: always right).
 MAX_STAT_CHARS = 256
@@ -57,6 +57,17 @@ def matches(old: pa.Table, updates: pa.Table, keys: list[str]) -> pa.Array:
     right = pa.table([*(match_key(updates, k) for k in keys), pa.array(range(updates.num_rows), pa.int64())], names=[*keys, "__microbatch_new"])
     pairs = left.join(right, keys=keys, join_type="left outer", use_threads=False)
     return pairs.take(pc.sort_indices(pairs.column("__microbatch_old"))).column("__microbatch_new").combine_chunks()
+
+
+def in_schema(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`rows` in the state's schema: a column they lack is null (a file
+    written before it was added; a batch's new keys, as a MERGE inserts them)."""
+    import pyarrow as pa
+
+    return pa.table(
+        [rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema],
+        schema=schema,
+    )
 
 
 def match_key(table: pa.Table, name: str) -> pa.Array:

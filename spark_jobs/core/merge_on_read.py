@@ -55,13 +55,16 @@ a commit that changes no data: `maintain`, and before a widening).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -72,10 +75,11 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from spark_jobs.core.arrow_rows import FileStats, matches, merged_rows
+from spark_jobs.core.arrow_rows import FileStats, in_schema, matches, merged_rows
 from spark_jobs.core.commits import METADATA_KEY, CommitMetadata
 from spark_jobs.core.deletion_vectors import active_files, deleted_in, has_deletion_vectors, table_root, write_vectors
 from spark_jobs.core.faults import fault_point
+from spark_jobs.core.key_directory import KeyDirectory, open_directory
 from spark_jobs.core import own_commits
 from spark_jobs.core.own_commits import commit_info, fence, logged, removal
 from spark_jobs.core.spec import BATCH_COLUMN, PipelineSpec, StateSpec
@@ -83,6 +87,8 @@ from spark_jobs.core.staged import CHANGE_DATA, files_bytes, files_meeting
 from spark_jobs.storage.files import reader, write_bytes
 
 __all__ = ["AUTO_FROM_BYTES", "ENABLED", "commit", "due", "enable", "enabled", "merges", "purge", "restore"]
+
+log = logging.getLogger("microbatch")
 
 #: The table property that lets writers add deletion vectors (Delta's name).
 ENABLED = "delta.enableDeletionVectors"
@@ -168,25 +174,31 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     if not _pays(added, data.num_rows):
         return None
     schema = pa.schema(table.schema().to_arrow())
-    probed = _probe(table, root, added, spec, schema, data)
-    taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
-    new = np.ones(data.num_rows, dtype=bool)
-    new[taken] = False
-    inserted = _in_schema(data.filter(pa.array(new)), schema)
-    before = pa.concat_tables([p.before for p in probed]) if probed else schema.empty_table()
-    after = pa.concat_tables([p.after for p in probed]) if probed else schema.empty_table()
-    now = int(time.time() * 1000)
-    metrics = {"num_target_rows_updated": after.num_rows, "num_target_rows_inserted": inserted.num_rows, "num_deletion_vectors_added": len(probed)}
-    actions = [commit_info(metadata, now, {"mode": "merge-on-read"}, metrics), fence(metadata, now)]
-    if probed:
-        vectors = [_union(p.deleted, p.rows) for p in probed]
-        for p, descriptor in zip(probed, write_vectors(root, vectors)):
-            actions += _revectored(logged(added, p.path), descriptor, now)
-    actions.append(_data_file(root, pa.concat_tables([after, inserted]), schema, now))
-    if spec.state.change_feed:
-        actions.append(_change_file(root, before, after, inserted))
-    fault_point("mid_state_merge")  # every file written, the commit not made
-    return own_commits.commit(table, actions, "since this batch read the state"), data.num_rows
+    directory = open_directory(root, list(spec.state.keys), schema)
+    with directory.locked() if directory is not None else nullcontext():
+        probed = _probe(table, root, added, spec, schema, data, directory)
+        taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
+        new = np.ones(data.num_rows, dtype=bool)
+        new[taken] = False
+        inserted = in_schema(data.filter(pa.array(new)), schema)
+        before = pa.concat_tables([p.before for p in probed]) if probed else schema.empty_table()
+        after = pa.concat_tables([p.after for p in probed]) if probed else schema.empty_table()
+        now = int(time.time() * 1000)
+        metrics = {"num_target_rows_updated": after.num_rows, "num_target_rows_inserted": inserted.num_rows, "num_deletion_vectors_added": len(probed)}
+        actions = [commit_info(metadata, now, {"mode": "merge-on-read"}, metrics), fence(metadata, now)]
+        if probed:
+            vectors = [_union(p.deleted, p.rows) for p in probed]
+            for p, descriptor in zip(probed, write_vectors(root, vectors)):
+                actions += _revectored(logged(added, p.path), descriptor, now)
+        written = pa.concat_tables([after, inserted]).cast(schema)
+        actions.append(file := _data_file(root, written, schema, now))
+        if spec.state.change_feed:
+            actions.append(_change_file(root, before, after, inserted))
+        fault_point("mid_state_merge")  # every file written, the commit not made
+        committed = own_commits.commit(table, actions, "since this batch read the state")
+        if directory is not None:
+            _remember(directory, file["add"], written, added)
+    return committed, data.num_rows
 
 
 def purge(table: DeltaTable) -> tuple[int, int] | None:
@@ -324,41 +336,32 @@ class _Touched:
 
 
 def _probe(
-    table: DeltaTable, root: str, added: dict[str, dict[str, Any]], spec: PipelineSpec, schema: pa.Schema, data: pa.Table
+    table: DeltaTable, root: str, added: dict[str, dict[str, Any]], spec: PipelineSpec, schema: pa.Schema, data: pa.Table,
+    directory: KeyDirectory | None,
 ) -> list[_Touched]:
-    """Step 1: the files holding some of the batch's keys. Each row group
-    of the files whose key range meets the batch's is read once, in runs of
-    a file's consecutive groups (`_RowGroups.units`), `READERS` runs at a
-    time (a file's groups spread over the cores, as a few big files would
-    not)."""
+    """Step 1: the files holding some of the batch's keys, among those
+    whose key range meets the batch's: found by the key directory
+    (`spark_jobs.core.key_directory`), or when there is none, or it fails,
+    by reading each of their row groups once, in runs of a file's
+    consecutive groups (`_RowGroups.units`), `READERS` runs at a time (a
+    file's groups spread over the cores, as a few big files would not)."""
     keys = list(spec.state.keys)
     rules = {c: r for c, r in spec.state.merge.items() if c in data.column_names}
     meeting = files_meeting(table, keys, data.schema.field(keys[0]).type, _key_range(data, keys))
     deleted = deleted_in(root, (logged(added, path) for path in meeting))
-    groups = _RowGroups(root, meeting)
-
-    def probe(unit: tuple[str, list[int], int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
-        path, run, offset = unit
-        old = _read(groups.reader(path), run, schema)
-        found = matches(old, data, keys)
-        gone = deleted.get(unquote(path), np.empty(0, np.uint64))  # (sorted: `deleted_in`)
-        gone = gone[np.searchsorted(gone, offset) : np.searchsorted(gone, offset + old.num_rows)] - np.uint64(offset)
-        if len(gone):
-            live = np.ones(old.num_rows, dtype=bool)
-            live[gone.astype(np.int64)] = False
-            found = pc.if_else(pa.array(live), found, pa.nulls(len(found), found.type))
-        rows = np.flatnonzero(pc.is_valid(found).to_numpy(zero_copy_only=False))
-        if not len(rows):
-            return None
-        before = old.take(rows)
-        after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
-        return path, rows.astype(np.uint64) + np.uint64(offset), before, after, taken.to_numpy(zero_copy_only=False)
-
-    try:
-        with ThreadPoolExecutor(READERS) as pool:
-            found = [f for f in pool.map(probe, groups.units(max(UNIT_ROWS, data.num_rows))) if f is not None]
-    finally:
-        groups.close()
+    found: list[tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray]] | None = None
+    if directory is not None:
+        try:
+            files = {unquote(p): a for p, a in added.items()}
+            sizes = {p: int(a["size"]) for p, a in files.items()}
+            records = {p: int(json.loads(a.get("stats") or "{}").get("numRecords", 0)) or 1 for p, a in files.items()}
+            hits = directory.find(sizes, records, meeting, deleted, lambda path: _file_rows(root, path, schema), data)
+            found = [f for f in (_merged(h.path, h.rows, h.old, data, keys, rules) for h in hits) if f is not None]
+        except Exception as exc:  # noqa: BLE001 - a cache: the batch reads the state instead, and it starts again
+            log.warning("key directory of %s not used (%s: %s); reading the state's files", root, type(exc).__name__, exc)
+            _forget(directory)
+    if found is None:
+        found = _scan(root, meeting, deleted, schema, data, keys, rules)
     touched = []
     for path in dict.fromkeys(f[0] for f in found):
         parts = [f for f in found if f[0] == path]
@@ -367,6 +370,76 @@ def _probe(
             pa.concat_tables([f[2] for f in parts]), pa.concat_tables([f[3] for f in parts]), np.concatenate([f[4] for f in parts]),
         ))
     return touched
+
+
+def _scan(
+    root: str, meeting: list[str], deleted: dict[str, np.ndarray], schema: pa.Schema, data: pa.Table,
+    keys: list[str], rules: dict[str, str],
+) -> list[tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray]]:
+    """`_probe` by reading the files `meeting` whole, `READERS` runs of row groups at a time."""
+    groups = _RowGroups(root, meeting)
+
+    def probe(unit: tuple[str, list[int], int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
+        path, run, offset = unit
+        old = _read(groups.reader(path), run, schema)
+        rows = np.arange(old.num_rows, dtype=np.uint64) + np.uint64(offset)
+        gone = deleted.get(unquote(path), np.empty(0, np.uint64))  # (sorted: `deleted_in`)
+        gone = gone[np.searchsorted(gone, offset) : np.searchsorted(gone, offset + old.num_rows)] - np.uint64(offset)
+        if len(gone):
+            live = np.ones(old.num_rows, dtype=bool)
+            live[gone.astype(np.int64)] = False
+            old, rows = old.filter(pa.array(live)), rows[live]
+        return _merged(path, rows, old, data, keys, rules)
+
+    try:
+        with ThreadPoolExecutor(READERS) as pool:
+            return [f for f in pool.map(probe, groups.units(max(UNIT_ROWS, data.num_rows))) if f is not None]
+    finally:
+        groups.close()
+
+
+def _merged(
+    path: str, rows: np.ndarray, old: pa.Table, data: pa.Table, keys: list[str], rules: dict[str, str]
+) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
+    """Of a file's live rows `old` (at row indexes `rows`), those holding a
+    batch key: (the file, their indexes, them, merged with the batch's rows,
+    the indexes of those batch rows); None when none does."""
+    hit = np.flatnonzero(pc.is_valid(matches(old, data, keys)).to_numpy(zero_copy_only=False))
+    if not len(hit):
+        return None
+    before = old.take(hit)
+    after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
+    return path, rows[hit], before, after, taken.to_numpy(zero_copy_only=False)
+
+
+def _file_rows(root: str, path: str, schema: pa.Schema) -> Iterator[pa.Table]:
+    """Every row of the file at `path` (deleted ones too), in the state's
+    schema, in runs of row groups of `UNIT_ROWS` rows (what a scan holds at once)."""
+    groups = _RowGroups(root, [path])
+    try:
+        for _, run, _ in groups.units(UNIT_ROWS):
+            yield _read(groups.reader(path), run, schema)
+    finally:
+        groups.close()
+
+
+def _remember(directory: KeyDirectory, add: dict[str, Any], rows: pa.Table, added: dict[str, dict[str, Any]]) -> None:
+    """After the batch's commit landed: its file in the key directory. A
+    failure here costs the next batch a read of that file, never the commit."""
+    try:
+        active = {unquote(p): int(a["size"]) for p, a in added.items()}
+        active[unquote(add["path"])] = int(add["size"])
+        directory.record(unquote(add["path"]), int(add["size"]), rows, active)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("key directory of %s not kept (%s: %s)", directory.folder, type(exc).__name__, exc)
+        _forget(directory)
+
+
+def _forget(directory: KeyDirectory) -> None:
+    try:
+        directory.clear()
+    except OSError as exc:
+        log.warning("key directory %s not cleared (%s)", directory.folder, exc)
 
 
 class _RowGroups:
@@ -445,16 +518,7 @@ def _read(source: pq.ParquetFile, groups: list[int], schema: pa.Schema) -> pa.Ta
     (One thread: pyarrow's pool left alive beside delta-rs's can abort the
     process at exit, `delta_io.read_pruned`.)"""
     present = set(source.schema_arrow.names)
-    return _in_schema(source.read_row_groups(groups, columns=[f.name for f in schema if f.name in present], use_threads=False), schema)
-
-
-def _in_schema(rows: pa.Table, schema: pa.Schema) -> pa.Table:
-    """`rows` in the state's schema: a column they lack is null (a file
-    written before it was added; a batch's new keys, as a MERGE inserts them)."""
-    return pa.table(
-        [rows.column(f.name).cast(f.type) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema],
-        schema=schema,
-    )
+    return in_schema(source.read_row_groups(groups, columns=[f.name for f in schema if f.name in present], use_threads=False), schema)
 
 
 def _key_range(data: pa.Table, keys: list[str]) -> tuple[Any, Any] | None:

@@ -91,7 +91,9 @@ _SWEPT: set[Path] = set()
 #: The folder of the project's local caches (as `engine.jvm_cache.CACHE_ENV` names it).
 _CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: A manifest of another format is started again.
-_FORMAT = 1
+_FORMAT = 2
+#: A level's files: its rows, its sorted hashes, their rows' positions, where each bucket of hashes starts.
+_PARTS = ("rows.arrow", "hash.npy", "pos.npy", "start.npy")
 #: Levels built at most this many rows each (the files one holds; one file
 #: bigger than it is a level of its own), so that a level's sort holds at
 #: most 16.7M hashes and positions in memory (about 270 MB).
@@ -216,9 +218,12 @@ class KeyDirectory:
         self._levels.append(self._write_level([(path, size, lambda: [rows])]))
         small = sorted((lv for lv in self._levels if lv["entries"] < LEVEL_ROWS // 4), key=lambda lv: lv["entries"])
         if len(small) > MAX_LEVELS:
+            # The smallest, each no bigger than those before it together (as
+            # size-tiered compaction merges): a merge copies at most twice
+            # what it gathers, and a row is copied about log2(levels) times.
             merging, total = [], 0
             for level in small:
-                if len(merging) >= 2 and total + level["entries"] > LEVEL_ROWS // 4:
+                if len(merging) >= 2 and level["entries"] > total:
                     break
                 merging.append(level)
                 total += level["entries"]
@@ -241,13 +246,18 @@ class KeyDirectory:
         """Step 2 and 3 in one level, for its `files` (those it answers)."""
         hashes = np.load(self.folder / f"{level['id']}.hash.npy", mmap_mode="r")
         positions = np.load(self.folder / f"{level['id']}.pos.npy", mmap_mode="r")
-        low, high = np.searchsorted(hashes, wanted, "left"), np.searchsorted(hashes, wanted, "right")
-        hit = high > low
-        low, counts = low[hit], (high - low)[hit]
-        if not len(low):
-            return
-        # Every index in [low, high) of each hit, then their rows' positions, sorted.
+        buckets = np.load(self.folder / f"{level['id']}.start.npy", mmap_mode="r")
+        # A key's hash is in its bucket (its top bits), a row or two: two
+        # reads of `buckets`, one of `hashes` each, where a binary search
+        # took some twenty.
+        bucket = _bucket(wanted, len(buckets) - 1)
+        low, high = np.asarray(buckets[bucket], dtype=np.int64), np.asarray(buckets[bucket + 1], dtype=np.int64)
+        counts = high - low
+        # Every index in [low, high) of each key, those holding its hash, then their rows' positions, sorted.
         at = np.repeat(low - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+        at = at[np.asarray(hashes[at]) == np.repeat(wanted, counts)]
+        if not len(at):
+            return
         chosen = np.sort(np.asarray(positions[at], dtype=np.int64))
         rows_file = self._rows_file(level)
         starts = np.array([f["start"] for f in level["files"]], dtype=np.int64)
@@ -298,8 +308,8 @@ class KeyDirectory:
                     mine = (level_positions >= f["start"]) & (level_positions < f["start"] + f["rows"])
                     hashes.append(level_hashes[mine])
                     positions.append(level_positions[mine] - f["start"] + start)
-                    span = np.arange(f["start"], f["start"] + f["rows"], dtype=np.int64)
-                    writer.write_table(in_schema(_take(rows_file, span), self.schema), max_chunksize=_BATCH_ROWS)
+                    whole = pa.Table.from_batches([rows_file.get_batch(i) for i in range(rows_file.num_record_batches)], schema=rows_file.schema)
+                    writer.write_table(in_schema(whole.slice(f["start"], f["rows"]), self.schema), max_chunksize=_BATCH_ROWS)
                     files.append({**f, "start": start})
                     start += f["rows"]
         every = np.concatenate(hashes) if hashes else np.empty(0, np.uint64)
@@ -308,9 +318,15 @@ class KeyDirectory:
         return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
 
     def _save_index(self, name: str, hashes: np.ndarray, positions: np.ndarray) -> None:
+        """The level's hashes sorted, their rows' positions, and where each
+        bucket of hashes starts (`_bucket`: as many buckets as a power of two
+        fits in the entries, so a bucket holds one or two)."""
         order = np.argsort(hashes, kind="stable")
+        hashes = hashes[order]
         kind = np.uint32 if len(positions) < 1 << 32 else np.int64
-        for suffix, values in (("hash", hashes[order]), ("pos", positions[order].astype(kind))):
+        count = 1 << max(0, len(hashes).bit_length() - 1)
+        starts = np.concatenate([[0], np.cumsum(np.bincount(_bucket(hashes, count), minlength=count))]).astype(kind)
+        for suffix, values in (("hash", hashes), ("pos", positions[order].astype(kind)), ("start", starts)):
             with open(self.folder / f"{name}.{suffix}.npy.tmp", "wb") as out:
                 np.save(out, values)
             os.replace(self.folder / f"{name}.{suffix}.npy.tmp", self.folder / f"{name}.{suffix}.npy")
@@ -326,7 +342,7 @@ class KeyDirectory:
 
     def _remove_files(self, levels: list[dict[str, Any]]) -> None:
         for level in levels:
-            for suffix in ("rows.arrow", "hash.npy", "pos.npy"):
+            for suffix in _PARTS:
                 (self.folder / f"{level['id']}.{suffix}").unlink(missing_ok=True)
 
     # -- manifest ----------------------------------------------------------------
@@ -342,7 +358,7 @@ class KeyDirectory:
             self.clear()
             return []
         levels = manifest.get("levels", [])
-        named = {f"{lv['id']}.{s}" for lv in levels for s in ("rows.arrow", "hash.npy", "pos.npy")}
+        named = {f"{lv['id']}.{s}" for lv in levels for s in _PARTS}
         for entry in self.folder.iterdir():  # a crash's leftovers: files no manifest names
             if entry.name not in named and entry.name not in ("lock", "manifest.json"):
                 entry.unlink(missing_ok=True)
@@ -385,6 +401,13 @@ def _take(source: pa.ipc.RecordBatchFileReader, positions: np.ndarray) -> pa.Tab
             parts.append(batch.take(pa.array(positions[begin:stop] - (end - batch.num_rows))))
         begin = stop
     return pa.Table.from_batches(parts, schema=source.schema)
+
+
+def _bucket(hashes: np.ndarray, count: int) -> np.ndarray:
+    """Each hash's bucket of `count` (a power of two): its top bits."""
+    if count <= 1:
+        return np.zeros(len(hashes), dtype=np.int64)
+    return (hashes >> np.uint64(65 - count.bit_length())).astype(np.int64)
 
 
 def _schema_json(schema: pa.Schema) -> list[list[str]]:

@@ -356,7 +356,7 @@ def _probe(
             sizes = {p: int(a["size"]) for p, a in files.items()}
             records = {p: int(json.loads(a.get("stats") or "{}").get("numRecords", 0)) or 1 for p, a in files.items()}
             hits = directory.find(sizes, records, meeting, deleted, lambda path: _file_rows(root, path, schema), data)
-            found = [f for f in (_merged(h.path, h.rows, h.old, data, keys, rules) for h in hits) if f is not None]
+            found = _merged([(h.path, h.rows, h.old) for h in hits], data, keys, rules)
         except Exception as exc:  # noqa: BLE001 - a cache: the batch reads the state instead, and it starts again
             log.warning("key directory of %s not used (%s: %s); reading the state's files", root, type(exc).__name__, exc)
             _forget(directory)
@@ -379,7 +379,7 @@ def _scan(
     """`_probe` by reading the files `meeting` whole, `READERS` runs of row groups at a time."""
     groups = _RowGroups(root, meeting)
 
-    def probe(unit: tuple[str, list[int], int]) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
+    def probe(unit: tuple[str, list[int], int]) -> list[tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray]]:
         path, run, offset = unit
         old = _read(groups.reader(path), run, schema)
         rows = np.arange(old.num_rows, dtype=np.uint64) + np.uint64(offset)
@@ -389,27 +389,38 @@ def _scan(
             live = np.ones(old.num_rows, dtype=bool)
             live[gone.astype(np.int64)] = False
             old, rows = old.filter(pa.array(live)), rows[live]
-        return _merged(path, rows, old, data, keys, rules)
+        return _merged([(path, rows, old)], data, keys, rules)
 
     try:
         with ThreadPoolExecutor(READERS) as pool:
-            return [f for f in pool.map(probe, groups.units(max(UNIT_ROWS, data.num_rows))) if f is not None]
+            return [f for found in pool.map(probe, groups.units(max(UNIT_ROWS, data.num_rows))) for f in found]
     finally:
         groups.close()
 
 
 def _merged(
-    path: str, rows: np.ndarray, old: pa.Table, data: pa.Table, keys: list[str], rules: dict[str, str]
-) -> tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray] | None:
-    """Of a file's live rows `old` (at row indexes `rows`), those holding a
-    batch key: (the file, their indexes, them, merged with the batch's rows,
-    the indexes of those batch rows); None when none does."""
+    parts: list[tuple[str, np.ndarray, pa.Table]], data: pa.Table, keys: list[str], rules: dict[str, str]
+) -> list[tuple[str, np.ndarray, pa.Table, pa.Table, np.ndarray]]:
+    """Of files' live rows (`parts`: the file, their row indexes, the rows),
+    those holding a batch key, by file: (the file, their indexes, them,
+    merged with the batch's rows, the indexes of those batch rows). All
+    files' rows are matched at once: a match hashes the batch's keys each time."""
+    if not parts:
+        return []
+    old = pa.concat_tables([p[2] for p in parts])
+    rows = np.concatenate([p[1] for p in parts])
     hit = np.flatnonzero(pc.is_valid(matches(old, data, keys)).to_numpy(zero_copy_only=False))
     if not len(hit):
-        return None
+        return []
     before = old.take(hit)
     after, taken = merged_rows(before, data, keys, rules, BATCH_COLUMN)
-    return path, rows[hit], before, after, taken.to_numpy(zero_copy_only=False)
+    taken = taken.to_numpy(zero_copy_only=False)
+    out, begin = [], 0
+    for (path, _, _), end in zip(parts, np.searchsorted(hit, np.cumsum([p[2].num_rows for p in parts]))):
+        if end > begin:
+            out.append((path, rows[hit[begin:end]], before.slice(begin, end - begin), after.slice(begin, end - begin), taken[begin:end]))
+        begin = end
+    return out
 
 
 def _file_rows(root: str, path: str, schema: pa.Schema) -> Iterator[pa.Table]:

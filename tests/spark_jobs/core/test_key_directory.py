@@ -130,6 +130,19 @@ def test_rewinds_purges_and_compactions_are_followed_and_files_back_are_found_wh
     assert {f["path"] for level in levels for f in level["files"]} <= active
 
 
+def test_with_every_key_hashing_alike_the_keys_themselves_decide(tmp_path, keys_folder, monkeypatch, caplog):
+    """A hash only chooses which rows to compare: with one hash for every
+    key (each lookup hits every row of every level, deleted and live, all
+    in one bucket), the batches hold what the twin's hold, the directory in use."""
+    monkeypatch.setattr(key_directory, "key_hashes", lambda table, keys: np.zeros(table.num_rows, np.uint64))
+    twins = _Twins(tmp_path, keys_folder, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="microbatch"):
+        for n, batch in enumerate(_batches(5, seed=24), start=1):
+            twins.batch(batch, Position(0, n))
+    assert "key directory" not in caplog.text
+    assert _merged_on_read(twins.on) and len(_levels(keys_folder)) == 5
+
+
 @pytest.mark.parametrize("damage", ["truncated rows", "no positions", "garbage manifest", "other hash"])
 def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder, monkeypatch, caplog, damage):
     """A directory damaged between batches (a level cut short, a file gone,

@@ -181,11 +181,13 @@ def fold_s(spec_path: Path) -> float:
         compute.close()
 
 
-def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True, reads: bool = True) -> dict[str, Any]:
+def measure(
+    work: Path, size: int, batches: int, *, fold_and_reads: bool = True, reads: bool = True, variants: tuple[str, ...] = tuple(VARIANTS)
+) -> dict[str, Any]:
     """One state size; `fold_and_reads`: also time the appended state's
     fold and, with `reads`, both states' full reads (`make bench` leaves
     them out; a full read of 100M keys holds them all in this process,
-    about 23 GB)."""
+    about 23 GB); `variants`: which of the project's (`VARIANTS`)."""
     base = work / f"n{size}"
     clicks = click_files(base / "clicks", size, batches)
     started = time.perf_counter()
@@ -212,7 +214,7 @@ def measure(work: Path, size: int, batches: int, *, fold_and_reads: bool = True,
         file=sys.stderr,
     )
 
-    for layout in VARIANTS:
+    for layout in variants:
         spec_path = seeded_project(base, layout, clicks)
         runs = project_steady(spec_path, batches)
         assert [r["records"] for r in runs] == [BATCH_RECORDS] * batches, runs
@@ -328,10 +330,21 @@ def main() -> None:
         action="store_true",
         help="leave out the full reads of each state (100M keys: about 23 GB in this process)",
     )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="the project's variants to run (of %(default)s); fewer than all: figures printed, docs left alone",
+    )
     args = parser.parse_args()
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     with scratch("state-vs-ss") as work:
-        rows = [measure(work, n, args.batches, reads=not args.no_reads) for n in [100_000, *numbers(args.sizes)]]
-    write_doc(args, rows)
+        # The merged state's key directories (`core/key_directory.py`) in the scratch folder, gone with it.
+        os.environ.setdefault("MICROBATCH_KEY_DIRECTORY", str(work / "keys"))
+        rows = [measure(work, n, args.batches, reads=not args.no_reads, variants=variants) for n in [100_000, *numbers(args.sizes)]]
+    if set(variants) == set(VARIANTS):
+        write_doc(args, rows)
 
 
 if __name__ == "__main__":

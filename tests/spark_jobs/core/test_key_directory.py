@@ -173,6 +173,35 @@ def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder
     assert active <= {f["path"] for level in levels for f in level["files"]}
 
 
+class _Killed(BaseException):
+    """Stands for a kill: no `except Exception` catches it."""
+
+
+def test_a_run_killed_between_its_commit_and_the_directory_leaves_the_next_batch_right(tmp_path, keys_folder, monkeypatch):
+    """The commit landed, the process died before its file joined the
+    directory: the next batch finds that file uncovered, reads it into a
+    level, and holds what the twin holds."""
+    twins = _Twins(tmp_path, keys_folder, monkeypatch)
+    batches = _batches(5, seed=25)
+    for n in range(1, 4):
+        twins.batch(batches[n - 1], Position(0, n))
+
+    def killed(*args, **kwargs):
+        raise _Killed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(KeyDirectory, "record", killed)
+        twins._as(twins.on)
+        with pytest.raises(_Killed):
+            commit_updates(twins.on, twins.on.open(), batches[3], Position(0, 4))
+    twins._as(twins.off)
+    commit_updates(twins.off, twins.off.open(), batches[3], Position(0, 4))
+    twins.same()
+    twins.batch(batches[4], Position(0, 5))
+    active = {Path(p).name for p in open_table(twins.on.path).file_uris()}
+    assert active <= {f["path"] for level in _levels(keys_folder) for f in level["files"]}
+
+
 def test_racing_runs_take_the_directory_one_at_a_time(tmp_path):
     """The lock file: a second holder waits until the first lets go."""
     schema = pa.schema([("k", pa.int64())])

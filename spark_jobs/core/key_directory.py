@@ -68,6 +68,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,8 @@ _PARTS = ("rows.arrow", "hash.npy", "pos.npy", "start.npy")
 #: bigger than it is a level of its own), so that a level's sort holds at
 #: most 16.7M hashes and positions in memory (about 270 MB).
 LEVEL_ROWS = 1 << 24
+#: Levels built at once, a thread each (`find`).
+BUILDERS = max(1, min(2, os.cpu_count() or 1))
 #: Past this many levels of under a quarter of `LEVEL_ROWS`, the smallest are merged.
 MAX_LEVELS = 8
 #: Rows of a level's record batches.
@@ -190,8 +193,10 @@ class KeyDirectory:
         covered = {f["path"] for level in self._levels for f in level["files"] if active.get(f["path"]) == f["size"]}
         touched = {p for p in meeting if p in active}
         missing = [p for p in dict.fromkeys(meeting) if p in touched and p not in covered]
-        for group in _groups(missing, active, records, read):
-            self._levels.append(self._write_level(group))
+        groups = list(_groups(missing, active, records, read))
+        if groups:  # a level a thread, `BUILDERS` at once (each holds its level's hashes, about 20 bytes a row)
+            with ThreadPoolExecutor(min(BUILDERS, len(groups))) as pool:
+                self._levels.extend(pool.map(self._write_level, groups))
         self._write_manifest()
         wanted = np.unique(key_hashes(data, self.keys))
         found: dict[str, list[tuple[np.ndarray, pa.Table]]] = {}
@@ -288,7 +293,8 @@ class KeyDirectory:
                     start += table.num_rows
                 files.append({"path": path, "size": size, "rows": start - first, "start": first})
         every = np.concatenate(hashes) if hashes else np.empty(0, np.uint64)
-        self._save_index(name, every, np.arange(len(every), dtype=np.int64))
+        del hashes
+        self._save_index(name, every, None)
         os.replace(str(rows_path) + ".tmp", rows_path)
         return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
 
@@ -317,16 +323,19 @@ class KeyDirectory:
         os.replace(str(rows_path) + ".tmp", rows_path)
         return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
 
-    def _save_index(self, name: str, hashes: np.ndarray, positions: np.ndarray) -> None:
-        """The level's hashes sorted, their rows' positions, and where each
-        bucket of hashes starts (`_bucket`: as many buckets as a power of two
-        fits in the entries, so a bucket holds one or two)."""
+    def _save_index(self, name: str, hashes: np.ndarray, positions: np.ndarray | None) -> None:
+        """The level's hashes sorted, their rows' positions (None: the
+        hashes are in row order), and where each bucket of hashes starts
+        (`_bucket`: as many buckets as a power of two fits in the entries,
+        so a bucket holds one or two)."""
         order = np.argsort(hashes, kind="stable")
         hashes = hashes[order]
-        kind = np.uint32 if len(positions) < 1 << 32 else np.int64
+        kind = np.uint32 if len(hashes) < 1 << 32 else np.int64
+        positions = (order if positions is None else positions[order]).astype(kind)
+        del order
         count = 1 << max(0, len(hashes).bit_length() - 1)
         starts = np.concatenate([[0], np.cumsum(np.bincount(_bucket(hashes, count), minlength=count))]).astype(kind)
-        for suffix, values in (("hash", hashes), ("pos", positions[order].astype(kind)), ("start", starts)):
+        for suffix, values in (("hash", hashes), ("pos", positions), ("start", starts)):
             with open(self.folder / f"{name}.{suffix}.npy.tmp", "wb") as out:
                 np.save(out, values)
             os.replace(self.folder / f"{name}.{suffix}.npy.tmp", self.folder / f"{name}.{suffix}.npy")
@@ -469,7 +478,11 @@ def _bytes_hash(column: pa.Array) -> np.ndarray:
         begin, end = offsets[first:last], offsets[first + 1 : last + 1]
         lengths = end - begin
         full = lengths > 0
-        if full.any():
+        width = int(lengths[0]) if len(lengths) else 0
+        if width and (lengths == width).all():  # values all as long (ids, codes): a row of a matrix each, the same sums
+            span = body[begin[0] : end[-1]].reshape(-1, width).astype(np.uint64)
+            out[first:last] = ((span + np.uint64(1)) * _POWERS[np.arange(width) % len(_POWERS)]).sum(axis=1, dtype=np.uint64)
+        elif full.any():
             span = body[begin[0] : end[-1]].astype(np.uint64)
             place = np.arange(len(span), dtype=np.int64) - np.repeat(begin - begin[0], lengths)
             weights = _POWERS[place % len(_POWERS)]

@@ -245,6 +245,9 @@ def test_equal_keys_hash_alike_whatever_array_holds_them():
     assert h(k=pa.chunked_array([words.slice(0, 2), words.slice(2)])) == h(k=words)
     assert h(k=pa.array(["ab"], pa.large_string())) == h(k=pa.array(["ab"]))
     assert len(set(h(k=words))) == 6
+    # Values all as long are hashed as a matrix, others one by one: the same hashes.
+    ids = ["u000000001", "u123456789", "u999999999"]
+    assert h(k=pa.array(ids)) == h(k=pa.array([*ids, "u1"]))[:3] == h(k=pa.array([*ids, None]))[:3]
     nan = np.frombuffer(np.array([0x7FF8000000000001], np.uint64).tobytes(), np.float64)[0]
     assert h(k=pa.array([-0.0, float("nan")])) == h(k=pa.array([0.0, nan]))
     assert len(set(h(k=pa.array([0, None], pa.int64())))) == 2

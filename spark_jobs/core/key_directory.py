@@ -92,14 +92,14 @@ _SWEPT: set[Path] = set()
 #: The folder of the project's local caches (as `engine.jvm_cache.CACHE_ENV` names it).
 _CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: A manifest of another format is started again.
-_FORMAT = 2
+_FORMAT = 3
 #: A level's files: its rows, its sorted hashes, their rows' positions, where each bucket of hashes starts.
 _PARTS = ("rows.arrow", "hash.npy", "pos.npy", "start.npy")
 #: Levels built at most this many rows each (the files one holds; one file
 #: bigger than it is a level of its own), so that a level's sort holds at
-#: most 16.7M hashes and positions in memory (about 270 MB).
+#: most 16.7M hashes and positions in memory (about 230 MB: `_save_index`).
 LEVEL_ROWS = 1 << 24
-#: Levels built at once, a thread each (`find`).
+#: Small levels built at once, a thread each (`find`).
 BUILDERS = max(1, min(2, os.cpu_count() or 1))
 #: Past this many levels of under a quarter of `LEVEL_ROWS`, the smallest are merged.
 MAX_LEVELS = 8
@@ -107,6 +107,9 @@ MAX_LEVELS = 8
 _BATCH_ROWS = 1 << 20
 _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 _NULL = np.uint64(0x5BD1E9955BD1E995)
+#: A level keeps a hash's top 40 bits (`_save_index`); the low 24 are compared by the keys' match.
+_LOW = np.uint64((1 << 24) - 1)
+_HIGH = ~_LOW
 _BYTE = np.uint64(0x100000001B3)
 
 
@@ -194,11 +197,16 @@ class KeyDirectory:
         touched = {p for p in meeting if p in active}
         missing = [p for p in dict.fromkeys(meeting) if p in touched and p not in covered]
         groups = list(_groups(missing, active, records, read))
-        if groups:  # a level a thread, `BUILDERS` at once (each holds its level's hashes, about 20 bytes a row)
-            with ThreadPoolExecutor(min(BUILDERS, len(groups))) as pool:
-                self._levels.extend(pool.map(self._write_level, groups))
+        if groups:
+            # A level a thread, `BUILDERS` at once while levels are small: a
+            # build holds about 14 bytes a row (230 MB at `LEVEL_ROWS`), and
+            # one at a time keeps a big state's first batch within the memory
+            # a job's process is held to (issue 64: 800 MB).
+            at_once = BUILDERS if max(rows for _, rows in groups) <= LEVEL_ROWS // 4 else 1
+            with ThreadPoolExecutor(min(at_once, len(groups))) as pool:
+                self._levels.extend(pool.map(self._write_level, (group for group, _ in groups)))
         self._write_manifest()
-        wanted = np.unique(key_hashes(data, self.keys))
+        wanted = np.unique(key_hashes(data, self.keys) & _HIGH)
         found: dict[str, list[tuple[np.ndarray, pa.Table]]] = {}
         answered: set[str] = set()
         for level in self._levels:
@@ -281,19 +289,21 @@ class KeyDirectory:
         in runs), written under temporary names and renamed into place (the
         manifest names it after)."""
         name = uuid.uuid4().hex
-        files, hashes, start = [], [], 0
-        rows_path = self.folder / f"{name}.rows.arrow"
-        with pa.OSFile(str(rows_path) + ".tmp", "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
+        files, start = [], 0
+        rows_path, hashes_path = self.folder / f"{name}.rows.arrow", self.folder / f"{name}.hashes.tmp"
+        # The hashes go to a file as the runs are read, then come back as one
+        # array: never held twice (a list of runs and their concatenation).
+        with open(hashes_path, "wb") as raw, pa.OSFile(str(rows_path) + ".tmp", "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
             for path, size, runs in sources:
                 first = start
                 for run in runs():
                     table = in_schema(run, self.schema)
-                    hashes.append(key_hashes(table, self.keys))
+                    raw.write(key_hashes(table, self.keys).tobytes())
                     writer.write_table(table, max_chunksize=_BATCH_ROWS)
                     start += table.num_rows
                 files.append({"path": path, "size": size, "rows": start - first, "start": first})
-        every = np.concatenate(hashes) if hashes else np.empty(0, np.uint64)
-        del hashes
+        every = np.fromfile(hashes_path, dtype=np.uint64)
+        hashes_path.unlink()
         self._save_index(name, every, None)
         os.replace(str(rows_path) + ".tmp", rows_path)
         return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
@@ -324,17 +334,38 @@ class KeyDirectory:
         return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
 
     def _save_index(self, name: str, hashes: np.ndarray, positions: np.ndarray | None) -> None:
-        """The level's hashes sorted, their rows' positions (None: the
-        hashes are in row order), and where each bucket of hashes starts
-        (`_bucket`: as many buckets as a power of two fits in the entries,
-        so a bucket holds one or two)."""
-        order = np.argsort(hashes, kind="stable")
-        hashes = hashes[order]
+        """The level's hashes sorted (their top 40 bits: `_HIGH`), their
+        rows' positions (None: `hashes` are in row order, and are sorted in
+        place), and where each bucket of hashes starts (`_bucket`: as many
+        buckets as a power of two fits in the entries, so a bucket holds one
+        or two).
+
+        In row order, up to 2^24 entries (a level's `LEVEL_ROWS`), each
+        hash's low 24 bits give way to its row's position and the one array
+        sorts in place: 12 bytes a row at most, where an argsort holds 28
+        (16.7M rows: 200 MB against 470, a level built on each core)."""
         kind = np.uint32 if len(hashes) < 1 << 32 else np.int64
-        positions = (order if positions is None else positions[order]).astype(kind)
-        del order
+        if positions is None and len(hashes) <= 1 << 24:
+            hashes &= _HIGH
+            for first in range(0, len(hashes), _BATCH_ROWS):
+                hashes[first : first + _BATCH_ROWS] |= np.arange(first, min(len(hashes), first + _BATCH_ROWS), dtype=np.uint64)
+            hashes.sort()
+            positions = np.empty(len(hashes), dtype=kind)
+            for first in range(0, len(hashes), _BATCH_ROWS):
+                positions[first : first + _BATCH_ROWS] = hashes[first : first + _BATCH_ROWS] & _LOW
+            hashes &= _HIGH
+        else:
+            order = np.argsort(hashes, kind="stable")
+            hashes = hashes[order] & _HIGH
+            positions = (order if positions is None else positions[order]).astype(kind)
+            del order
         count = 1 << max(0, len(hashes).bit_length() - 1)
-        starts = np.concatenate([[0], np.cumsum(np.bincount(_bucket(hashes, count), minlength=count))]).astype(kind)
+        starts = np.empty(count + 1, dtype=kind)
+        starts[count] = len(hashes)
+        shift = np.uint64(65 - count.bit_length()) if count > 1 else None
+        for first in range(0, count, _BATCH_ROWS):  # each bucket's first hash, found in the sorted hashes
+            bounds = np.arange(first, min(count, first + _BATCH_ROWS), dtype=np.uint64)
+            starts[first : first + len(bounds)] = np.searchsorted(hashes, bounds << shift) if shift is not None else 0
         for suffix, values in (("hash", hashes), ("pos", positions), ("start", starts)):
             with open(self.folder / f"{name}.{suffix}.npy.tmp", "wb") as out:
                 np.save(out, values)
@@ -382,19 +413,20 @@ class KeyDirectory:
 
 def _groups(
     paths: list[str], sizes: dict[str, int], records: dict[str, int], read: Callable[[str], Iterable[pa.Table]]
-) -> Iterator[list[tuple[str, int, Callable[[], Iterable[pa.Table]]]]]:
+) -> Iterator[tuple[list[tuple[str, int, Callable[[], Iterable[pa.Table]]]], int]]:
     """The files at `paths` in groups of at most `LEVEL_ROWS` rows by their
-    statistics (a file bigger than it alone), each file read when its level is written."""
+    statistics (a file bigger than it alone), each file read when its level
+    is written; with each group, its rows."""
     group: list[tuple[str, int, Callable[[], Iterable[pa.Table]]]] = []
     rows = 0
     for path in paths:
         if group and rows + records.get(path, LEVEL_ROWS) > LEVEL_ROWS:
-            yield group
+            yield group, rows
             group, rows = [], 0
         group.append((path, sizes[path], lambda p=path: read(p)))
         rows += records.get(path, LEVEL_ROWS)
     if group:
-        yield group
+        yield group, rows
 
 
 def _take(source: pa.ipc.RecordBatchFileReader, positions: np.ndarray) -> pa.Table:

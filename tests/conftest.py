@@ -39,7 +39,16 @@ def pytest_configure(config):
     os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
     os.environ["AIRFLOW__LOGGING__LOGGING_LEVEL"] = "WARNING"
     # The states' key directories (`core.key_directory`) in the session's own folder, not the user's cache.
-    os.environ["MICROBATCH_KEY_DIRECTORY"] = tempfile.mkdtemp(prefix="microbatch-keys-")
+    config.microbatch_keys = os.environ["MICROBATCH_KEY_DIRECTORY"] = tempfile.mkdtemp(prefix="microbatch-keys-")
+
+
+def pytest_unconfigure(config):
+    """The session's key directories removed (each xdist worker made its own)."""
+    import shutil
+
+    folder = getattr(config, "microbatch_keys", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
     # S3 tests talk to moto's server on loopback. Credentials are set before
     # any JVM starts so Spark's Python workers inherit them (they fetch S3
     # objects with boto3's chain); they are fake, and distinctive so tests can

@@ -63,7 +63,9 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
+import re
 import shutil
 import time
 import uuid
@@ -89,6 +91,8 @@ ENV = "MICROBATCH_KEY_DIRECTORY"
 #: A state's directory not used for this many days is removed (`_sweep`).
 _IDLE_DAYS = 7
 _SWEPT: set[Path] = set()
+_TABLE_NAME = re.compile(r"[0-9a-f]{24}")
+_OWN_FILE = re.compile(r"lock|manifest\.json(\.[0-9a-f]{32}\.tmp)?|[0-9a-f]{32}\.(rows\.arrow|hash\.npy|pos\.npy|start\.npy|hashes)(\.tmp)?|[0-9a-f]{32}\.(hash|pos|start)\.npy\.tmp")
 #: The folder of the project's local caches (as `engine.jvm_cache.CACHE_ENV` names it).
 _CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: A manifest of another format is started again.
@@ -150,6 +154,11 @@ def _sweep(folder: Path) -> None:
         return
     for table in tables:
         try:
+            # Only what this module writes: a folder named as `open_directory`
+            # names them, holding nothing but its files (the setting may name
+            # a folder other programs use).
+            if not _TABLE_NAME.fullmatch(table.name) or not all(_OWN_FILE.fullmatch(f.name) for f in table.iterdir()):
+                continue
             if time.time() - (table / "lock").stat().st_mtime > _IDLE_DAYS * 86400:
                 shutil.rmtree(table, ignore_errors=True)
         except OSError:
@@ -192,7 +201,6 @@ class KeyDirectory:
         (the only ones answered), `deleted` their vectors' rows (decoded
         path: sorted rows), `read` a file's rows in the state's schema (in runs),
         `data` the batch (its key columns in the state's types)."""
-        self._drop_dead(active)
         covered = {f["path"] for level in self._levels for f in level["files"] if active.get(f["path"]) == f["size"]}
         touched = {p for p in meeting if p in active}
         missing = [p for p in dict.fromkeys(meeting) if p in touched and p not in covered]
@@ -260,29 +268,45 @@ class KeyDirectory:
         hashes = np.load(self.folder / f"{level['id']}.hash.npy", mmap_mode="r")
         positions = np.load(self.folder / f"{level['id']}.pos.npy", mmap_mode="r")
         buckets = np.load(self.folder / f"{level['id']}.start.npy", mmap_mode="r")
+        self._check(level, hashes, positions, buckets)
         # A key's hash is in its bucket (its top bits), a row or two: two
         # reads of `buckets`, one of `hashes` each, where a binary search
         # took some twenty.
         bucket = _bucket(wanted, len(buckets) - 1)
         low, high = np.asarray(buckets[bucket], dtype=np.int64), np.asarray(buckets[bucket + 1], dtype=np.int64)
         counts = high - low
+        if (counts < 0).any():
+            raise ValueError(f"level {level['id']}: its buckets do not ascend")
         # Every index in [low, high) of each key, those holding its hash, then their rows' positions, sorted.
         at = np.repeat(low - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
-        at = at[np.asarray(hashes[at]) == np.repeat(wanted, counts)]
-        if not len(at):
-            return
-        chosen = np.sort(np.asarray(positions[at], dtype=np.int64))
-        rows_file = self._rows_file(level)
+        stored = np.asarray(hashes[at])
+        at = at[stored == np.repeat(wanted, counts)]
+        chosen = np.asarray(positions[at], dtype=np.int64)
+        order = np.argsort(chosen, kind="stable")
+        chosen, stored = chosen[order], np.asarray(hashes[at])[order]
+        del hashes, positions, buckets  # unmapped: their pages no longer count in this process's memory
+        if len(chosen) and (chosen[-1] >= level["entries"] or (chosen[1:] == chosen[:-1]).any()):
+            raise ValueError(f"level {level['id']}: positions past its entries, or one twice")
         starts = np.array([f["start"] for f in level["files"]], dtype=np.int64)
         owner = np.searchsorted(starts, chosen, "right") - 1
-        for f in files:
-            index = level["files"].index(f)
-            mine = chosen[owner == index] - f["start"]
+        answering = {id(f) for f in files}
+        keep = np.isin(owner, [i for i, f in enumerate(level["files"]) if id(f) in answering])
+        for i, f in enumerate(level["files"]):
             gone = deleted.get(f["path"])
-            if gone is not None and len(gone) and len(mine):
-                mine = mine[~np.isin(mine.astype(np.uint64), gone, assume_unique=True)]
-            if len(mine):
-                yield f["path"], mine.astype(np.uint64), in_schema(_take(rows_file, mine + f["start"]), self.schema)
+            if id(f) in answering and gone is not None and len(gone):
+                mine = owner == i
+                keep[mine] &= ~np.isin((chosen[mine] - f["start"]).astype(np.uint64), gone)
+        chosen, owner, stored = chosen[keep], owner[keep], stored[keep]
+        if not len(chosen):
+            return
+        rows_file, mapped = self._rows_file(level)
+        taken = in_schema(_take(rows_file, chosen, mapped), self.schema)
+        if not np.array_equal(key_hashes(taken, self.keys) & _HIGH, stored):
+            raise ValueError(f"level {level['id']}: a row it points at does not hold the key hash that led to it")
+        bounds = np.searchsorted(owner, np.arange(len(level["files"]) + 1))  # (chosen sorted: each file's rows in one run)
+        for i, f in enumerate(level["files"]):
+            if bounds[i + 1] > bounds[i]:
+                yield f["path"], (chosen[bounds[i] : bounds[i + 1]] - f["start"]).astype(np.uint64), taken.slice(bounds[i], bounds[i + 1] - bounds[i])
 
     def _write_level(self, sources: list[tuple[str, int, Callable[[], Iterable[pa.Table]]]]) -> dict[str, Any]:
         """A level of the files `sources` (path, size, how to read their rows
@@ -315,7 +339,8 @@ class KeyDirectory:
         rows_path = self.folder / f"{name}.rows.arrow"
         with pa.OSFile(str(rows_path) + ".tmp", "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
             for level in levels:
-                rows_file = self._rows_file(level)
+                rows_file, _ = self._rows_file(level)
+                whole = pa.Table.from_batches([rows_file.get_batch(i) for i in range(rows_file.num_record_batches)], schema=rows_file.schema)
                 level_hashes = np.load(self.folder / f"{level['id']}.hash.npy")
                 level_positions = np.load(self.folder / f"{level['id']}.pos.npy").astype(np.int64)
                 for f in level["files"]:
@@ -324,7 +349,6 @@ class KeyDirectory:
                     mine = (level_positions >= f["start"]) & (level_positions < f["start"] + f["rows"])
                     hashes.append(level_hashes[mine])
                     positions.append(level_positions[mine] - f["start"] + start)
-                    whole = pa.Table.from_batches([rows_file.get_batch(i) for i in range(rows_file.num_record_batches)], schema=rows_file.schema)
                     writer.write_table(in_schema(whole.slice(f["start"], f["rows"]), self.schema), max_chunksize=_BATCH_ROWS)
                     files.append({**f, "start": start})
                     start += f["rows"]
@@ -371,8 +395,11 @@ class KeyDirectory:
                 np.save(out, values)
             os.replace(self.folder / f"{name}.{suffix}.npy.tmp", self.folder / f"{name}.{suffix}.npy")
 
-    def _rows_file(self, level: dict[str, Any]) -> pa.ipc.RecordBatchFileReader:
-        return pa.ipc.open_file(pa.memory_map(str(self.folder / f"{level['id']}.rows.arrow")))
+    def _rows_file(self, level: dict[str, Any]) -> tuple[pa.ipc.RecordBatchFileReader, mmap.mmap]:
+        """A level's rows, read where they lie in the file mapped (and the mapping)."""
+        with open(self.folder / f"{level['id']}.rows.arrow", "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return pa.ipc.open_file(pa.py_buffer(mapped)), mapped
 
     def _drop_dead(self, active: dict[str, int]) -> None:
         """Levels none of whose files the table holds, removed."""
@@ -389,26 +416,65 @@ class KeyDirectory:
 
     def _read_manifest(self) -> list[dict[str, Any]]:
         """The manifest's levels; none (and the folder emptied) when it is
-        missing, unreadable, or of other keys, key types or hash."""
+        missing, unreadable, not as this module writes it (`_well_formed`),
+        or of other keys, key types or hash."""
         try:
             manifest = json.loads((self.folder / "manifest.json").read_text())
         except (OSError, ValueError):
             manifest = None
-        if not isinstance(manifest, dict) or {k: manifest.get(k) for k in self._identity} != self._identity:
+        if (
+            not isinstance(manifest, dict) or {k: manifest.get(k) for k in self._identity} != self._identity
+            or not _well_formed(manifest.get("levels"))
+        ):
             self.clear()
             return []
-        levels = manifest.get("levels", [])
+        levels = manifest["levels"]
         named = {f"{lv['id']}.{s}" for lv in levels for s in _PARTS}
         for entry in self.folder.iterdir():  # a crash's leftovers: files no manifest names
             if entry.name not in named and entry.name not in ("lock", "manifest.json"):
                 entry.unlink(missing_ok=True)
         return levels
 
+    def _check(self, level: dict[str, Any], hashes: np.ndarray, positions: np.ndarray, buckets: np.ndarray) -> None:
+        """What a level's files must say of themselves before a lookup
+        trusts them (a damaged or foreign file of the right size): as many
+        hashes and positions as entries, buckets from 0 to the entries, as
+        many as the entries give. Raises `ValueError`."""
+        entries = level["entries"]
+        count = 1 << max(0, entries.bit_length() - 1)
+        if len(hashes) != entries or len(positions) != entries or len(buckets) != count + 1:
+            raise ValueError(f"level {level['id']}: {len(hashes)} hashes, {len(positions)} positions, {len(buckets)} buckets for {entries} entries")
+        if int(buckets[0]) != 0 or int(buckets[-1]) != entries:
+            raise ValueError(f"level {level['id']}: its buckets span {int(buckets[0])} to {int(buckets[-1])}, not 0 to {entries}")
+
     def _write_manifest(self) -> None:
         text = json.dumps({**self._identity, "levels": self._levels})
         temporary = self.folder / f"manifest.json.{uuid.uuid4().hex}.tmp"
         temporary.write_text(text)
         os.replace(temporary, self.folder / "manifest.json")
+
+
+def _well_formed(levels: Any) -> bool:
+    """Whether a manifest's levels are as `_write_level` and `_merge` make
+    them: distinct ids, and in each, files at distinct paths whose rows run
+    one after another to its entries."""
+    if not isinstance(levels, list):
+        return False
+    try:
+        ids = [level["id"] for level in levels]
+        if len(set(ids)) != len(ids) or not all(isinstance(i, str) and re.fullmatch(r"[0-9a-f]{32}", i) for i in ids):
+            return False
+        for level in levels:
+            start, paths = 0, set()
+            for f in level["files"]:
+                if f["start"] != start or not isinstance(f["rows"], int) or f["rows"] < 0 or not isinstance(f["size"], int) or f["path"] in paths:
+                    return False
+                start, paths = start + f["rows"], paths | {f["path"]}
+            if start != level["entries"]:
+                return False
+    except (KeyError, TypeError):
+        return False
+    return True
 
 
 def _groups(
@@ -429,19 +495,27 @@ def _groups(
         yield group, rows
 
 
-def _take(source: pa.ipc.RecordBatchFileReader, positions: np.ndarray) -> pa.Table:
-    """The rows at `positions` (sorted) of a memory-mapped level, each record
-    batch taken from on its own: a take over the whole chunked column may
-    join its chunks first, which reads all of it."""
+def _take(source: pa.ipc.RecordBatchFileReader, positions: np.ndarray, mapped: mmap.mmap) -> pa.Table:
+    """The rows at `positions` (sorted) of a level mapped at `mapped`, each
+    record batch taken from on its own (a take over the whole chunked column
+    may join its chunks first, which reads all of it), a column at a time,
+    the mapping's pages let go after each: rows spread over the level touch
+    every page of a column, and a process's resident memory counts the
+    mapped pages it touched (a 100k-key batch into 30M keys: 1,040 MB held
+    by the job's process with every column's pages, the issue's bound 800)."""
     batches = [source.get_batch(i) for i in range(source.num_record_batches)]
     ends = np.cumsum([b.num_rows for b in batches])
     bounds = np.searchsorted(positions, ends, "left")
-    parts, begin = [], 0
+    pieces, begin = [], 0
     for batch, end, stop in zip(batches, ends, bounds):
         if stop > begin:
-            parts.append(batch.take(pa.array(positions[begin:stop] - (end - batch.num_rows))))
+            pieces.append((batch, pa.array(positions[begin:stop] - (end - batch.num_rows))))
         begin = stop
-    return pa.Table.from_batches(parts, schema=source.schema)
+    columns = []
+    for index, field in enumerate(source.schema):
+        columns.append(pa.chunked_array([batch.column(index).take(rows) for batch, rows in pieces], type=field.type))
+        mapped.madvise(mmap.MADV_DONTNEED)  # the pages stay in the page cache; a touch maps them again
+    return pa.Table.from_arrays(columns, schema=source.schema)
 
 
 def _bucket(hashes: np.ndarray, count: int) -> np.ndarray:

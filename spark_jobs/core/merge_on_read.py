@@ -61,7 +61,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Iterator
@@ -174,8 +174,7 @@ def commit(table: DeltaTable, spec: PipelineSpec, data: pa.Table, metadata: Comm
     if not _pays(added, data.num_rows):
         return None
     schema = pa.schema(table.schema().to_arrow())
-    directory = open_directory(root, list(spec.state.keys), schema)
-    with directory.locked() if directory is not None else nullcontext():
+    with _directory_of(root, list(spec.state.keys), schema) as directory:
         probed = _probe(table, root, added, spec, schema, data, directory)
         taken = np.concatenate([p.taken for p in probed]) if probed else np.empty(0, np.int64)
         new = np.ones(data.num_rows, dtype=bool)
@@ -356,10 +355,11 @@ def _probe(
             sizes = {p: int(a["size"]) for p, a in files.items()}
             records = {p: int(json.loads(a.get("stats") or "{}").get("numRecords", 0)) or 1 for p, a in files.items()}
             hits = directory.find(sizes, records, meeting, deleted, lambda path: _file_rows(root, path, schema), data)
-            found = _merged([(h.path, h.rows, h.old) for h in hits], data, keys, rules)
         except Exception as exc:  # noqa: BLE001 - a cache: the batch reads the state instead, and it starts again
             log.warning("key directory of %s not used (%s: %s); reading the state's files", root, type(exc).__name__, exc)
             _forget(directory)
+        else:
+            found = _merged([(h.path, h.rows, h.old) for h in hits], data, keys, rules)
     if found is None:
         found = _scan(root, meeting, deleted, schema, data, keys, rules)
     touched = []
@@ -432,6 +432,23 @@ def _file_rows(root: str, path: str, schema: pa.Schema) -> Iterator[pa.Table]:
             yield _read(groups.reader(path), run, schema)
     finally:
         groups.close()
+
+
+@contextmanager
+def _directory_of(root: str, keys: list[str], schema: pa.Schema) -> Iterator[KeyDirectory | None]:
+    """The state's key directory, held (`KeyDirectory.locked`) for the
+    batch; None when turned off, or when it cannot be opened or read (a
+    cache folder that cannot be made or written, a manifest that fails):
+    the batch then reads the state's files, as before the directory."""
+    with ExitStack() as stack:
+        try:
+            directory = open_directory(root, keys, schema)
+            if directory is not None:
+                stack.enter_context(directory.locked())
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("key directory of %s not used (%s: %s); reading the state's files", root, type(exc).__name__, exc)
+            directory = None
+        yield directory
 
 
 def _remember(directory: KeyDirectory, add: dict[str, Any], rows: pa.Table, added: dict[str, dict[str, Any]]) -> None:

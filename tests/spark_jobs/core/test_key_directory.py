@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from decimal import Decimal
@@ -143,7 +144,10 @@ def test_with_every_key_hashing_alike_the_keys_themselves_decide(tmp_path, keys_
     assert _merged_on_read(twins.on) and len(_levels(keys_folder)) == 5
 
 
-@pytest.mark.parametrize("damage", ["truncated rows", "no positions", "garbage manifest", "other hash"])
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated rows", "no positions", "garbage manifest", "other hash", "a level twice", "a level of nothing", "buckets zeroed", "positions shuffled"],
+)
 def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder, monkeypatch, caplog, damage):
     """A directory damaged between batches (a level cut short, a file gone,
     a manifest that is not JSON, one of another hash function): the next
@@ -161,16 +165,71 @@ def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder
         (manifest.parent / f"{level}.pos.npy").unlink()
     elif damage == "garbage manifest":
         manifest.write_text("{not json")
-    else:
+    elif damage == "other hash":
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "check": "0" * 16}))
+    elif damage in ("a level twice", "a level of nothing"):
+        written = json.loads(manifest.read_text())
+        written["levels"].append(written["levels"][0] if damage == "a level twice" else {})
+        manifest.write_text(json.dumps(written))
+    else:  # the same size, other contents: what a lookup reads is checked
+        part = manifest.parent / f"{level}.{'start' if damage == 'buckets zeroed' else 'pos'}.npy"
+        values = np.load(part)
+        values = np.zeros_like(values) if damage == "buckets zeroed" else np.random.default_rng(0).permutation(values)
+        np.save(part, values)
     with caplog.at_level(logging.WARNING, logger="microbatch"):
         twins.batch(batches[3], Position(0, 4))
-    if damage in ("truncated rows", "no positions"):
+    if damage in ("truncated rows", "no positions", "buckets zeroed", "positions shuffled"):
         assert "key directory" in caplog.text and "not used" in caplog.text
     twins.batch(batches[4], Position(0, 5))
     levels = _levels(keys_folder)
     active = {Path(p).name for p in open_table(twins.on.path).file_uris()}
     assert active <= {f["path"] for level in levels for f in level["files"]}
+
+
+def test_a_cache_folder_that_cannot_be_made_leaves_the_batch_reading_the_state(tmp_path, monkeypatch, caplog):
+    """`MICROBATCH_KEY_DIRECTORY` naming a file (or a folder the job cannot
+    write): the batches hold what the twin's hold, with a warning."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    twins = _Twins(tmp_path, blocked, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="microbatch"):
+        for n, batch in enumerate(_batches(3, seed=26), start=1):
+            twins.batch(batch, Position(0, n))
+    assert _merged_on_read(twins.on) and "key directory" in caplog.text
+
+
+def test_the_weekly_sweep_removes_only_directories_this_module_made(tmp_path, monkeypatch):
+    """A folder unused for a week is removed when it holds only a key
+    directory's files; one with anything else in it stays (the setting may
+    name a folder other programs use)."""
+    week_ago = time.time() - 8 * 86400
+    ours, theirs = tmp_path / ("a" * 24), tmp_path / ("b" * 24)
+    for folder in (ours, theirs):
+        folder.mkdir()
+        (folder / "lock").write_text("")
+        (folder / "manifest.json").write_text("{}")
+    (theirs / "precious.db").write_text("keep me")
+    for folder in (ours, theirs):
+        os.utime(folder / "lock", (week_ago, week_ago))
+    monkeypatch.setattr(key_directory, "_SWEPT", set())
+    key_directory._sweep(tmp_path)
+    assert not ours.exists() and (theirs / "precious.db").read_text() == "keep me"
+
+
+def test_a_run_behind_the_table_keeps_the_levels_of_files_it_does_not_know(tmp_path):
+    """A run that waited for the lock with an older snapshot (a racing
+    run's winner recorded its file since) looks up without dropping the
+    winner's level; the winner's next batch finds it."""
+    schema = pa.schema([("k", pa.int64()), ("s", pa.int64())])
+    rows = pa.table({"k": pa.array([1, 2], pa.int64()), "s": pa.array([1, 1], pa.int64())})
+    directory = KeyDirectory(tmp_path / "t", ["k"], schema)
+    with directory.locked():
+        directory.record("old.parquet", 10, rows, {"old.parquet": 10})
+        directory.record("won.parquet", 11, rows, {"old.parquet": 10, "won.parquet": 11})
+    with directory.locked():
+        found = directory.find({"old.parquet": 10}, {"old.parquet": 2}, ["old.parquet"], {}, lambda p: [], rows)
+    assert [f.path for f in found] == ["old.parquet"]
+    assert {f["path"] for level in _levels(tmp_path) for f in level["files"]} == {"old.parquet", "won.parquet"}
 
 
 class _Killed(BaseException):

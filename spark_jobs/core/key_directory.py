@@ -280,30 +280,32 @@ class KeyDirectory:
         # Every index in [low, high) of each key, those holding its hash, then their rows' positions, sorted.
         at = np.repeat(low - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
         stored = np.asarray(hashes[at])
-        at = at[stored == np.repeat(wanted, counts)]
+        hit = stored == np.repeat(wanted, counts)
+        at, stored = at[hit], stored[hit]
         chosen = np.asarray(positions[at], dtype=np.int64)
         order = np.argsort(chosen, kind="stable")
-        chosen, stored = chosen[order], np.asarray(hashes[at])[order]
+        chosen, stored = chosen[order], stored[order]
         del hashes, positions, buckets  # unmapped: their pages no longer count in this process's memory
         if len(chosen) and (chosen[-1] >= level["entries"] or (chosen[1:] == chosen[:-1]).any()):
             raise ValueError(f"level {level['id']}: positions past its entries, or one twice")
-        starts = np.array([f["start"] for f in level["files"]], dtype=np.int64)
-        owner = np.searchsorted(starts, chosen, "right") - 1
+        # Each file's rows are one run of `chosen` (sorted); kept: those of the
+        # files this level answers for that their vectors leave live.
+        bounds = np.searchsorted(chosen, [f["start"] for f in level["files"]] + [level["entries"]])
         answering = {id(f) for f in files}
-        keep = np.isin(owner, [i for i, f in enumerate(level["files"]) if id(f) in answering])
+        keep = np.zeros(len(chosen), dtype=bool)
         for i, f in enumerate(level["files"]):
-            gone = deleted.get(f["path"])
-            if id(f) in answering and gone is not None and len(gone):
-                mine = owner == i
-                keep[mine] &= ~np.isin((chosen[mine] - f["start"]).astype(np.uint64), gone)
-        chosen, owner, stored = chosen[keep], owner[keep], stored[keep]
+            if id(f) in answering and bounds[i + 1] > bounds[i]:
+                gone = deleted.get(f["path"])
+                mine = (chosen[bounds[i] : bounds[i + 1]] - f["start"]).astype(np.uint64)
+                keep[bounds[i] : bounds[i + 1]] = ~np.isin(mine, gone) if gone is not None and len(gone) else True
+        chosen, stored = chosen[keep], stored[keep]
         if not len(chosen):
             return
         rows_file, mapped = self._rows_file(level)
         taken = in_schema(_take(rows_file, chosen, mapped), self.schema)
         if not np.array_equal(key_hashes(taken, self.keys) & _HIGH, stored):
             raise ValueError(f"level {level['id']}: a row it points at does not hold the key hash that led to it")
-        bounds = np.searchsorted(owner, np.arange(len(level["files"]) + 1))  # (chosen sorted: each file's rows in one run)
+        bounds = np.searchsorted(chosen, [f["start"] for f in level["files"]] + [level["entries"]])
         for i, f in enumerate(level["files"]):
             if bounds[i + 1] > bounds[i]:
                 yield f["path"], (chosen[bounds[i] : bounds[i + 1]] - f["start"]).astype(np.uint64), taken.slice(bounds[i], bounds[i + 1] - bounds[i])

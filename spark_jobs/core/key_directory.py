@@ -280,6 +280,18 @@ class KeyDirectory:
         # Every index in [low, high) of each key, those holding its hash, then their rows' positions, sorted.
         at = np.repeat(low - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
         stored = np.asarray(hashes[at])
+        # What was read is what was written: hashes with their low bits
+        # cleared (`_save_index`), each in its bucket, and each range
+        # bounded by hashes of the buckets either side (a bucket's start
+        # moved, by damage of the right size, would hide its keys).
+        count, entries = len(buckets) - 1, level["entries"]
+        before, after = low[low > 0] - 1, high[high < entries]
+        if (
+            (stored & _LOW).any() or (_bucket(stored, count) != np.repeat(bucket, counts)).any()
+            or (_bucket(np.asarray(hashes[before]), count) >= bucket[low > 0]).any()
+            or (_bucket(np.asarray(hashes[after]), count) <= bucket[high < entries]).any()
+        ):
+            raise ValueError(f"level {level['id']}: its hashes and buckets disagree")
         hit = stored == np.repeat(wanted, counts)
         at, stored = at[hit], stored[hit]
         chosen = np.asarray(positions[at], dtype=np.int64)

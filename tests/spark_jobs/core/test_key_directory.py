@@ -146,7 +146,10 @@ def test_with_every_key_hashing_alike_the_keys_themselves_decide(tmp_path, keys_
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated rows", "no positions", "garbage manifest", "other hash", "a level twice", "a level of nothing", "buckets zeroed", "positions shuffled"],
+    [
+        "truncated rows", "no positions", "garbage manifest", "other hash", "a level twice", "a level of nothing",
+        "buckets zeroed", "buckets moved", "hashes' low bits set", "positions shuffled",
+    ],
 )
 def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder, monkeypatch, caplog, damage):
     """A directory damaged between batches (a level cut short, a file gone,
@@ -172,13 +175,21 @@ def test_a_broken_directory_is_read_around_and_built_again(tmp_path, keys_folder
         written["levels"].append(written["levels"][0] if damage == "a level twice" else {})
         manifest.write_text(json.dumps(written))
     else:  # the same size, other contents: what a lookup reads is checked
-        part = manifest.parent / f"{level}.{'start' if damage == 'buckets zeroed' else 'pos'}.npy"
+        suffix = {"positions shuffled": "pos", "hashes' low bits set": "hash"}.get(damage, "start")
+        part = manifest.parent / f"{level}.{suffix}.npy"
         values = np.load(part)
-        values = np.zeros_like(values) if damage == "buckets zeroed" else np.random.default_rng(0).permutation(values)
+        if damage == "buckets zeroed":
+            values = np.zeros_like(values)
+        elif damage == "buckets moved":  # every odd bucket emptied into the next: its keys out of any range read
+            values[1:-1:2] = values[2::2]
+        elif damage == "hashes' low bits set":
+            values = values | np.uint64(1)
+        else:
+            values = np.random.default_rng(0).permutation(values)
         np.save(part, values)
     with caplog.at_level(logging.WARNING, logger="microbatch"):
         twins.batch(batches[3], Position(0, 4))
-    if damage in ("truncated rows", "no positions", "buckets zeroed", "positions shuffled"):
+    if damage in ("truncated rows", "no positions", "buckets zeroed", "buckets moved", "hashes' low bits set", "positions shuffled"):
         assert "key directory" in caplog.text and "not used" in caplog.text
     twins.batch(batches[4], Position(0, 5))
     levels = _levels(keys_folder)

@@ -344,7 +344,7 @@ class KeyDirectory:
         hashes_path.unlink()
         self._save_index(name, every, None)
         os.replace(str(rows_path) + ".tmp", rows_path)
-        return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
+        return {"id": name, "files": files, "entries": start}
 
     def _merge(self, levels: list[dict[str, Any]], active: dict[str, int]) -> dict[str, Any]:
         """One level of `levels`' files the table still holds, all their rows."""
@@ -369,7 +369,7 @@ class KeyDirectory:
         every = np.concatenate(hashes) if hashes else np.empty(0, np.uint64)
         self._save_index(name, every, np.concatenate(positions) if positions else np.empty(0, np.int64))
         os.replace(str(rows_path) + ".tmp", rows_path)
-        return {"id": name, "files": files, "entries": start, "schema": _schema_json(self.schema)}
+        return {"id": name, "files": files, "entries": start}
 
     def _save_index(self, name: str, hashes: np.ndarray, positions: np.ndarray | None) -> None:
         """The level's hashes sorted (their top 40 bits: `_HIGH`), their
@@ -537,10 +537,6 @@ def _bucket(hashes: np.ndarray, count: int) -> np.ndarray:
     if count <= 1:
         return np.zeros(len(hashes), dtype=np.int64)
     return (hashes >> np.uint64(65 - count.bit_length())).astype(np.int64)
-
-
-def _schema_json(schema: pa.Schema) -> list[list[str]]:
-    return [[f.name, str(f.type)] for f in schema]
 
 
 # -- the hash ----------------------------------------------------------------------

@@ -40,15 +40,6 @@ def pytest_configure(config):
     os.environ["AIRFLOW__LOGGING__LOGGING_LEVEL"] = "WARNING"
     # The states' key directories (`core.key_directory`) in the session's own folder, not the user's cache.
     config.microbatch_keys = os.environ["MICROBATCH_KEY_DIRECTORY"] = tempfile.mkdtemp(prefix="microbatch-keys-")
-
-
-def pytest_unconfigure(config):
-    """The session's key directories removed (each xdist worker made its own)."""
-    import shutil
-
-    folder = getattr(config, "microbatch_keys", None)
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
     # S3 tests talk to moto's server on loopback. Credentials are set before
     # any JVM starts so Spark's Python workers inherit them (they fetch S3
     # objects with boto3's chain); they are fake, and distinctive so tests can
@@ -61,6 +52,15 @@ def pytest_unconfigure(config):
     os.environ["AWS_REGION"] = "us-east-1"
     os.environ["AWS_CONFIG_FILE"] = os.devnull
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+
+
+def pytest_unconfigure(config):
+    """The session's key directories removed (each xdist worker made its own)."""
+    import shutil
+
+    folder = getattr(config, "microbatch_keys", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 #: The test files that take minutes in `make test` (their tests' wall time

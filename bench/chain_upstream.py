@@ -254,11 +254,14 @@ def main() -> None:
     started = time.perf_counter()
     if args.first:
         with scratch("chain-first") as work:
+            # The upstream's key directory (`core/key_directory.py`) in the scratch folder, gone with it.
+            os.environ.setdefault("MICROBATCH_KEY_DIRECTORY", str(work / "keys"))
             figures = measure_first(work, args.first, args.returning)
         write_section("benchmarks.md", first_section(figures, (time.perf_counter() - started) / 60))
         return
     rows = []
     with scratch("chain-upstream") as work:
+        os.environ.setdefault("MICROBATCH_KEY_DIRECTORY", str(work / "keys"))
         for size in (int(s) for s in args.sizes.split(",")):
             rows.append(measure(work, size))
     lines = [

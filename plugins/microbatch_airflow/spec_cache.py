@@ -50,7 +50,7 @@ import spark_jobs
 from spark_jobs.core.spec import PipelineSpec, check_locations, load_spec, parse_spec
 from spark_jobs.errors import SpecError
 from spark_jobs.storage.roots import roots_from_env
-from spark_jobs.engine.jvm_cache import CACHE_ENV
+from spark_jobs.local_cache import cache_home
 
 from microbatch_airflow import airflow_spec as airflow_spec_module
 
@@ -68,7 +68,7 @@ class SpecCache:
     """The specs of one folder as the last parses left them."""
 
     def __init__(self, folder: Path) -> None:
-        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch") / "specs"
+        root = cache_home() / "specs"
         digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
         self._file = root / f"{folder.name[:40]}-{digest}.pickle"
         self._code = _code_version()

@@ -80,6 +80,7 @@ import numpy as np
 import pyarrow as pa
 
 from spark_jobs.core.arrow_rows import in_schema, match_key
+from spark_jobs.local_cache import cache_home
 
 __all__ = ["ENV", "LEVEL_ROWS", "MAX_LEVELS", "Found", "KeyDirectory", "key_hashes", "open_directory"]
 
@@ -93,8 +94,6 @@ _IDLE_DAYS = 7
 _SWEPT: set[Path] = set()
 _TABLE_NAME = re.compile(r"[0-9a-f]{24}")
 _OWN_FILE = re.compile(r"lock|manifest\.json(\.[0-9a-f]{32}\.tmp)?|[0-9a-f]{32}\.(rows\.arrow|hash\.npy|pos\.npy|start\.npy|hashes)(\.tmp)?|[0-9a-f]{32}\.(hash|pos|start)\.npy\.tmp")
-#: The folder of the project's local caches (as `engine.jvm_cache.CACHE_ENV` names it).
-_CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: A manifest of another format is started again.
 _FORMAT = 3
 #: A level's files: its rows, its sorted hashes, their rows' positions, where each bucket of hashes starts.
@@ -137,7 +136,7 @@ def open_directory(root: str, keys: list[str], schema: pa.Schema) -> KeyDirector
         return None
     if not all(_hashable(schema.field(k).type) for k in keys):
         return None
-    folder = Path(setting) if setting else Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "microbatch") / "keys"
+    folder = Path(setting) if setting else cache_home() / "keys"
     _sweep(folder)
     return KeyDirectory(folder / hashlib.sha256(root.encode()).hexdigest()[:24], keys, schema)
 
@@ -213,22 +212,16 @@ class KeyDirectory:
             at_once = BUILDERS if max(rows for _, rows in groups) <= LEVEL_ROWS // 4 else 1
             with ThreadPoolExecutor(min(at_once, len(groups))) as pool:
                 self._levels.extend(pool.map(self._write_level, (group for group, _ in groups)))
-        self._write_manifest()
+            self._write_manifest()
         wanted = np.unique(key_hashes(data, self.keys) & _HIGH)
-        found: dict[str, list[tuple[np.ndarray, pa.Table]]] = {}
-        answered: set[str] = set()
+        found: list[Found] = []
+        answered: set[str] = set()  # a file is answered by one level (the first naming it), its rows in order
         for level in self._levels:
             files = [f for f in level["files"] if f["path"] in touched and active[f["path"]] == f["size"] and f["path"] not in answered]
             answered.update(f["path"] for f in files)
             if files and level["entries"]:
-                for path, rows, old in self._look_up(level, files, deleted, wanted):
-                    found.setdefault(path, []).append((rows, old))
-        out = []
-        for path, parts in found.items():
-            rows = np.concatenate([p[0] for p in parts])
-            order = np.argsort(rows, kind="stable")
-            out.append(Found(path, rows[order], pa.concat_tables([p[1] for p in parts]).take(order)))
-        return out
+                found += (Found(path, rows, old) for path, rows, old in self._look_up(level, files, deleted, wanted))
+        return found
 
     def record(self, path: str, size: int, rows: pa.Table, active: dict[str, int]) -> None:
         """After a commit of the job's own landed: `rows` (in the state's

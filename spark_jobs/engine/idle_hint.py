@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spark_jobs.engine.jvm_cache import CACHE_ENV
+from spark_jobs.local_cache import cache_home
 
 if TYPE_CHECKING:
     from spark_jobs.core.spec import PipelineSpec
@@ -50,8 +50,7 @@ class IdleHint:
 
     def __init__(self, spec: PipelineSpec) -> None:
         key = hashlib.sha256(f"{spec.name}\0{spec.checkpoint_path}\0{spec.source_path}".encode()).hexdigest()[:16]
-        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
-        self._file = root / "idle" / f"{spec.name[:40]}-{key}"
+        self._file = cache_home() / "idle" / f"{spec.name[:40]}-{key}"
         #: Taken before the run plans: data landing during the run changes the next run's.
         self._now = fingerprint(spec)
 

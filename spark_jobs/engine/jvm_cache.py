@@ -28,6 +28,8 @@ import os
 import shutil
 from pathlib import Path
 
+from spark_jobs.local_cache import CACHE_ENV, cache_home
+
 __all__ = [
     "CACHE_ENV",
     "LAUNCHER_ENV",
@@ -48,7 +50,6 @@ __all__ = [
 #: clear; docs/benchmarks.md, "JVM start-up choices".)
 SHORT_JOB_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 OPTIONS_ENV = "MICROBATCH_DRIVER_JAVA_OPTIONS"
-CACHE_ENV = "MICROBATCH_CACHE_DIR"
 #: Read by `spark-class` for the launcher JVM that builds the driver's command line.
 LAUNCHER_ENV = "SPARK_LAUNCHER_OPTS"
 
@@ -82,8 +83,7 @@ def _archive(jvm: str) -> Path:
     """Where the archive of `jvm` ("driver" or "launcher") lives."""
     version, location = _pyspark()
     key = hashlib.sha256(f"{version}|{_java_identity()}|{location}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "microbatch")
-    return cache / f"spark-{jvm}-{version}-{key}.jsa"
+    return cache_home() / f"spark-{jvm}-{version}-{key}.jsa"
 
 
 def _mapping(archive: Path) -> str:

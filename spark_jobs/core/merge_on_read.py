@@ -60,11 +60,11 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
